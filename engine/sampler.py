@@ -1,0 +1,241 @@
+"""Batched token sampling with per-request parameters.
+
+One call picks the next token for every sequence that samples this step. All per-row settings
+(temperature, top-k, top-p, min-p, penalties) become per-row tensors, so the work is a handful of
+batched kernels whatever the mix of requests; the only Python loops fill a seeded row's random
+noise from that request's own generator and build padded token tensors for the penalties.
+
+Order of operations (vLLM's): penalties (repetition, frequency, presence) -> min_tokens masking of
+EOS / stop tokens -> [logprobs taken here] -> greedy argmax, or temperature -> top-k -> top-p ->
+min-p -> sample.
+
+Sampling uses the exponential race (equivalent to Gumbel-max): ``argmax(probs / E)`` with
+``E ~ Exp(1)`` i.i.d. per token picks token ``i`` with probability ``probs[i]``. Because each row's
+draw depends only on its own noise, a seeded row draws its noise from its own generator and gets
+the same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """The rows that sample this step, in the order of the logits' rows."""
+
+    params: list[SamplingParams]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]  # tokens generated so far (penalties, min_tokens)
+    generators: list[torch.Generator | None]  # the request's own generator if seeded, else None
+    # per row; while len(output) < min_tokens these and params.stop_token_ids are masked out
+    # (ignore_eos does not change that: min_tokens always suppresses them)
+    eos_token_ids: list[tuple[int, ...]]
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+@dataclass
+class SamplerOutput:
+    """The chosen token of each row and, for rows that asked, its logprob and the top alternatives."""
+
+    token_ids: list[int]
+    # per row: None unless params.logprobs is not None; then {chosen: lp, top-k alternatives: lp}
+    logprobs: list[dict[int, float] | None]
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A generator for one seeded request, on the device its noise is drawn on."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Turns a step's logits into tokens, honouring every row's ``SamplingParams``.
+
+    Unseeded rows draw noise from torch's default generator for ``device`` (so ``torch.manual_seed``
+    makes a run repeatable); seeded rows from the generator in ``SamplingBatch.generators``.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row of ``logits`` (``[num_rows, vocab_size]``, float32).
+
+        Logprobs are ``log_softmax`` of the logits after penalties and min_tokens masking, before
+        temperature and the top-k / top-p / min-p filters (the model's distribution as penalised).
+        """
+        num_rows, vocab_size = logits.shape
+        if num_rows != len(batch):
+            raise ValueError(f"logits have {num_rows} rows but the batch has {len(batch)}")
+        logits = logits.float()
+        logits = self._apply_penalties(logits, batch)
+        logits = self._apply_min_tokens(logits, batch)
+
+        greedy_ids = torch.argmax(logits, dim=-1)  # [num_rows]
+        is_greedy = [p.is_greedy for p in batch.params]
+        if all(is_greedy):
+            token_ids = greedy_ids
+        else:
+            sampled_ids = self._sample(logits, batch)
+            if any(is_greedy):
+                greedy_mask = torch.tensor(is_greedy, device=logits.device)
+                token_ids = torch.where(greedy_mask, greedy_ids, sampled_ids)
+            else:
+                token_ids = sampled_ids
+
+        token_id_list: list[int] = token_ids.tolist()
+        return SamplerOutput(token_id_list, self._logprobs(logits, token_ids, batch))
+
+    # ---- penalties -------------------------------------------------------------------------------
+
+    def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Repetition (prompt + output), frequency and presence (output only) penalties, on the rows
+        that have any; other rows are left alone and cost nothing."""
+        rows = [
+            i
+            for i, p in enumerate(batch.params)
+            if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        ]
+        if not rows:
+            return logits
+        device = logits.device
+        vocab_size = logits.shape[1]
+        params = [batch.params[i] for i in rows]
+        row_index = torch.tensor(rows, device=device)
+        sub = logits.index_select(0, row_index)  # [num_penalised, vocab]
+
+        output_counts = _token_counts([batch.output_token_ids[i] for i in rows], vocab_size, device)
+        penalties = torch.tensor(
+            [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
+            dtype=torch.float32,
+            device=device,
+        )  # [num_penalised, 3]
+        repetition, frequency, presence = (penalties[:, j : j + 1] for j in range(3))  # each [num_penalised, 1]
+
+        if any(p.repetition_penalty != 1.0 for p in params):
+            prompt_counts = _token_counts([batch.prompt_token_ids[i] for i in rows], vocab_size, device)
+            seen = (prompt_counts > 0) | (output_counts > 0)
+            penalised = torch.where(sub > 0, sub / repetition, sub * repetition)
+            sub = torch.where(seen, penalised, sub)
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            sub = sub - frequency * output_counts - presence * (output_counts > 0).float()
+
+        return logits.index_copy(0, row_index, sub)
+
+    def _apply_min_tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Mask EOS and stop_token_ids for rows that have not yet produced ``min_tokens`` tokens."""
+        vocab_size = logits.shape[1]
+        row_ids: list[int] = []
+        col_ids: list[int] = []
+        for i, p in enumerate(batch.params):
+            if len(batch.output_token_ids[i]) < p.min_tokens:
+                blocked = {t for t in (*batch.eos_token_ids[i], *p.stop_token_ids) if t < vocab_size}
+                row_ids.extend([i] * len(blocked))
+                col_ids.extend(blocked)
+        if not row_ids:
+            return logits
+        logits = logits.clone()
+        index = torch.tensor([row_ids, col_ids], device=logits.device)  # [2, num_blocked]
+        logits[index[0], index[1]] = float("-inf")
+        return logits
+
+    # ---- sampling --------------------------------------------------------------------------------
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then one draw per row. Greedy rows get neutral settings
+        here (their answer is the caller's argmax). Returns ``[num_rows]`` token ids."""
+        num_rows, vocab_size = logits.shape
+        device = logits.device
+        settings = [
+            (1.0, 0, 1.0, 0.0) if p.is_greedy else (p.temperature, p.top_k, p.top_p, p.min_p) for p in batch.params
+        ]
+        table = torch.tensor(settings, dtype=torch.float32, device=device)  # [num_rows, 4], one copy
+        temperature, top_p, min_p = table[:, 0:1], table[:, 2:3], table[:, 3:4]  # each [num_rows, 1]
+
+        logits = logits / temperature
+        needs_top_k = any(0 < k < vocab_size for _, k, _, _ in settings)
+        needs_top_p = any(p < 1.0 for _, _, p, _ in settings)
+        if needs_top_k or needs_top_p:
+            top_k = table[:, 1].long()  # [num_rows]
+            logits = _apply_top_k_top_p(logits, top_k if needs_top_k else None, top_p if needs_top_p else None)
+
+        probs = torch.softmax(logits, dim=-1)  # [num_rows, vocab]
+        if any(mp > 0.0 for _, _, _, mp in settings):
+            max_probs = probs.amax(dim=-1, keepdim=True)  # [num_rows, 1]
+            # no renormalisation needed: the race below is invariant to scaling a row
+            probs = probs.masked_fill(probs < min_p * max_probs, 0.0)
+
+        noise = torch.empty_like(probs)  # [num_rows, vocab], Exp(1)
+        seeded_rows = [i for i, g in enumerate(batch.generators) if g is not None]
+        if len(seeded_rows) < num_rows:
+            noise.exponential_()
+        for i in seeded_rows:
+            noise[i].exponential_(generator=batch.generators[i])
+        # Exp(1) can return exactly 0; 0/0 would be NaN, which argmax would pick
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return torch.argmax(probs / noise, dim=-1)
+
+    # ---- logprobs --------------------------------------------------------------------------------
+
+    def _logprobs(
+        self, logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
+    ) -> list[dict[int, float] | None]:
+        rows = [i for i, p in enumerate(batch.params) if p.logprobs is not None]
+        result: list[dict[int, float] | None] = [None] * len(batch)
+        if not rows:
+            return result
+        row_index = torch.tensor(rows, device=logits.device)
+        logprobs = torch.log_softmax(logits.index_select(0, row_index), dim=-1)  # [num_rows_lp, vocab]
+        chosen = token_ids.index_select(0, row_index)  # [num_rows_lp]
+        chosen_lp = logprobs.gather(1, chosen[:, None]).squeeze(1)  # [num_rows_lp]
+        max_k = max(batch.params[i].logprobs or 0 for i in rows)
+        top_lp, top_ids = logprobs.topk(max_k, dim=-1) if max_k > 0 else (chosen_lp[:, None], chosen[:, None])
+        # one device -> host copy for everything
+        chosen_list, chosen_lp_list = chosen.tolist(), chosen_lp.tolist()
+        top_ids_list, top_lp_list = top_ids.tolist(), top_lp.tolist()
+        for j, i in enumerate(rows):
+            k = batch.params[i].logprobs or 0
+            entry = {chosen_list[j]: chosen_lp_list[j]}
+            entry.update(zip(top_ids_list[j][:k], top_lp_list[j][:k], strict=True))
+            result[i] = entry
+        return result
+
+
+def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """How often each token occurs in each row: ``[num_rows, vocab]`` float32. Rows are padded with
+    ``vocab_size``, which lands in an extra column that is dropped."""
+    num_rows = len(token_ids)
+    max_len = max((len(ids) for ids in token_ids), default=0)
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
+    if max_len == 0:
+        return counts[:, :vocab_size]
+    padded = [ids + [vocab_size] * (max_len - len(ids)) for ids in token_ids]
+    index = torch.tensor(padded, dtype=torch.long, device=device)  # [num_rows, max_len]
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Set logits outside each row's top-k / top-p set to -inf. ``top_k``: ``[num_rows]`` (0 = off);
+    ``top_p``: ``[num_rows, 1]`` (1.0 = off). Top-p keeps the smallest set of most likely tokens whose
+    probability (after top-k) sums to at least p; the most likely token is always kept."""
+    num_rows, vocab_size = logits.shape
+    sorted_logits, sorted_ids = logits.sort(dim=-1)  # ascending, [num_rows, vocab]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)  # [num_rows]
+        position = torch.arange(vocab_size, device=logits.device)  # [vocab]
+        sorted_logits = sorted_logits.masked_fill(position[None, :] < (vocab_size - k)[:, None], float("-inf"))
+    if top_p is not None:
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)  # ascending cumulative mass
+        drop = cumulative <= 1.0 - top_p  # the least likely tokens holding at most 1 - p of the mass
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)

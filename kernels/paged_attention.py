@@ -7,7 +7,22 @@ sequence whose K/V is in the cache *including* the new tokens of this step.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
+
+from kernels._triton import (
+    check_float,
+    check_index,
+    check_last_dim_contiguous,
+    check_same_device,
+    next_pow2,
+    require_triton,
+    tl,
+    triton,
+)
+
+_LOG2E = 1.4426950408889634
 
 
 def _kv_positions_mask(seq_lens: torch.Tensor, num_slots: int, sliding_window: int | None) -> torch.Tensor:
@@ -83,4 +98,375 @@ def paged_prefill_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         o = torch.einsum("hgqk,khd->qhgd", probs, v.float())  # [Q, Hkv, G, D]
         out[q0:q1] = o.reshape(q_len, num_heads, head_dim).to(query.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton: decode (flash-decoding). Grid (seq, kv_head, partition): one program reads its partition of one
+# KV head's cache once and serves all GROUP query heads of that KV head as the rows of a [GROUP_PAD, D]
+# tile (GQA). Partitions cut long sequences so that batch 1 still fills the GPU; a second kernel merges
+# the partitions' (max, sum, output) triples. With one partition the first kernel writes the output.
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_stats_ptr,
+    scale_log2, sliding_window,
+    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_os, stride_oh,
+    num_partitions,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr,
+    SINGLE_PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    part_start = part * PARTITION_SIZE
+    part_end = tl.minimum(part_start + PARTITION_SIZE, seq_len)
+    kv_lo = part_start
+    if USE_WINDOW:
+        kv_lo = tl.maximum(part_start, seq_len - sliding_window)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range((kv_lo // BLOCK_N) * BLOCK_N, part_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = (pos < part_end) & (pos >= kv_lo)
+        block_ids = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < part_end, other=0).to(tl.int64)
+        row_off = block_ids * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kvh * stride_kh  # [BLOCK_N]
+        kv_mask = pos_ok[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if SINGLE_PARTITION:
+        o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        row = (seq * (GROUP * tl.num_programs(1)) + heads) * num_partitions + part  # [GROUP_PAD]
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
+        tl.store(part_stats_ptr + row * 2, m_i, mask=g_mask)
+        tl.store(part_stats_ptr + row * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    seq_lens_ptr, out_ptr, part_out_ptr, part_stats_ptr,
+    stride_os, stride_oh, num_partitions,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr,
+    PARTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_parts = tl.minimum(tl.cdiv(seq_len, PARTITION_SIZE), num_partitions)
+    base = (seq * tl.num_programs(1) + head) * num_partitions
+    p = tl.arange(0, PARTS_PAD)
+    m = tl.load(part_stats_ptr + (base + p) * 2, mask=p < num_parts, other=float("-inf"))
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    total = tl.zeros([CHUNK], tl.float32)
+    for c in range(0, num_parts, CHUNK):
+        pc = c + tl.arange(0, CHUNK)
+        pc_mask = pc < num_parts
+        m_c = tl.load(part_stats_ptr + (base + pc) * 2, mask=pc_mask, other=float("-inf"))
+        l_c = tl.load(part_stats_ptr + (base + pc) * 2 + 1, mask=pc_mask, other=0.0)
+        w = l_c * tl.exp2(m_c - m_max)  # [CHUNK]
+        o_c = tl.load(part_out_ptr + (base + pc)[:, None] * HEAD_DIM + d[None, :],
+                      mask=pc_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
+        acc += tl.sum(w[:, None] * o_c, axis=0)
+        total += w
+    denom = tl.sum(total, axis=0)
+    o = acc / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    if not torch.cuda.is_available():
+        return 8  # interpreter on CPU: any small number
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def _decode_partition_size(num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
+    """Smallest power-of-two partition (>= 256 tokens) that still gives each SM ~8 programs; one partition
+    (no reduction launch) when the batch alone fills the GPU. A function of shapes only (no device sync),
+    so CUDA-graph replays keep it."""
+    target = 8 * _num_sms(device.index or 0)
+    parts_wanted = max(1, -(-target // (num_seqs * num_kv_heads)))
+    return max(256, next_pow2(-(-max_len // parts_wanted)))
+
+
+def _check_attention_inputs(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+) -> None:
+    check_float("query", query)
+    if query.dim() != 3:
+        raise ValueError(f"query must be [tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.dtype != query.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal query dtype {query.dtype}")
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if query.shape[2] != head_dim:
+        raise ValueError(f"query head_dim {query.shape[2]} != kv_cache head_dim {head_dim}")
+    if query.shape[1] % num_kv_heads:
+        raise ValueError(f"num_heads {query.shape[1]} must be a multiple of num_kv_heads {num_kv_heads}")
+    check_last_dim_contiguous("query", query)
+    check_last_dim_contiguous("kv_cache", kv_cache)
+    check_index("block_tables", block_tables, 2)
+    check_index("seq_lens", seq_lens, 1)
+    if block_tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {seq_lens.shape[0]}")
+    check_same_device(query=query, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`paged_decode_attention_ref`."""
+    return _paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale, sliding_window)
+
+
+def _paged_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    partition_size: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """The wrapper with its tuning knobs exposed (tests force small partitions; the benchmark sweeps)."""
+    require_triton("paged_decode_attention")
+    _check_attention_inputs(query, kv_cache, block_tables, seq_lens)
+    if query.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"decode takes one query per sequence: {query.shape[0]} queries, {seq_lens.shape[0]} seqs")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    num_seqs, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    max_len = block_tables.shape[1] * block_size  # upper bound on seq_lens; no device sync
+    if partition_size is None:
+        partition_size = _decode_partition_size(num_seqs, num_kv_heads, max_len, query.device)
+    if partition_size % block_n or partition_size & (partition_size - 1):
+        raise ValueError(f"partition_size {partition_size} must be a power of two multiple of block_n {block_n}")
+    num_partitions = max(1, -(-max_len // partition_size))
+    single = num_partitions == 1
+    # [num_seqs, num_heads, num_partitions, head_dim] partial outputs and (max, sum) pairs, fp32
+    part_out = query.new_empty(
+        (num_seqs, num_heads, num_partitions, head_dim) if not single else (1,), dtype=torch.float32
+    )
+    part_stats = query.new_empty((num_seqs, num_heads, num_partitions, 2) if not single else (1,), dtype=torch.float32)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
+        query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_stats,
+        scale * _LOG2E, sliding_window or 0,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), num_partitions,
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, PARTITION_SIZE=partition_size, SINGLE_PARTITION=single,
+        USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if not single:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            seq_lens, out, part_out, part_stats, out.stride(0), out.stride(1), num_partitions,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim), PARTITION_SIZE=partition_size,
+            PARTS_PAD=next_pow2(num_partitions), CHUNK=min(16, next_pow2(num_partitions)), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def _upcast(query: torch.Tensor) -> bool:
+    # Triton 3.7's interpreter multiplies the raw uint16 bits of bf16 operands in tl.dot; on CPU (tests
+    # under TRITON_INTERPRET=1) bf16 tiles are upcast to fp32 first. The GPU path stays native bf16.
+    return query.device.type == "cpu" and query.dtype == torch.bfloat16
+
+
+def _dot_precision(query: torch.Tensor) -> str:
+    # fp32 (tests) must not round operands to tf32; half types take the native tensor-core path anyway
+    return "ieee" if query.dtype == torch.float32 or _upcast(query) else "tf32"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton: prefill / chunked prefill / mixed batches. Grid (q_tile, kv_head). Sequence s owns the tiles
+# [q_start[s] // BLOCK_Q + s, q_start[s + 1] // BLOCK_Q + s + 1): a bound on its cdiv(q_len, BLOCK_Q) tiles
+# that needs no device sync, found back by binary search over query_start_loc. A tile is BLOCK_Q query
+# tokens x the GROUP query heads of one KV head, flattened into BLOCK_Q * GROUP_PAD rows (GQA).
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    scale_log2, sliding_window, num_seqs,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    lo = 0
+    hi = num_seqs
+    while hi - lo > 1:  # largest s with q_start[s] // BLOCK_Q + s <= tile
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(first_tile <= tile, mid, lo)
+        hi = tl.where(first_tile <= tile, hi, mid)
+    seq = lo
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile_start = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # cached tokens before this step's queries
+
+    r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    tok = q_tile_start + r // GROUP_PAD  # [M] index among the sequence's new tokens
+    g = r % GROUP_PAD
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = d < HEAD_DIM
+    row_mask = (tok < q_len) & (g < GROUP)
+    heads = kvh * GROUP + g
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = context_len + tok  # [M] absolute positions
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+
+    kv_hi = tl.minimum(context_len + q_tile_start + BLOCK_Q, seq_len)  # causal: up to the tile's last query
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(context_len + q_tile_start - sliding_window + 1, 0)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range((kv_lo // BLOCK_N) * BLOCK_N, kv_hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_hi
+        block_ids = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        row_off = block_ids * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kvh * stride_kh  # [BLOCK_N]
+        kv_mask = pos_ok[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences back to back
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32: cached prefix + new tokens
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`paged_prefill_attention_ref`."""
+    return _paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window)
+
+
+def _paged_prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    block_m: int = 128,
+    block_n: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    require_triton("paged_prefill_attention")
+    _check_attention_inputs(query, kv_cache, block_tables, seq_lens)
+    check_index("query_start_loc", query_start_loc, 1)
+    check_same_device(query=query, query_start_loc=query_start_loc)
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(
+            f"query_start_loc needs num_seqs + 1 = {seq_lens.shape[0] + 1} entries, got {query_start_loc.shape[0]}"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    group_pad = next_pow2(group)
+    block_q = max(1, block_m // group_pad)
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_tiles = num_tokens // block_q + num_seqs  # bound on sum(cdiv(q_len, block_q)); no device sync
+    _prefill_kernel[(num_tiles, num_kv_heads)](
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * _LOG2E, sliding_window or 0, num_seqs,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
     return out

@@ -1,0 +1,228 @@
+"""The synchronous engine: add requests, call ``step()``, get ``RequestOutput``s back."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+import modelfiles
+from cache.kv import KVCacheManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.executor import Executor, make_executor
+from engine.inputs import build_step_inputs
+from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from engine.sampler import Sampler, SamplingBatch, make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks held by requests
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class Engine:
+    """Scheduler + executor + sampler + detokenizer. ``step()`` is the whole loop body."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.files = modelfiles.resolve(config.model.model)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(self.files.folder)
+        self.executor: Executor = make_executor(config, self.files)
+        spec = self.executor.kv_spec
+        hf_config = self.executor.hf_config
+        self.vocab_size = int(hf_config.vocab_size)
+        model_len = config.model.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+        if model_len > spec.num_tokens:
+            logger.warning("max_model_len %d exceeds the KV cache (%d tokens): capped", model_len, spec.num_tokens)
+        self.max_model_len = min(model_len, spec.num_tokens)
+        self.kv = KVCacheManager(spec.num_blocks, spec.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.sampler = Sampler(self.executor.device)
+        self.eos_token_ids = self._eos_token_ids()
+        self._generators: dict[str, torch.Generator] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._counter = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids: set[int] = set()
+        try:
+            gen = GenerationConfig.from_pretrained(self.files.folder)
+            eos = gen.eos_token_id
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        except OSError:
+            pass
+        if not ids:
+            eos = getattr(self.executor.hf_config, "eos_token_id", None)
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if not ids and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` for anything that could never be served."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len}: "
+                "shorten the prompt (at least one token must be left to generate)"
+            )
+        unknown = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if unknown:
+            raise ValueError(f"unknown stop_token_ids {unknown}: the vocabulary has {self.vocab_size} tokens")
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue one caller request (n samples). Returns its id. Raises ``ValueError`` on bad input."""
+        self.validate(prompt_token_ids, params)
+        group_id = request_id if request_id is not None else str(next(self._counter))
+        if group_id in self.scheduler.groups:
+            raise ValueError(f"request id {group_id!r} is already in use")
+        now = time.monotonic()
+        for i in range(params.n):
+            request = Request(
+                request_id=group_id if params.n == 1 else f"{group_id}#{i}",
+                prompt_token_ids=list(prompt_token_ids),
+                sampling_params=params,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=now,
+                priority=priority,
+                group_id=group_id,
+                sample_index=i,
+                prompt=prompt,
+                waiting_for_fork=i > 0,
+            )
+            self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+            if params.seed is not None:
+                self._generators[request.request_id] = make_generator(params.seed + i, self.executor.device)
+            self.scheduler.add_request(request)
+        self.prompt_tokens_total += len(prompt_token_ids)
+        return group_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a caller request: its KV blocks are freed now. Returns its final output, if it existed."""
+        if request_id not in self.scheduler.groups:
+            return None
+        self.scheduler.abort_group(request_id)
+        return self._group_output(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the loop body ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        inputs = build_step_inputs(out, self.kv.block_size)
+        logits = self.executor.execute_model(inputs)
+        sampled = self._sample(out, logits)
+        changed = self.scheduler.update(out, sampled)
+        self.generation_tokens_total += len(changed)
+        groups: dict[str, None] = {}
+        for request in changed:
+            self._detokenize(request)
+            groups[request.group_id] = None
+        return [self._group_output(g) for g in groups]
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> dict[str, tuple[int, dict[int, float] | None]]:
+        rows = [c.request for c in out.chunks if c.samples]
+        if not rows:
+            return {}
+        batch = SamplingBatch(
+            params=[r.sampling_params for r in rows],
+            prompt_token_ids=[r.prompt_token_ids for r in rows],
+            output_token_ids=[r.output_token_ids for r in rows],
+            generators=[self._generators.get(r.request_id) for r in rows],
+            eos_token_ids=[r.eos_token_ids for r in rows],
+        )
+        result = self.sampler(logits, batch)
+        return {r.request_id: (tok, lp) for r, tok, lp in zip(rows, result.token_ids, result.logprobs, strict=True)}
+
+    def _detokenize(self, request: Request) -> None:
+        detok = self._detok[request.request_id]
+        stop = detok.add_tokens(request.output_token_ids[-1:])
+        if stop is not None and not request.is_finished:
+            request.stop_reason = stop
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            detok.finish()
+
+    def _group_output(self, group_id: str) -> RequestOutput:
+        requests = self.scheduler.groups[group_id]
+        outputs = []
+        for r in requests:
+            want_lp = r.sampling_params.logprobs is not None
+            cumulative = (
+                sum(lp[t] for lp, t in zip(r.output_logprobs, r.output_token_ids, strict=False)) if want_lp else None
+            )
+            outputs.append(
+                CompletionOutput(
+                    index=r.sample_index,
+                    text=self._detok[r.request_id].output_text,
+                    token_ids=list(r.output_token_ids),
+                    cumulative_logprob=cumulative,
+                    logprobs=list(r.output_logprobs) if want_lp else None,
+                    finish_reason=r.status.finish_reason,
+                    stop_reason=r.stop_reason,
+                )
+            )
+        finished = all(r.is_finished for r in requests)
+        first = requests[0]
+        result = RequestOutput(
+            request_id=group_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+        )
+        if finished:
+            for r in requests:
+                self._detok.pop(r.request_id, None)
+                self._generators.pop(r.request_id, None)
+            self.scheduler.release_group(group_id)
+        return result
+
+    def stats(self) -> EngineStats:
+        kv_stats = self.kv.stats
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=kv_stats.num_query_tokens,
+            prefix_cache_hits=kv_stats.num_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,153 @@
+"""Executors run the model across tensor-parallel ranks: rank 0 lives in the engine's process, ranks
+1..N-1 are spawned processes that receive each step's ``StepInputs`` as a typed message.
+
+A rank that dies takes the engine down with a clear error (a watchdog in rank 0 exits the process),
+so the job queue retries the work elsewhere instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.multiprocessing as mp
+
+import modelfiles
+from engine.config import EngineConfig
+from engine.inputs import StepInputs
+from engine.model_runner import KVCacheSpec, ModelRunner, pick_device
+from engine.parallel import ParallelState, init_distributed
+
+logger = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    kv_spec: KVCacheSpec
+    hf_config: Any
+    device: torch.device
+
+    def execute_model(self, inputs: StepInputs) -> torch.Tensor: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    inputs: StepInputs
+
+
+@dataclass(frozen=True)
+class ShutdownMessage:
+    pass
+
+
+RankMessage = StepMessage | ShutdownMessage
+
+
+class LocalExecutor:
+    """Tensor-parallel size 1: the model runs in this process."""
+
+    def __init__(self, config: EngineConfig, files: modelfiles.ModelFiles) -> None:
+        self.runner = ModelRunner(config, files, ParallelState())
+        self.kv_spec = self.runner.kv_spec
+        self.hf_config = self.runner.hf_config
+        self.device = self.runner.device
+
+    def execute_model(self, inputs: StepInputs) -> torch.Tensor:
+        return self.runner.execute_model(inputs)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    rank: int, world_size: int, init_method: str, config: EngineConfig, files: modelfiles.ModelFiles, inbox: Any
+) -> None:
+    """Body of ranks 1..N-1: run every step rank 0 sends until told to stop."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    device = pick_device(config)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+    parallel = init_distributed(rank, world_size, init_method, "nccl" if device.type == "cuda" else "gloo")
+    runner = ModelRunner(config, files, parallel)
+    while True:
+        message: RankMessage = inbox.get()
+        if isinstance(message, ShutdownMessage):
+            break
+        runner.execute_model(message.inputs)
+    torch.distributed.destroy_process_group()
+
+
+class MultiprocExecutor:
+    """Tensor-parallel size N > 1: spawns ranks 1..N-1, rank 0 in this process."""
+
+    def __init__(self, config: EngineConfig, files: modelfiles.ModelFiles) -> None:
+        world_size = config.parallel.tensor_parallel_size
+        init_method = config.parallel.distributed_init_method or f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        self.inboxes = [ctx.SimpleQueue() for _ in range(1, world_size)]
+        self.procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(rank, world_size, init_method, config, files, self.inboxes[rank - 1]),
+                daemon=True,
+                name=f"pagedserve-tp{rank}",
+            )
+            for rank in range(1, world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        self._closing = False
+        threading.Thread(target=self._watchdog, daemon=True, name="tp-watchdog").start()
+        device = pick_device(config)
+        if device.type == "cuda":
+            torch.cuda.set_device(0)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        self.parallel = init_distributed(0, world_size, init_method, backend)
+        self.runner = ModelRunner(config, files, self.parallel)
+        self.kv_spec = self.runner.kv_spec
+        self.hf_config = self.runner.hf_config
+        self.device = self.runner.device
+
+    def _watchdog(self) -> None:
+        while not self._closing:
+            for p in self.procs:
+                if not p.is_alive() and not self._closing:
+                    logger.critical("tensor-parallel rank %s died (exit code %s): stopping", p.name, p.exitcode)
+                    os._exit(70)  # a collective with a dead peer would hang; die so the queue retries the job
+            time.sleep(0.2)
+
+    def execute_model(self, inputs: StepInputs) -> torch.Tensor:
+        message = StepMessage(inputs)
+        for inbox in self.inboxes:
+            inbox.put(message)
+        return self.runner.execute_model(inputs)
+
+    def shutdown(self) -> None:
+        self._closing = True
+        for inbox in self.inboxes:
+            inbox.put(ShutdownMessage())
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def make_executor(config: EngineConfig, files: modelfiles.ModelFiles) -> Executor:
+    if config.parallel.tensor_parallel_size == 1:
+        return LocalExecutor(config, files)
+    return MultiprocExecutor(config, files)

@@ -1,0 +1,84 @@
+"""Turn a ``SchedulerOutput`` into the flat tensors of one model step (CPU side of the hot path).
+
+Kept free of the model so that tensor-parallel rank 0 can build ``StepInputs`` once and send the same
+typed message to every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    """Everything a rank needs to run one forward pass. CPU tensors; the runner moves them."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    logits_indices: torch.Tensor  # [num_sampling] int64: flat row of each sampling sequence's last token
+    max_query_len: int
+    max_seq_len: int
+    blocks_to_copy: list[tuple[int, int]]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    logits_indices: list[int] = []
+    max_query_len = 0
+    for chunk in out.chunks:
+        request = chunk.request
+        start = request.num_computed_tokens
+        end = start + chunk.num_new_tokens
+        num_prompt = request.num_prompt_tokens
+        # Slice prompt and output separately: concatenating them per request per step is O(length).
+        if start >= num_prompt:
+            input_ids.extend(request.output_token_ids[start - num_prompt : end - num_prompt])
+        elif end <= num_prompt:
+            input_ids.extend(request.prompt_token_ids[start:end])
+        else:
+            input_ids.extend(request.prompt_token_ids[start:])
+            input_ids.extend(request.output_token_ids[: end - num_prompt])
+        blocks = request.block_ids
+        if end - start == 1:
+            positions.append(start)
+            slots.append(blocks[start // block_size] * block_size + start % block_size)
+        else:
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
+        query_start_loc.append(query_start_loc[-1] + end - start)
+        seq_lens.append(end)
+        tables.append(blocks)
+        max_query_len = max(max_query_len, end - start)
+        if chunk.samples:
+            logits_indices.append(query_start_loc[-1] - 1)
+    max_blocks = max((len(t) for t in tables), default=1)
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    return StepInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(padded, dtype=torch.int32).view(len(tables), max_blocks),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+        max_query_len=max_query_len,
+        max_seq_len=max(seq_lens, default=0),
+        blocks_to_copy=out.blocks_to_copy,
+    )

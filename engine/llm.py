@@ -1,0 +1,138 @@
+"""Offline batch inference with vLLM's ``LLM`` interface, so vLLM scripts port with an import change."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.engine import Engine
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """``LLM(model=DIR).generate(prompts, params)`` runs every prompt as one continuous batch."""
+
+    def __init__(
+        self,
+        model: str = "",
+        *,
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        num_gpu_blocks_override: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        swap_space: float = 0.0,
+        seed: int = 0,
+        enforce_eager: bool = False,
+        load_format: str = "auto",
+        device: str = "auto",
+        attention_backend: str = "auto",
+        scheduling_policy: str = "fcfs",
+        cpu_kv_cache_gib: float = 1.0,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(
+                model=model, dtype=dtype, max_model_len=max_model_len, load_format=load_format, seed=seed
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                num_gpu_blocks_override=num_gpu_blocks_override,
+                enable_prefix_caching=enable_prefix_caching,
+                swap_space_gib=swap_space,
+                cpu_kv_cache_gib=cpu_kv_cache_gib,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                policy=scheduling_policy,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            device=device,
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
+        )
+        self.engine = Engine(config)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``. Bad prompts raise ``ValueError`` before anything runs."""
+        items = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(items) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(params) != len(items):
+            raise ValueError(f"got {len(items)} prompts but {len(params)} sampling params")
+        encoded = [self._encode(item) for item in items]
+        for (token_ids, _), p in zip(encoded, params, strict=True):
+            self.engine.validate(token_ids, p)
+        ids = []
+        for i, ((token_ids, text), p) in enumerate(zip(encoded, params, strict=True)):
+            prio = priority[i] if priority is not None else 0
+            ids.append(self.engine.add_request(None, token_ids, p, prompt=text, priority=prio))
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = self.engine.tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            prompts.append({"prompt": text, "prompt_token_ids": self._tokenize(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _encode(self, item: PromptType) -> tuple[list[int], str | None]:
+        if isinstance(item, str):
+            return self._tokenize(item), item
+        if "prompt_token_ids" in item:
+            return list(item["prompt_token_ids"]), item.get("prompt")
+        if "prompt" in item:
+            return self._tokenize(item["prompt"]), item["prompt"]
+        raise ValueError("a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids'")
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in ids]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,184 @@
+"""Runs the model on one step's flat batch and owns the paged KV cache tensors of this rank."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import modelfiles
+from engine.attention import AttentionMetadata
+from engine.config import EngineConfig
+from engine.inputs import StepInputs
+from engine.loader import load_hf_config, load_model, resolve_dtype
+from engine.parallel import ParallelState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Measured at start-up, never written back into the config."""
+
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int  # per rank
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def pick_device(config: EngineConfig) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def pick_backend(config: EngineConfig, device: torch.device) -> str:
+    if config.attention_backend != "auto":
+        return config.attention_backend
+    return "triton" if device.type == "cuda" else "torch"
+
+
+class ModelRunner:
+    """One per rank: loads the weights of its shard, allocates its KV cache, executes steps."""
+
+    def __init__(self, config: EngineConfig, files: modelfiles.ModelFiles, parallel: ParallelState) -> None:
+        self.config = config
+        self.parallel = parallel
+        self.device = pick_device(config)
+        self.backend = pick_backend(config, self.device)
+        self.hf_config: Any = load_hf_config(files)
+        self.dtype = resolve_dtype(config.model.dtype, self.hf_config, self.device)
+        torch.manual_seed(config.model.seed)
+        self.model = load_model(files, self.hf_config, parallel, self.dtype, self.device, config.model.load_format)
+        self.model.eval()
+        self.kv_spec = self._size_kv_cache()
+        layers = self.model.attention_layers()
+        spec = self.kv_spec
+        # One allocation for all layers: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+        # Zeroed, because masked-out slots still enter the P·V product as 0 · value.
+        self.kv_cache = torch.zeros(
+            (spec.num_layers, 2, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+            dtype=spec.dtype,
+            device=self.device,
+        )
+        for i, layer in enumerate(layers):
+            layer.kv_cache = self.kv_cache[i]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s",
+            spec.num_blocks,
+            spec.block_size,
+            spec.num_tokens,
+            spec.num_blocks * spec.bytes_per_block / 2**30,
+            self.device,
+        )
+
+    def _size_kv_cache(self) -> KVCacheSpec:
+        layers = self.model.attention_layers()
+        block_size = self.config.cache.block_size
+        probe = KVCacheSpec(1, block_size, len(layers), layers[0].num_kv_heads, layers[0].head_dim, self.dtype)
+        override = self.config.cache.num_gpu_blocks_override
+        if override is not None:
+            num_blocks = override
+        elif self.device.type == "cuda":
+            num_blocks = self._profile_free_blocks(probe)
+        else:
+            num_blocks = int(self.config.cache.cpu_kv_cache_gib * 2**30 // probe.bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError("no memory left for the KV cache: lower the model size or raise --gpu-memory-utilization")
+        return KVCacheSpec(num_blocks, block_size, probe.num_layers, probe.num_kv_heads, probe.head_dim, self.dtype)
+
+    def _profile_free_blocks(self, probe: KVCacheSpec) -> int:
+        """Run a forward pass at the full token budget, then give the KV cache what is left."""
+        num_tokens = self.config.scheduler.max_num_batched_tokens
+        num_blocks = -(-num_tokens // probe.block_size)
+        scratch = torch.zeros(
+            (probe.num_layers, 2, num_blocks, probe.block_size, probe.num_kv_heads, probe.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.kv_cache = scratch[i]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        seqs = max(1, num_tokens // 512)
+        lens = [num_tokens // seqs] * seqs
+        lens[-1] += num_tokens - sum(lens)
+        inputs = _dummy_prefill(lens, probe.block_size)
+        self.execute_model(inputs)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del scratch
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = total * self.config.cache.gpu_memory_utilization - peak
+        return int(budget // probe.bytes_per_block)
+
+    # ---- execution --------------------------------------------------------------------------------
+    def _metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=inputs.slot_mapping.to(dev, non_blocking=True),
+            query_start_loc=inputs.query_start_loc.to(dev, non_blocking=True),
+            seq_lens=inputs.seq_lens.to(dev, non_blocking=True),
+            block_tables=inputs.block_tables.to(dev, non_blocking=True),
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+            backend=self.backend,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, inputs: StepInputs) -> torch.Tensor:
+        """Forward one step; returns float32 logits ``[num_sampling, vocab]`` (full vocab on every rank)."""
+        if inputs.blocks_to_copy:
+            src = torch.tensor([s for s, _ in inputs.blocks_to_copy], device=self.device)
+            dst = torch.tensor([d for _, d in inputs.blocks_to_copy], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        meta = self._metadata(inputs)
+        hidden = self.model(
+            inputs.input_ids.to(self.device, non_blocking=True),
+            inputs.positions.to(self.device, non_blocking=True),
+            meta,
+        )  # [num_tokens, hidden]
+        selected = hidden[inputs.logits_indices.to(self.device, non_blocking=True)]  # [num_sampling, hidden]
+        return self.model.compute_logits(selected)
+
+
+def _dummy_prefill(lens: list[int], block_size: int) -> StepInputs:
+    """Prefill of sequences of the given lengths over consecutive blocks (for memory profiling)."""
+    tables: list[list[int]] = []
+    next_block = 0
+    for n in lens:
+        nb = -(-n // block_size)
+        tables.append(list(range(next_block, next_block + nb)))
+        next_block += nb
+    max_blocks = max(len(t) for t in tables)
+    total = sum(lens)
+    slots = torch.cat([torch.arange(n) + t[0] * block_size for n, t in zip(lens, tables, strict=True)])
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    return StepInputs(
+        input_ids=torch.zeros(total, dtype=torch.long),
+        positions=torch.cat([torch.arange(n) for n in lens]),
+        slot_mapping=slots,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32),
+        logits_indices=torch.tensor([s - 1 for s in starts[1:]], dtype=torch.long),
+        max_query_len=max(lens),
+        max_seq_len=max(lens),
+        blocks_to_copy=[],
+    )

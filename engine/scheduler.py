@@ -1,0 +1,234 @@
+"""Continuous-batching scheduler: decides which requests run in a step and how many tokens each computes.
+
+There are no separate prefill and decode phases. Each step has ONE token budget
+(``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). A request's next chunk is simply
+``num_tokens - num_computed_tokens`` tokens (a whole prompt, a slice of it under chunked prefill, or the
+one newest token when decoding), clipped to what is left of the budget. Running requests are served
+first, then waiting ones. When the KV pool runs dry, running requests are preempted by recompute:
+their blocks are freed and they go back to the front of the queue with their generated tokens kept.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from cache.kv import KVCacheManager
+from engine.config import SchedulerConfig
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_new_tokens: int  # tokens computed for this request in this step
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the known tokens, so this step yields the next token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The one contract between the scheduler and the model runner for one step."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Owns the waiting and running queues; talks to the KV cache manager, never to the model."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[Request]] = {}  # group id -> its n samples
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.groups.setdefault(request.group_id, []).append(request)
+        if not request.waiting_for_fork:
+            self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        request.status = RequestStatus.WAITING if request.num_preemptions == 0 else RequestStatus.PREEMPTED
+        if self.config.policy == "priority":
+            key = (request.priority, request.arrival_time)
+            keys = [(r.priority, r.arrival_time) for r in self.waiting]
+            self.waiting.insert(bisect.bisect_right(keys, key), request)
+        elif front:
+            self.waiting.insert(0, request)
+        else:
+            self.waiting.append(request)
+
+    def abort_group(self, group_id: str) -> list[Request]:
+        """Abort every sample of a caller request; blocks are freed at once."""
+        aborted = []
+        for request in self.groups.get(group_id, []):
+            if not request.is_finished:
+                self.finish(request, RequestStatus.FINISHED_ABORTED)
+                aborted.append(request)
+        return aborted
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+
+    def release_group(self, group_id: str) -> None:
+        """Forget a group once the caller has its final output."""
+        for request in self.groups.pop(group_id, []):
+            self.requests.pop(request.request_id, None)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        # One token budget shared by everything; running requests first (oldest first), then waiting.
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledChunk] = {}
+        preempted_any = False
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                idx += 1
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim()
+                preempted_any = True
+                if victim is request:
+                    self._preempt(request)
+                    out.num_preempted += 1
+                    break
+                chunk = scheduled.pop(victim.request_id, None)
+                if chunk is not None:
+                    budget += chunk.num_new_tokens
+                self._preempt(victim)
+                out.num_preempted += 1
+            else:
+                scheduled[request.request_id] = ScheduledChunk(request, num_new)
+                budget -= num_new
+            idx = self._next_index(request, idx)
+
+        # Admit waiting requests only when nothing had to be preempted: memory is tight otherwise.
+        while self.waiting and budget > 0 and not preempted_any and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_ids: list[int] | None = None
+            if not request.block_ids:
+                computed_ids, num_hit = self.kv.get_computed_blocks(request)
+                request.num_computed_tokens = num_hit
+            num_new = request.num_tokens - request.num_computed_tokens
+            fits = self.config.enable_chunked_prefill or num_new <= budget
+            num_new = min(num_new, budget)
+            if not fits or self.kv.allocate_slots(request, num_new, computed_ids or None) is None:
+                if not request.block_ids:  # undo the prefix-hit bookkeeping; no references were taken
+                    request.num_computed_tokens = 0
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = ScheduledChunk(request, num_new)
+            budget -= num_new
+
+        out.chunks = list(scheduled.values())
+        out.blocks_to_copy = self.kv.take_pending_copies()
+        return out
+
+    def _next_index(self, request: Request, idx: int) -> int:
+        """Where to continue in ``running`` after handling ``request`` (preemption may shrink the list)."""
+        if request in self.running:
+            return self.running.index(request) + 1
+        return idx
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request, front=True)
+
+    # ---- after the model ran ----------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, dict[int, float] | None]]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, apply token-level stop rules, free finished
+        requests. ``sampled`` maps request id -> (token id, logprobs) for chunks that sampled.
+        Returns the requests that got a new token (including ones that just finished)."""
+        changed: list[Request] = []
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += chunk.num_new_tokens
+            self.kv.cache_full_blocks(request)
+            result = sampled.get(request.request_id)
+            if result is None:
+                continue
+            if request.num_output_tokens == 0:
+                self._fork_siblings(request)
+            token_id, logprobs = result
+            request.output_token_ids.append(token_id)
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self.finish(request, status)
+            changed.append(request)
+        return changed
+
+    def _fork_siblings(self, leader: Request) -> None:
+        """n > 1: the group's other samples share the leader's prompt blocks and recompute only the last
+        prompt token (copy-on-write of its block), so each draws its own first token."""
+        for sibling in self.groups.get(leader.group_id, []):
+            if sibling is leader or not sibling.waiting_for_fork:
+                continue
+            self.kv.fork(leader, sibling)
+            sibling.num_computed_tokens = leader.num_computed_tokens - 1
+            sibling.waiting_for_fork = False
+            self._enqueue(sibling, front=True)
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:  # the sampler masks stop ids before that
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def iter_running(self) -> Iterable[Request]:
+        return iter(self.running)

@@ -14,9 +14,10 @@ import torch
 triton: Any
 tl: Any
 try:
-    import triton
-    import triton.language as tl
+    import triton as _triton
+    import triton.language as _tl
 
+    triton, tl = _triton, _tl
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - exercised in a subprocess test
     HAS_TRITON = False

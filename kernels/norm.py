@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from kernels._triton import check_float, next_pow2, require_triton, tl, triton
+
+_MAX_HIDDEN = 65536  # one program holds a whole row in registers
+
 
 def rms_norm_ref(
     x: torch.Tensor,  # [num_tokens, hidden]
@@ -21,3 +25,68 @@ def rms_norm_ref(
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * h.to(dtype)
     return out if residual is None else (out, residual)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
+    stride_x, stride_r, stride_o, stride_ro,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HIDDEN
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # round the sum to the input dtype before the norm, as the reference (and HF) does
+        x = x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
+    y = (h * inv_rms).to(x.dtype).to(tl.float32)  # the reference casts back before the weight multiply
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`rms_norm_ref` (one fused pass: residual add, norm, weight)."""
+    require_triton("rms_norm")
+    check_float("x", x)
+    check_float("weight", weight)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
+    num_tokens, hidden = x.shape
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must be [{hidden}], got {tuple(weight.shape)}")
+    if hidden > _MAX_HIDDEN:
+        raise ValueError(f"hidden {hidden} exceeds the kernel's limit {_MAX_HIDDEN}")
+    tensors = {"x": x, "weight": weight}
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"residual must match x ({tuple(x.shape)}, {x.dtype}), got {tuple(residual.shape)}, {residual.dtype}"
+            )
+        tensors["residual"] = residual
+    for name, t in tensors.items():
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)  # as ``weight * h.to(dtype)`` in the reference
+    out = torch.empty((num_tokens, hidden), dtype=out_dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else out
+    if num_tokens > 0:
+        res_in = residual if residual is not None else x
+        _rms_norm_kernel[(num_tokens,)](
+            x, res_in, weight, out, residual_out, eps,
+            x.stride(0), res_in.stride(0), out.stride(0), residual_out.stride(0),
+            HIDDEN=hidden, BLOCK=next_pow2(hidden), HAS_RESIDUAL=residual is not None,
+            num_warps=min(16, max(1, next_pow2(hidden) // 256)),
+        )  # fmt: skip
+    return out if residual is None else (out, residual_out)

@@ -57,7 +57,9 @@ def paged_decode_attention_ref(
     mask = _kv_positions_mask(seq_lens, num_slots, sliding_window)
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgs,bshd->bhgd", probs, v.float())  # [B, Hkv, G, D]
+    # zero hidden V rows too: stale or never-written slots (torch.empty) may hold NaN, and 0 * NaN = NaN
+    v = v.float().masked_fill(mask[:, :, None, None], 0.0)
+    out = torch.einsum("bhgs,bshd->bhgd", probs, v)  # [B, Hkv, G, D]
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
@@ -384,7 +386,7 @@ def _prefill_kernel(
     kv_lo = 0
     if USE_WINDOW:
         kv_lo = tl.maximum(context_len + q_tile_start - sliding_window + 1, 0)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    bt_row = block_tables_ptr + seq * stride_bt
     for start in range((kv_lo // BLOCK_N) * BLOCK_N, kv_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_hi

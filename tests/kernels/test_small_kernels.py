@@ -1,0 +1,107 @@
+"""Triton KV-cache write, RMSNorm and rotary embedding against the torch references."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels.cache_write import reshape_and_cache, reshape_and_cache_ref
+from kernels.norm import rms_norm, rms_norm_ref
+from kernels.rotary import rotary_embedding, rotary_embedding_ref
+from tests.kernels.helpers import DEVICE, rel_err, tolerance
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_reshape_and_cache_matches_ref(dtype: torch.dtype, block_size: int, gen: torch.Generator) -> None:
+    num_tokens, num_kv_heads, head_dim, num_blocks = 21, 2, 24, 5
+    # key and value as strided views of one fused [tokens, 3 * kv_heads, head_dim] projection, and in fp32
+    # while the cache is `dtype`: the kernel casts on store
+    kv = _randn(num_tokens, 3 * num_kv_heads, head_dim, dtype=torch.float32, gen=gen)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads : 2 * num_kv_heads]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::5] = -1  # padding tokens
+    slot_mapping = slots.to(DEVICE)
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    expected = cache.clone()
+    reshape_and_cache_ref(key, value, expected, slot_mapping)
+    reshape_and_cache(key, value, cache, slot_mapping)
+    # written slots match, and every other slot is still NaN (nothing written where slot == -1)
+    assert torch.equal(cache.isnan(), expected.isnan())
+    written = ~expected.isnan()
+    # fp32 -> half casts may round differently (the interpreter truncates to bf16); fp32 copies are exact
+    assert rel_err(cache[written], expected[written]) <= (0.0 if dtype == torch.float32 else tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 100])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_ref(dtype: torch.dtype, hidden: int, with_residual: bool, gen: torch.Generator) -> None:
+    x = _randn(7, hidden, dtype=dtype, gen=gen)
+    weight = (1.0 + 0.1 * _randn(hidden, dtype=torch.float32, gen=gen)).to(dtype)
+    residual = _randn(7, hidden, dtype=dtype, gen=gen) if with_residual else None
+    out = rms_norm(x, weight, 1e-6, residual)
+    ref = rms_norm_ref(x, weight, 1e-6, residual)
+    if with_residual:
+        assert isinstance(out, tuple) and isinstance(ref, tuple)
+        assert rel_err(out[0], ref[0]) < tolerance(dtype)
+        assert rel_err(out[1], ref[1]) < tolerance(dtype)
+    else:
+        assert isinstance(out, torch.Tensor) and isinstance(ref, torch.Tensor)
+        assert rel_err(out, ref) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_rotary_matches_ref(dtype: torch.dtype, head_dim: int, gen: torch.Generator) -> None:
+    num_tokens, max_positions = 9, 50
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(max_positions).float(), inv_freq)  # [max_positions, head_dim / 2]
+    cos_sin_cache = torch.cat([angles.cos(), angles.sin()], dim=-1).to(DEVICE)  # [max_positions, head_dim]
+    positions = torch.randint(0, max_positions, (num_tokens,), generator=gen).to(DEVICE)
+    query = _randn(num_tokens, 4, head_dim, dtype=dtype, gen=gen)
+    key = _randn(num_tokens, 3, head_dim, dtype=dtype, gen=gen)  # 3 heads: not a power of two
+    q_out, k_out = rotary_embedding(positions, query, key, cos_sin_cache)
+    q_ref, k_ref = rotary_embedding_ref(positions, query, key, cos_sin_cache)
+    assert rel_err(q_out, q_ref) < tolerance(dtype)
+    assert rel_err(k_out, k_ref) < tolerance(dtype)
+
+
+def test_small_kernels_reject_bad_inputs(gen: torch.Generator) -> None:
+    x = _randn(4, 64, dtype=torch.bfloat16, gen=gen)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.ones(32, dtype=torch.bfloat16, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        rms_norm(x.t(), torch.ones(4, dtype=torch.bfloat16, device=DEVICE), 1e-6)
+    cache = torch.zeros(2, 3, 16, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    key = _randn(4, 2, 64, dtype=torch.bfloat16, gen=gen)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        reshape_and_cache(key, key, cache, torch.zeros(4, dtype=torch.float32, device=DEVICE))
+    with pytest.raises(ValueError, match="num_tokens"):
+        reshape_and_cache(key, key, cache, torch.zeros(3, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        rotary_embedding(torch.zeros(4, dtype=torch.long, device=DEVICE), key, key, torch.zeros(8, 32, device=DEVICE))
+
+
+def test_import_without_triton_then_clear_error() -> None:
+    """API nodes and CPU installs import kernels.* without Triton; calling a kernel says what is missing."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, kernels.paged_attention as pa, kernels.norm, kernels.rotary, kernels.cache_write\n"
+        "try:\n"
+        "    kernels.norm.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)\n"
+        "except RuntimeError as e:\n"
+        "    assert 'needs Triton' in str(e), e\n"
+        "    print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "ok", result.stderr

@@ -193,4 +193,7 @@ def iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             weights = unpermute_qk(weights, num_heads)
         elif arch == "llama" and ".attn_k." in tensor.name:
             weights = unpermute_qk(weights, num_kv_heads)
-        yield hf_name, torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32))
+        weights = np.ascontiguousarray(weights, dtype=np.float32)
+        if not weights.flags.writeable:  # F32/F16 tensors come back as views of the read-only memmap
+            weights = weights.copy()
+        yield hf_name, torch.from_numpy(weights)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+import engine.sampler as sampler_module
 from engine.sampler import Sampler, SamplingBatch, make_generator
 from engine.sampling_params import SamplingParams
 
@@ -170,7 +171,10 @@ def test_min_p_distribution() -> None:
     assert_fits(counts, probs)
 
 
-def test_combined_filters_distribution() -> None:
+@pytest.mark.parametrize("full_sort", [False, True])
+def test_combined_filters_distribution(full_sort: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if full_sort:  # the path taken when some row has no top-k or a large one
+        monkeypatch.setattr(sampler_module, "_MAX_PARTIAL_TOP_K", 0)
     # top-k 6, then top-p 0.8 of the renormalised top 6, at temperature 1.5
     probs = torch.softmax(torch.tensor(LOGITS) / 1.5, dim=-1).double()
     probs[6:] = 0
@@ -223,3 +227,21 @@ def test_cuda_matches_cpu_for_greedy_and_seeded_is_stable() -> None:
     batch.generators = [None, make_generator(3, cuda)]
     again = Sampler(cuda)(logits[:2].to(cuda), batch)
     assert again.token_ids == cuda_out.token_ids
+
+
+def test_rows_with_different_filters_in_one_batch() -> None:
+    """Each row gets its own filter when rows with and without top-k / top-p share the batch."""
+    torch.manual_seed(5)
+    num_draws = 10_000
+    rows = [SamplingParams(top_k=3), SamplingParams(top_p=0.7), SamplingParams(top_k=50), SamplingParams(temperature=0)]
+    logits = torch.tensor([LOGITS] * (len(rows) * num_draws))
+    out = Sampler(CPU)(logits, make_batch(rows * num_draws))
+    tokens = torch.tensor(out.token_ids).view(num_draws, len(rows))
+    probs = torch.softmax(torch.tensor(LOGITS), dim=-1).double()
+    top3 = probs.clone()
+    top3[3:] = 0
+    top_p = probs.clone()
+    top_p[int((probs.cumsum(0) < 0.7).sum()) + 1 :] = 0
+    for column, expected in enumerate([top3, top_p, probs]):
+        assert_fits(torch.bincount(tokens[:, column], minlength=len(LOGITS)).double(), expected)
+    assert (tokens[:, 3] == 0).all()

@@ -61,6 +61,7 @@ class Engine:
         self._counter = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.computed_tokens_total = 0  # tokens run through the model (prefix-cache hits excluded)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -142,6 +143,7 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        self.computed_tokens_total += out.num_tokens
         inputs = build_step_inputs(out, self.kv.block_size)
         logits = self.executor.execute_model(inputs)
         sampled = self._sample(out, logits)

@@ -1,0 +1,266 @@
+"""Kernel micro-benchmarks (``pagedserve bench kernels``): paged decode attention GB/s of K+V read and
+prefill attention TFLOP/s, each against torch SDPA on the same dense shapes in the same run.
+
+Correctness at real sizes runs first. Every timing captures many calls in one CUDA graph (no launch gaps)
+that cycle through enough copies of the inputs to overflow the 50 MB L2, and reports the median replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+ROTATE_BYTES = 512 << 20  # inputs cycled per graph: ~10x the L2
+DECODE_VARIANTS: list[dict[str, Any]] = [
+    {},
+    {"block_n": 32},
+    {"block_n": 128},
+    {"num_warps": 8},
+    {"num_stages": 2},
+    {"num_stages": 4},
+    {"partition_scale": 2},
+    {"partition_scale": 0.5},
+]
+PREFILL_VARIANTS: list[dict[str, Any]] = [
+    {},
+    {"block_m": 64, "num_warps": 4},
+    {"block_n": 128},
+    {"num_stages": 3},
+    {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
+]
+
+
+def time_graph(calls: Sequence[Callable[[], object]], reps: int) -> float:
+    """Median seconds per call of ``calls`` captured back to back in one CUDA graph."""
+    for fn in calls[:2]:  # compile and warm up outside the capture
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls[:2]:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def check_correctness() -> list[dict[str, Any]]:
+    from kernels.paged_attention import (
+        paged_decode_attention,
+        paged_decode_attention_ref,
+        paged_prefill_attention,
+        paged_prefill_attention_ref,
+    )
+
+    gen = torch.Generator(device="cuda")
+    gen.seed()
+    results: list[dict[str, Any]] = []
+    lens = [1, 17, 4097, 32768]
+    rows = [(0, 4096), (1000, 517), (3000, 1), (0, 1)]  # prefill: (cached prefix, new tokens)
+    max_len = max(lens + [c + q for c, q in rows])
+    num_blocks = 4 * math.ceil(max_len / BLOCK_SIZE) + 8
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+    perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
+    tables = perm[: 4 * math.ceil(max_len / BLOCK_SIZE)].view(4, -1)  # [4, max_blocks], disjoint rows
+    scale = HEAD_DIM**-0.5
+    for window in (None, 1024):
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        q = torch.randn(4, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+        out = paged_decode_attention(q, cache, tables, seq_lens, scale, window)
+        ref = paged_decode_attention_ref(q, cache, tables, seq_lens, scale, window)
+        results.append({"kernel": "decode", "lens": lens, "window": window, "rel_err": _rel(out, ref)})
+        q_lens = torch.tensor([q_ for _, q_ in rows])
+        qsl = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).cuda()
+        seq_lens = torch.tensor([c + q_ for c, q_ in rows], dtype=torch.int32, device="cuda")
+        q = torch.randn(int(q_lens.sum()), NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+        out = paged_prefill_attention(q, cache, tables, qsl, seq_lens, scale, window)
+        ref = paged_prefill_attention_ref(q, cache, tables, qsl, seq_lens, scale, window)
+        results.append({"kernel": "prefill", "rows": rows, "window": window, "rel_err": _rel(out, ref)})
+    for r in results:
+        print(f"correctness {r['kernel']:8s} window={r['window']}: rel err {r['rel_err']:.2e}", flush=True)
+    return results
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if torch.isnan(out).any():
+        return float("nan")
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def bench_decode(batch: int, seq_len: int, reps: int, variants: list[dict[str, Any]]) -> dict[str, Any]:
+    from kernels.paged_attention import _decode_partition_size, _paged_decode_attention
+
+    kv_bytes = 2 * batch * seq_len * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize  # K + V read once
+    copies = max(1, min(32, ROTATE_BYTES // kv_bytes))
+    calls_per_graph = max(copies, 8 if kv_bytes > 1 << 30 else 32)
+    blocks_per_seq = seq_len // BLOCK_SIZE
+    num_blocks = copies * batch * blocks_per_seq
+    scale = HEAD_DIM**-0.5
+    result: dict[str, Any] = {"batch": batch, "seq_len": seq_len, "kv_bytes": kv_bytes}
+
+    # dense SDPA first, then free it: B=256 x 32k needs 34 GB per copy of K+V
+    k = [torch.randn(batch, NUM_KV_HEADS, seq_len, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(copies)]
+    v = [torch.randn_like(x) for x in k]
+    q = torch.randn(batch, NUM_HEADS, 1, HEAD_DIM, device="cuda", dtype=DTYPE)
+    sdpa_calls = [
+        partial(F.scaled_dot_product_attention, q, k[i % copies], v[i % copies], scale=scale, enable_gqa=True)
+        for i in range(calls_per_graph)
+    ]
+    t = time_graph(sdpa_calls, reps)
+    result["sdpa_s"], result["sdpa_gbps"] = t, kv_bytes / t / 1e9
+    del k, v, sdpa_calls
+    torch.cuda.empty_cache()
+
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(copies, batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    base_partition = _decode_partition_size(batch, NUM_KV_HEADS, seq_len, query.device)
+    result["default_partition"] = base_partition
+    result["variants"] = []
+    for variant in variants:
+        kwargs = dict(variant)
+        if "partition_scale" in kwargs:
+            kwargs["partition_size"] = max(256, int(base_partition * kwargs.pop("partition_scale")))
+        calls = [
+            partial(_paged_decode_attention, query, cache, tables[i % copies], seq_lens, scale, None, **kwargs)
+            for i in range(calls_per_graph)
+        ]
+        try:
+            t = time_graph(calls, reps)
+        except Exception as exc:  # a variant that fails to compile (resources) must not end the run
+            print(f"  variant {variant} failed: {exc!r:.200}", flush=True)
+            continue
+        result["variants"].append({"variant": variant, "s": t, "gbps": kv_bytes / t / 1e9})
+    del cache, tables
+    torch.cuda.empty_cache()
+    default = result["variants"][0]
+    best = max(result["variants"], key=lambda r: r["gbps"])
+    result.update(triton_gbps=default["gbps"], best_gbps=best["gbps"], best_variant=best["variant"])
+    return result
+
+
+def bench_prefill(num_tokens: int, reps: int, variants: list[dict[str, Any]]) -> dict[str, Any]:
+    from kernels.paged_attention import _paged_prefill_attention
+
+    flops = 4 * NUM_HEADS * HEAD_DIM * num_tokens * (num_tokens + 1) / 2  # causal QK^T and PV
+    scale = HEAD_DIM**-0.5
+    q = torch.randn(1, NUM_HEADS, num_tokens, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = torch.randn(1, NUM_KV_HEADS, num_tokens, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    sdpa = partial(F.scaled_dot_product_attention, q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    t = time_graph([sdpa] * 8, reps)
+    result: dict[str, Any] = {"num_tokens": num_tokens, "sdpa_s": t, "sdpa_tflops": flops / t / 1e12, "variants": []}
+    num_blocks = num_tokens // BLOCK_SIZE
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(1, num_blocks)
+    query = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device="cuda")
+    for variant in variants:
+        call = partial(_paged_prefill_attention, query, cache, tables, qsl, seq_lens, scale, None, **variant)
+        try:
+            t = time_graph([call] * 8, reps)
+        except Exception as exc:
+            print(f"  variant {variant} failed: {exc!r:.200}", flush=True)
+            continue
+        result["variants"].append({"variant": variant, "s": t, "tflops": flops / t / 1e12})
+    best = max(result["variants"], key=lambda r: r["tflops"])
+    result.update(
+        triton_tflops=result["variants"][0]["tflops"], best_tflops=best["tflops"], best_variant=best["variant"]
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedserve bench kernels", description=__doc__)
+    parser.add_argument("--out", help="write the full results as JSON here")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 8192, 32768])
+    parser.add_argument("--prefill-tokens", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=7, help="graph replays per timing (median reported)")
+    parser.add_argument("--sweep", action="store_true", help="also time tuning variants of each kernel")
+    parser.add_argument("--skip-check", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench kernels needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    report: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "correctness": [] if args.skip_check else check_correctness(),
+        "decode": [],
+    }
+    ok = all(r["rel_err"] < 1e-2 for r in report["correctness"])
+    decode_variants = DECODE_VARIANTS if args.sweep else DECODE_VARIANTS[:1]
+    for batch in args.batches:
+        for seq_len in args.seq_lens:
+            r = bench_decode(batch, seq_len, args.reps, decode_variants)
+            report["decode"].append(r)
+            print(
+                f"decode B={batch:4d} L={seq_len:6d}: triton {r['triton_gbps']:7.0f} GB/s  best {r['best_gbps']:7.0f} "
+                f"{r['best_variant']}  sdpa {r['sdpa_gbps']:7.0f} GB/s  ratio {r['triton_gbps'] / r['sdpa_gbps']:.2f}",
+                flush=True,
+            )
+    report["prefill"] = bench_prefill(
+        args.prefill_tokens, args.reps, PREFILL_VARIANTS if args.sweep else PREFILL_VARIANTS[:1]
+    )
+    _print_table(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0 if ok else 1
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    print(f"\n{report['device']}  torch {report['torch']}  triton {report['triton']}  {report['date']}")
+    print("| B | L | KV MB | triton GB/s | SDPA GB/s | ratio | best variant GB/s (ratio) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in report["decode"]:
+        print(
+            f"| {r['batch']} | {r['seq_len']} | {r['kv_bytes'] / 1e6:.0f} | {r['triton_gbps']:.0f} | "
+            f"{r['sdpa_gbps']:.0f} | {r['triton_gbps'] / r['sdpa_gbps']:.2f} | "
+            f"{r['best_gbps']:.0f} ({r['best_gbps'] / r['sdpa_gbps']:.2f}) {r['best_variant']} |"
+        )
+    p = report["prefill"]
+    print(
+        f"prefill {p['num_tokens']} tokens causal: triton {p['triton_tflops']:.0f} TFLOP/s, best {p['best_tflops']:.0f} "
+        f"{p['best_variant']}, SDPA {p['sdpa_tflops']:.0f} TFLOP/s, ratio {p['triton_tflops'] / p['sdpa_tflops']:.2f}"
+    )
+    for c in report["correctness"]:
+        print(f"correctness {c['kernel']} window={c['window']}: rel err {c['rel_err']:.2e}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

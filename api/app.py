@@ -1,0 +1,86 @@
+"""The API tier's FastAPI app. Never imports torch or ``engine``: API nodes install without them.
+
+Run with ``pagedserve api`` or ``uvicorn --factory api.app:create_app`` (settings from PAGEDSERVE_* env vars).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from arq.connections import ArqRedis, RedisSettings, create_pool
+from fastapi import FastAPI
+
+import modelfiles
+from api.auth import Authenticator
+from api.errors import install_error_handlers
+from api.jobs import JobQueue
+from api.metrics import ApiMetrics
+from api.middleware import BodySizeLimit
+from api.relay import EventRelay
+from api.routes import router
+from api.service import CompletionService
+from api.settings import ApiSettings
+from api.tokenizer import PromptTokenizer
+from api.tracing import setup_tracing
+from cache.responses import ResponseCache
+from wire import keys
+from wire.messages import dumps, loads
+
+logger = logging.getLogger(__name__)
+
+
+async def connect_redis(redis_url: str) -> ArqRedis:
+    """An arq pool (a redis.asyncio client that can also enqueue jobs) with the JSON job serializer."""
+    settings = RedisSettings.from_dsn(redis_url)
+    settings.conn_retries = 2
+    return await create_pool(settings, job_serializer=dumps, job_deserializer=loads, default_queue_name=keys.QUEUE)
+
+
+def _build_service(app: FastAPI, settings: ApiSettings, redis: ArqRedis) -> CompletionService:
+    files = modelfiles.resolve(settings.model or None, settings.served_model_name)
+    tokenizer = PromptTokenizer(files.folder)
+    max_model_len = settings.max_model_len or tokenizer.model_max_len or 2048
+    queue = JobQueue(redis, settings.max_queue_depth, settings.retry_after_s, settings.worker_ttl_s)
+    cache = ResponseCache(redis, keys.CACHE_PREFIX, settings.response_cache_ttl_s) if settings.response_cache else None
+    metrics = ApiMetrics()
+    app.state.queue_depth = 0
+    metrics.watch_workers(lambda: queue._workers, lambda: int(app.state.queue_depth))
+    relay = EventRelay(redis)
+    return CompletionService(settings, tokenizer, files.name, max_model_len, queue, relay, cache, metrics)
+
+
+def create_app(settings: ApiSettings | None = None) -> FastAPI:
+    """The app; Redis, the tokenizer and the pub/sub relay are set up in its lifespan."""
+    settings = settings or ApiSettings.from_env()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        setup_tracing(settings.otel_exporter, "pagedserve-api")
+        redis = await connect_redis(settings.redis_url)
+        svc = _build_service(app, settings, redis)
+        await svc.relay.start()
+        app.state.redis = redis
+        app.state.svc = svc
+        app.state.auth = Authenticator(redis, settings.api_keys, settings.rate_limit_rps, settings.rate_limit_burst)
+        app.state.started = int(time.time())
+        logger.info("serving %s (max_model_len %d) on queue %s", svc.model_name, svc.max_model_len, keys.QUEUE)
+        try:
+            yield
+        finally:
+            await svc.relay.stop()
+            await redis.aclose()
+
+    app = FastAPI(title="pagedserve", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.include_router(router)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    if settings.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["Retry-After"])
+    return app

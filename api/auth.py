@@ -1,0 +1,80 @@
+"""Optional API keys (``Authorization: Bearer``) and a per-key token bucket kept in Redis, so every API node
+shares one budget per key."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+
+from redis.asyncio import Redis
+
+from api.errors import ApiError
+from wire import keys
+
+# KEYS[1] bucket; ARGV: rate (tokens/s), burst, now (s). Returns {allowed (0/1), seconds until a token}.
+_TOKEN_BUCKET = """
+local rate = tonumber(ARGV[1])
+local burst = tonumber(ARGV[2])
+local now = tonumber(ARGV[3])
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens = tonumber(state[1]) or burst
+local ts = tonumber(state[2]) or now
+tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
+local allowed = 0
+local wait = 0
+if tokens >= 1 then
+  tokens = tokens - 1
+  allowed = 1
+else
+  wait = (1 - tokens) / rate
+end
+redis.call('HSET', KEYS[1], 'tokens', tokens, 'ts', now)
+redis.call('EXPIRE', KEYS[1], math.ceil(burst / rate) + 1)
+return {allowed, tostring(wait)}
+"""
+
+
+class Authenticator:
+    """Checks the bearer key (when keys are configured) and charges its rate-limit bucket."""
+
+    def __init__(self, redis: Redis, api_keys: tuple[str, ...], rate_limit_rps: float, burst: int) -> None:
+        self._redis = redis
+        self._keys = tuple(k.encode() for k in api_keys)
+        self.rate_limit_rps = rate_limit_rps
+        self.burst = burst
+        self._script = redis.register_script(_TOKEN_BUCKET)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys) or self.rate_limit_rps > 0
+
+    def check_key(self, authorization: str | None) -> str:
+        """The caller's key ('' when auth is off); 401 when it is missing or unknown."""
+        if not self._keys:
+            return ""
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise ApiError(401, "missing API key: send Authorization: Bearer <key>", "authentication_error",
+                           code="invalid_api_key")
+        given = token.strip().encode()
+        if not any(hmac.compare_digest(given, k) for k in self._keys):
+            raise ApiError(401, "invalid API key", "authentication_error", code="invalid_api_key")
+        return token.strip()
+
+    async def charge(self, api_key: str, now: float) -> None:
+        """One request from this key's bucket; 429 with Retry-After when it is empty."""
+        if self.rate_limit_rps <= 0:
+            return
+        digest = hashlib.sha256(api_key.encode()).hexdigest()[:24]
+        allowed, wait = await self._script(keys=[keys.rate_limit_key(digest)],
+                                           args=[self.rate_limit_rps, self.burst, now])
+        if int(allowed):
+            return
+        retry_after = max(1, math.ceil(float(wait)))
+        raise ApiError(429, f"rate limit exceeded for this API key; retry after {retry_after} s", "rate_limit_error",
+                       code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
+
+    async def authorize(self, authorization: str | None, now: float) -> None:
+        key = self.check_key(authorization)
+        await self.charge(key, now)

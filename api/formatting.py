@@ -1,0 +1,138 @@
+"""Job events → OpenAI response bodies: the non-streaming object and the streaming chunks, for
+/v1/completions (``text_completion``) and /v1/chat/completions (``chat.completion``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.protocol import Kind
+from api.tokenizer import PromptTokenizer
+from wire.messages import ChoiceResult, DeltaEvent, FinalEvent, JobResult, TokenLogprob
+
+
+def usage_dict(result: JobResult) -> dict[str, Any]:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.num_cached_tokens},
+    }
+
+
+def _completion_logprobs(lps: list[TokenLogprob], tok: PromptTokenizer, offset: int) -> dict[str, Any]:
+    tokens = [tok.token_text(lp.token_id) for lp in lps]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{tok.token_text(i): v for i, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(lps: list[TokenLogprob], tok: PromptTokenizer) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tok.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]} for lp in lps]
+    return {"content": content}
+
+
+class ResponseFormatter:
+    """Builds response bodies for one request. Streaming state (text sent per choice) lives here, so a
+    final event after missed or absent deltas (a cache hit) still sends the whole text exactly once."""
+
+    def __init__(self, kind: Kind, request_id: str, model: str, created: int, tokenizer: PromptTokenizer) -> None:
+        self.kind = kind
+        self.request_id = request_id
+        self.model = model
+        self.created = created
+        self._tok = tokenizer
+        self._sent_chars: dict[int, int] = {}
+        self._sent_tokens: dict[int, int] = {}
+
+    @property
+    def _object(self) -> str:
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    # -- non-streaming -------------------------------------------------------------------------------------
+    def response(self, result: JobResult) -> dict[str, Any]:
+        choices = [self._full_choice(c) for c in sorted(result.choices, key=lambda c: c.index)]
+        return {
+            "id": self.request_id,
+            "object": self._object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage_dict(result),
+        }
+
+    def _full_choice(self, c: ChoiceResult) -> dict[str, Any]:
+        if self.kind == "chat":
+            logprobs = _chat_logprobs(c.logprobs, self._tok) if c.logprobs is not None else None
+            message = {"role": "assistant", "content": c.text}
+            return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        logprobs = _completion_logprobs(c.logprobs, self._tok, 0) if c.logprobs is not None else None
+        return {
+            "index": c.index,
+            "text": c.text,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+
+    # -- streaming -----------------------------------------------------------------------------------------
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def start_chunks(self, n: int) -> list[dict[str, Any]]:
+        """Chat streams open with the assistant role, one chunk per choice (as OpenAI and vLLM do)."""
+        if self.kind != "chat":
+            return []
+        return [
+            self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            for i in range(n)
+        ]
+
+    def _choice_chunk(
+        self, index: int, text: str, lps: list[TokenLogprob] | None, finish_reason: str | None
+    ) -> dict[str, Any]:
+        offset = self._sent_chars.get(index, 0)
+        self._sent_chars[index] = offset + len(text)
+        self._sent_tokens[index] = self._sent_tokens.get(index, 0) + (len(lps) if lps else 0)
+        if self.kind == "chat":
+            logprobs = _chat_logprobs(lps, self._tok) if lps else None
+            delta = {"content": text} if text or finish_reason is None else {}
+            return self.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+        logprobs = _completion_logprobs(lps, self._tok, offset) if lps else None
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self.chunk([choice])
+
+    def delta_chunks(self, event: DeltaEvent) -> list[dict[str, Any]]:
+        return [
+            self._choice_chunk(c.index, c.text, c.logprobs, None) for c in event.choices if c.text or c.logprobs
+        ]
+
+    def final_chunks(self, event: FinalEvent, include_usage: bool) -> list[dict[str, Any]]:
+        """Whatever text was not streamed yet (all of it for a cache hit), then each choice's finish reason."""
+        chunks = []
+        for c in sorted(event.result.choices, key=lambda c: c.index):
+            rest = c.text[self._sent_chars.get(c.index, 0) :]
+            lps = c.logprobs[self._sent_tokens.get(c.index, 0) :] if c.logprobs is not None else None
+            chunks.append(self._choice_chunk(c.index, rest, lps, c.finish_reason))
+        if include_usage:
+            chunks.append(self.chunk([], usage_dict(event.result)))
+        return chunks

@@ -1,0 +1,200 @@
+"""HTTP endpoints: OpenAI's /v1/completions, /v1/chat/completions, /v1/models; the EventSource job API
+(/v1/jobs, /v1/jobs/{id}/events); /health, /ready, /metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from sse_starlette import EventSourceResponse
+
+from api.auth import Authenticator
+from api.errors import ApiError, bad_request
+from api.formatting import ResponseFormatter
+from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.service import CompletionService, PreparedRequest
+from api.streams import collect, formatter_for, job_event_stream, openai_stream
+from wire import keys
+from wire.messages import FinalEvent, encode_event
+
+router = APIRouter()
+M = TypeVar("M", bound=BaseModel)
+
+
+def _svc(request: Request) -> CompletionService:
+    svc: CompletionService = request.app.state.svc
+    return svc
+
+
+async def _authorize(request: Request) -> None:
+    auth: Authenticator = request.app.state.auth
+    if auth.enabled:
+        await auth.authorize(request.headers.get("authorization"), time.time())
+
+
+def _parse(model: type[M], data: Any) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ())) or None
+        msg = "field required" if err.get("type") == "missing" else str(err.get("msg"))
+        raise bad_request(f"{param}: {msg}" if param else msg, param) from exc
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request("request body is not valid JSON") from exc
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    return data
+
+
+def _sse(content: Any) -> EventSourceResponse:
+    return EventSourceResponse(content, sep="\n", ping=15, headers={"Cache-Control": "no-cache",
+                                                                    "X-Accel-Buffering": "no"})
+
+
+async def _serve(request: Request, prep: PreparedRequest) -> Response:
+    svc = _svc(request)
+    cached = await svc.cached(prep)
+    if cached is not None:
+        if prep.stream:
+            return _sse(openai_stream(svc, prep, None, cached))
+        return JSONResponse(formatter_for(svc, prep).response(cached))
+    sub = await svc.submit(prep)
+    if prep.stream:
+        return _sse(openai_stream(svc, prep, sub))
+    result = await collect(svc, prep, sub, request)
+    return JSONResponse(formatter_for(svc, prep).response(result))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    await _authorize(request)
+    req = _parse(CompletionRequest, await _json_body(request))
+    return await _serve(request, _svc(request).prepare_completion(req))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    await _authorize(request)
+    req = _parse(ChatCompletionRequest, await _json_body(request))
+    return await _serve(request, _svc(request).prepare_chat(req))
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    await _authorize(request)
+    svc = _svc(request)
+    card = {"id": svc.model_name, "object": "model", "created": request.app.state.started, "owned_by": "pagedserve",
+            "root": svc.model_name, "max_model_len": svc.max_model_len}
+    return {"object": "list", "data": [card]}
+
+
+# -- EventSource job API ------------------------------------------------------------------------------------
+@router.post("/v1/jobs", status_code=202)
+async def create_job(request: Request) -> dict[str, Any]:
+    """Queue a chat (``messages``) or completion (``prompt``) request; read it from ``events_url``."""
+    await _authorize(request)
+    svc = _svc(request)
+    data = await _json_body(request)
+    data["stream"] = True
+    if "messages" in data:
+        prep = svc.prepare_chat(_parse(ChatCompletionRequest, data))
+    else:
+        prep = svc.prepare_completion(_parse(CompletionRequest, data))
+    cached = await svc.cached(prep)
+    status = "queued"
+    if cached is None:
+        await svc.enqueue_detached(prep)
+    else:  # write the stored answer as the job's only event: the events endpoint reads it like any other
+        ttl = svc.settings.events_ttl_s
+        redis = request.app.state.redis
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.set(keys.job_meta_key(prep.request_id), json.dumps(prep.meta()), ex=ttl)
+            pipe.rpush(keys.events_key(prep.request_id), encode_event(FinalEvent(0, cached)))
+            pipe.expire(keys.events_key(prep.request_id), ttl)
+            await pipe.execute()
+        status = "completed"
+    return {"id": prep.request_id, "object": "job", "status": status,
+            "events_url": f"/v1/jobs/{prep.request_id}/events"}
+
+
+async def _job_meta(request: Request, job_id: str) -> dict[str, Any]:
+    meta = await _svc(request).queue.job_meta(job_id)
+    if meta is None:
+        raise ApiError(404, f"no job {job_id} (unknown or expired)", "not_found_error", "job_id", "job_not_found")
+    return meta
+
+
+@router.get("/v1/jobs/{job_id}/events")
+async def job_events(request: Request, job_id: str) -> Response:
+    """EventSource stream; resumes after ``Last-Event-ID`` (header, or ``last_event_id`` query parameter)."""
+    await _authorize(request)
+    svc = _svc(request)
+    meta = await _job_meta(request, job_id)
+    last_id = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+    sub = await svc.relay.subscribe(job_id)  # before reading the list: nothing falls between the two
+    return _sse(job_event_stream(svc, job_id, meta, sub, last_id))
+
+
+@router.get("/v1/jobs/{job_id}")
+async def job_status(request: Request, job_id: str) -> dict[str, Any]:
+    await _authorize(request)
+    meta = await _job_meta(request, job_id)
+    events = await _svc(request).relay.read_events(job_id, -1)
+    last = events[-1] if events else None
+    status = "queued" if last is None else {"delta": "running", "final": "completed", "error": "failed"}[last.kind]
+    body: dict[str, Any] = {"id": job_id, "object": "job", "status": status, "model": meta["model"]}
+    if isinstance(last, FinalEvent):
+        fmt = ResponseFormatter(meta["kind"], job_id, meta["model"], meta["created"], _svc(request).tokenizer)
+        body["result"] = fmt.response(last.result)
+    return body
+
+
+@router.delete("/v1/jobs/{job_id}")
+async def cancel_job(request: Request, job_id: str) -> dict[str, Any]:
+    await _authorize(request)
+    await _job_meta(request, job_id)
+    await _svc(request).queue.abort(job_id)
+    return {"id": job_id, "object": "job", "status": "cancelling"}
+
+
+# -- operations ---------------------------------------------------------------------------------------------
+@router.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    svc = _svc(request)
+    try:
+        await request.app.state.redis.ping()
+        workers = await svc.queue.workers(fresh=True)
+    except Exception as exc:  # noqa: BLE001 - any Redis failure means not ready
+        return JSONResponse({"status": "redis unavailable", "error": str(exc)}, status_code=503)
+    live = [w for w in workers if not w.draining]
+    body = {"status": "ready" if live else "no live worker", "workers": len(live),
+            "capacity": sum(w.capacity for w in live)}
+    return JSONResponse(body, status_code=200 if live else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    svc = _svc(request)
+    try:
+        await svc.queue.workers(fresh=True)
+        request.app.state.queue_depth = await svc.queue.num_waiting()
+    except Exception:  # noqa: BLE001 - still export the API's own metrics when Redis is away
+        pass
+    return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)

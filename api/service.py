@@ -1,0 +1,186 @@
+"""The request path shared by every endpoint: validate and tokenize, response-cache lookup, backpressure,
+subscribe-then-enqueue. HTTP framing lives in ``api.streams`` and the route modules."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from api.errors import ApiError, bad_request
+from api.jobs import JobQueue
+from api.metrics import ApiMetrics
+from api.protocol import ChatCompletionRequest, CompletionRequest, Kind
+from api.relay import EventRelay, Subscription
+from api.settings import ApiSettings
+from api.tokenizer import PromptTokenizer
+from api.tracing import current_context_carrier
+from cache.responses import ResponseCache, is_cacheable
+from wire.messages import JobPayload, JobResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedRequest:
+    """A validated, tokenized request, ready to be served from the cache or queued."""
+
+    kind: Kind
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+    stream: bool
+    include_usage: bool = False
+    priority: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+    arrival: float = field(default_factory=time.monotonic)
+    cache_key: str | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.params["n"])
+
+    def meta(self) -> dict[str, Any]:
+        """What /v1/jobs/{id}/events needs to format this job's events."""
+        return {"kind": self.kind, "model": self.model, "created": self.created, "n": self.n,
+                "include_usage": self.include_usage}
+
+
+class CompletionService:
+    """Turns OpenAI requests into jobs. One per app; safe to share between concurrent requests."""
+
+    def __init__(self, settings: ApiSettings, tokenizer: PromptTokenizer, model_name: str, max_model_len: int,
+                 queue: JobQueue, relay: EventRelay, cache: ResponseCache | None, metrics: ApiMetrics) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.queue = queue
+        self.relay = relay
+        self.cache = cache
+        self.metrics = metrics
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- validation and tokenization -----------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                           "not_found_error", "model", "model_not_found")
+
+    def _max_tokens(self, requested: int | None, num_prompt: int) -> int:
+        if num_prompt == 0:
+            raise bad_request("the prompt is empty", "prompt")
+        room = self.max_model_len - num_prompt
+        if room < 1 or (requested is not None and requested > room):
+            want = f"{num_prompt + (requested or 1)} tokens ({num_prompt} in the prompt, {requested or 1} to generate)"
+            raise bad_request(f"this model's maximum context length is {self.max_model_len} tokens, "
+                              f"but you requested {want}", "max_tokens", "context_length_exceeded")
+        return room if requested is None else requested
+
+    def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise bad_request("batched prompts are not supported: send one prompt per request", "prompt")
+            prompt = prompt[0]  # type: ignore[assignment]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+        if any(t < 0 or t >= self.tokenizer.vocab_size for t in ids):
+            raise bad_request(f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", "prompt")
+        return ids
+
+    def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
+        self._check_model(req.model)
+        if req.echo or req.suffix:
+            raise bad_request("echo and suffix are not supported", "echo" if req.echo else "suffix")
+        ids = self._prompt_ids(req.prompt)
+        return self._prepared("completion", "cmpl", req, ids, req.max_tokens, req.logprobs)
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+        self._check_model(req.model)
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+        try:
+            ids = self.tokenizer.encode_chat(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+            logprobs = req.num_logprobs()
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from exc
+        return self._prepared("chat", "chatcmpl", req, ids, req.requested_max_tokens(), logprobs)
+
+    def _prepared(self, kind: Kind, id_prefix: str, req: CompletionRequest | ChatCompletionRequest, ids: list[int],
+                  requested_max: int | None, logprobs: int | None) -> PreparedRequest:
+        max_tokens = self._max_tokens(requested_max, len(ids))
+        try:
+            params = req.sampling_dict(max_tokens, logprobs)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+        prep = PreparedRequest(kind, f"{id_prefix}-{uuid.uuid4().hex}", self.model_name, ids, params, req.stream,
+                               req.include_usage, req.priority)
+        if self.cache is not None and is_cacheable(params):
+            prep.cache_key = self.cache.key(self.model_name, ids, params)
+        return prep
+
+    # -- cache, queue ---------------------------------------------------------------------------------------
+    async def cached(self, prep: PreparedRequest) -> JobResult | None:
+        if self.cache is None or prep.cache_key is None:
+            return None
+        hit = await self.cache.get(prep.cache_key)
+        if hit is None:
+            self.metrics.cache_misses.inc()
+            return None
+        self.metrics.cache_hits.inc()
+        return JobResult.from_json(hit)
+
+    async def remember(self, prep: PreparedRequest, result: JobResult) -> None:
+        if self.cache is not None and prep.cache_key and all(c.finish_reason != "abort" for c in result.choices):
+            await self.cache.put(prep.cache_key, result.to_json())
+
+    def payload(self, prep: PreparedRequest) -> JobPayload:
+        now = time.time()
+        return JobPayload(prep.request_id, prep.model, prep.prompt_token_ids, prep.params, now,
+                          now + self.settings.queue_deadline_s, prep.stream, prep.priority,
+                          self.settings.events_ttl_s, current_context_carrier())
+
+    async def _check_room(self) -> None:
+        try:
+            await self.queue.check_room()
+        except ApiError:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise
+
+    async def enqueue_detached(self, prep: PreparedRequest) -> None:
+        """Queue a job nobody is listening to yet (/v1/jobs): its events are read from the list later."""
+        await self._check_room()
+        payload = self.payload(prep)
+        payload.stream = True
+        await self.queue.enqueue(payload, prep.meta())
+
+    async def submit(self, prep: PreparedRequest) -> Subscription:
+        """Subscribe to the job's channel, then enqueue it: no event can be published before we listen."""
+        await self._check_room()
+        sub = await self.relay.subscribe(prep.request_id)
+        try:
+            await self.queue.enqueue(self.payload(prep), prep.meta())
+        except BaseException:
+            await self.relay.unsubscribe(sub)
+            raise
+        return sub
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run cleanup (abort, unsubscribe) detached: it must finish even when the request task is cancelled."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def release(self, sub: Subscription, abort: bool) -> None:
+        try:
+            if abort:
+                logger.info("client gone: aborting %s", sub.job_id)
+                await self.queue.abort(sub.job_id)
+        finally:
+            await self.relay.unsubscribe(sub)

@@ -1,0 +1,66 @@
+"""Typed settings of the API tier, read from flags (deploy/cli.py) or ``PAGEDSERVE_*`` environment variables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class ApiSettings:
+    """Everything the API process needs. Validation raises ``ValueError`` with a message a user can act on."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    model: str = ""  # folder or .gguf; "" = the default model (modelfiles.resolve)
+    served_model_name: str | None = None
+    max_model_len: int | None = None  # None = the model config's max_position_embeddings
+    api_keys: tuple[str, ...] = ()  # empty = no auth
+    rate_limit_rps: float = 0.0  # per API key, token bucket refill; 0 = off
+    rate_limit_burst: int = 20
+    max_queue_depth: int = 1024  # jobs waiting (not running) above which new work gets 429
+    retry_after_s: int = 1
+    queue_deadline_s: float = 60.0  # a job not started within this is dropped with an error
+    request_timeout_s: float = 600.0  # a stream with no final event by then ends with an error
+    events_ttl_s: int = 3600  # how long a job's events stay readable for resume / /v1/jobs
+    response_cache: bool = True
+    response_cache_ttl_s: int = 3600
+    max_body_bytes: int = 1 << 20  # larger bodies get 413
+    worker_ttl_s: float = 10.0  # a worker is live while its heartbeat is younger than this
+    otel_exporter: str = "none"  # none | console | otlp
+    cors_origins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_queue_depth < 0:
+            raise ValueError(f"max_queue_depth must be >= 0, got {self.max_queue_depth}")
+        if self.queue_deadline_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError("queue_deadline_s and request_timeout_s must be > 0")
+        if self.rate_limit_rps < 0 or self.rate_limit_burst < 1:
+            raise ValueError("rate_limit_rps must be >= 0 and rate_limit_burst >= 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.otel_exporter not in ("none", "console", "otlp"):
+            raise ValueError(f"otel_exporter must be none, console or otlp, got {self.otel_exporter!r}")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> ApiSettings:
+        """``PAGEDSERVE_<FIELD>`` env vars (tuples comma-separated), then ``overrides`` on top."""
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = os.environ.get(f"PAGEDSERVE_{f.name.upper()}")
+            if raw is None:
+                continue
+            values[f.name] = _parse(str(f.type), raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _parse(type_name: str, raw: str) -> object:
+    if type_name.startswith("tuple"):
+        return tuple(s.strip() for s in raw.split(",") if s.strip())
+    if type_name.startswith("bool"):
+        return raw.lower() in ("1", "true", "yes", "on")
+    if type_name.startswith("int"):
+        return None if raw == "" else int(raw)
+    if type_name.startswith("float"):
+        return float(raw)
+    return raw or None if "None" in type_name else raw

@@ -1,0 +1,169 @@
+"""HTTP framing of a job's events: the non-streaming body, OpenAI SSE (``data: {chunk}`` … ``data: [DONE]``),
+and the EventSource stream of /v1/jobs/{id}/events (``id:`` on every event, resume from Last-Event-ID)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from sse_starlette import ServerSentEvent
+from starlette.requests import Request
+
+from api.errors import ApiError, error_body
+from api.formatting import ResponseFormatter
+from api.relay import Subscription
+from api.service import CompletionService, PreparedRequest
+from wire.messages import ErrorEvent, Event, FinalEvent, JobResult
+
+DONE = "[DONE]"
+
+
+def _dumps(body: dict[str, Any]) -> str:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+
+
+def _error_from_event(ev: ErrorEvent) -> ApiError:
+    return ApiError(ev.status, ev.message, ev.type, code=ev.code)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def formatter_for(svc: CompletionService, prep: PreparedRequest) -> ResponseFormatter:
+    return ResponseFormatter(prep.kind, prep.request_id, prep.model, prep.created, svc.tokenizer)
+
+
+def _observe_final(svc: CompletionService, prep: PreparedRequest, result: JobResult) -> None:
+    m = svc.metrics
+    m.e2e.observe(time.monotonic() - prep.arrival)
+    m.queue_time.observe(result.queue_time_s)
+    for c in result.choices:
+        m.requests.labels(c.finish_reason).inc()
+
+
+async def collect(svc: CompletionService, prep: PreparedRequest, sub: Subscription, request: Request) -> JobResult:
+    """Wait for the job's final event (deltas are not sent for non-streaming jobs); a client that hangs up
+    meanwhile gets its job aborted."""
+
+    async def final() -> Event:
+        async for ev in svc.relay.events(sub, timeout_s=svc.settings.request_timeout_s):
+            if ev.kind != "delta":
+                return ev
+        raise RuntimeError("event stream ended without a final event")
+
+    waiter = asyncio.ensure_future(final())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    finished = False
+    try:
+        await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiter.done():
+            raise ApiError(499, "client closed the request", code="client_closed")
+        ev = waiter.result()
+        finished = True
+    finally:
+        for task in (waiter, watcher):
+            task.cancel()
+        svc.spawn(svc.release(sub, abort=not finished))
+    if isinstance(ev, ErrorEvent):
+        svc.metrics.errors.labels(str(ev.status)).inc()
+        raise _error_from_event(ev)
+    assert isinstance(ev, FinalEvent)
+    _observe_final(svc, prep, ev.result)
+    await svc.remember(prep, ev.result)
+    return ev.result
+
+
+async def openai_stream(svc: CompletionService, prep: PreparedRequest, sub: Subscription | None,
+                        cached: JobResult | None = None) -> AsyncIterator[str]:
+    """``data:`` payloads of an OpenAI stream; a job not finished when the client leaves is aborted."""
+    fmt = formatter_for(svc, prep)
+    finished = sub is None
+    try:
+        for chunk in fmt.start_chunks(prep.n):
+            yield _dumps(chunk)
+        if cached is not None:
+            for chunk in fmt.final_chunks(FinalEvent(0, cached), prep.include_usage):
+                yield _dumps(chunk)
+            yield DONE
+            return
+        assert sub is not None
+        last = None
+        async for ev in svc.relay.events(sub, timeout_s=svc.settings.request_timeout_s):
+            now = time.monotonic()
+            if ev.kind == "delta":
+                svc.metrics.ttft.observe(now - prep.arrival) if last is None else svc.metrics.itl.observe(now - last)
+                last = now
+                for chunk in fmt.delta_chunks(ev):
+                    yield _dumps(chunk)
+            elif isinstance(ev, FinalEvent):
+                finished = True
+                _observe_final(svc, prep, ev.result)
+                await svc.remember(prep, ev.result)
+                for chunk in fmt.final_chunks(ev, prep.include_usage):
+                    yield _dumps(chunk)
+            elif isinstance(ev, ErrorEvent):
+                finished = True
+                svc.metrics.errors.labels(str(ev.status)).inc()
+                yield _dumps(error_body(ev.message, ev.type, code=ev.code))
+        yield DONE
+    finally:
+        if sub is not None:
+            svc.spawn(svc.release(sub, abort=not finished))
+
+
+def parse_last_event_id(value: str | None) -> tuple[int, int]:
+    """``"<seq>.<chunk>"`` → (seq, chunk); (-1, -1) when absent or malformed (start from the beginning)."""
+    if not value:
+        return -1, -1
+    seq, _, chunk = value.strip().partition(".")
+    try:
+        return int(seq), int(chunk) if chunk else 1 << 30
+    except ValueError:
+        return -1, -1
+
+
+def _event_chunks(fmt: ResponseFormatter, ev: Event, n: int, include_usage: bool) -> list[str]:
+    if ev.kind == "delta":
+        chunks = fmt.delta_chunks(ev)  # type: ignore[arg-type]
+    elif isinstance(ev, FinalEvent):
+        chunks = fmt.final_chunks(ev, include_usage)
+    else:
+        assert isinstance(ev, ErrorEvent)
+        chunks = [error_body(ev.message, ev.type, code=ev.code)]
+    if ev.seq == 0:
+        chunks = fmt.start_chunks(n) + chunks
+    return [_dumps(c) for c in chunks]
+
+
+async def job_event_stream(svc: CompletionService, job_id: str, meta: dict[str, Any], sub: Subscription,
+                           last_event_id: str | None) -> AsyncIterator[ServerSentEvent]:
+    """EventSource stream of a job. Each SSE id is ``<seq>.<chunk>``; on resume, events up to Last-Event-ID are
+    replayed into the formatter silently so the rest is sent exactly once. Leaving does not abort the job."""
+    fmt = ResponseFormatter(meta["kind"], job_id, meta["model"], meta["created"], svc.tokenizer)
+    n, include_usage = int(meta["n"]), bool(meta["include_usage"])
+    last_seq, last_chunk = parse_last_event_id(last_event_id)
+    try:
+        history = await svc.relay.read_events(job_id, 0)
+        replay = [ev for ev in history if ev.seq <= last_seq]
+        for ev in replay:
+            chunks = _event_chunks(fmt, ev, n, include_usage)
+            if ev.seq == last_seq:
+                for j, data in enumerate(chunks[last_chunk + 1 :], start=last_chunk + 1):
+                    yield ServerSentEvent(data, id=f"{ev.seq}.{j}")
+            if ev.kind != "delta":
+                yield ServerSentEvent(DONE)
+                return
+        events = svc.relay.events(sub, from_seq=last_seq + 1, timeout_s=svc.settings.request_timeout_s,
+                                  catch_up=True)
+        async for ev in events:
+            for j, data in enumerate(_event_chunks(fmt, ev, n, include_usage)):
+                yield ServerSentEvent(data, id=f"{ev.seq}.{j}")
+        yield ServerSentEvent(DONE)
+    finally:
+        svc.spawn(svc.relay.unsubscribe(sub))
+

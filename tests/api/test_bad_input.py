@@ -1,0 +1,103 @@
+"""Anything a client can send gets a 4xx with OpenAI's error JSON, never a 500."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.api.conftest import MODEL, ServerThread
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+BAD_JSON: list[tuple[str, str, Any, int]] = [
+    ("missing model", CHAT, {"messages": MSGS}, 400),
+    ("missing messages", CHAT, {"model": MODEL}, 400),
+    ("empty messages", CHAT, {"model": MODEL, "messages": []}, 400),
+    ("missing prompt", COMP, {"model": MODEL}, 400),
+    ("messages not a list", CHAT, {"model": MODEL, "messages": "hi"}, 400),
+    ("bad role", CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("temperature not a number", CHAT, {"model": MODEL, "messages": MSGS, "temperature": "hot"}, 400),
+    ("max_tokens a string", COMP, {"model": MODEL, "prompt": "a", "max_tokens": "many"}, 400),
+    ("max_tokens a fraction", COMP, {"model": MODEL, "prompt": "a", "max_tokens": 1.5}, 400),
+    ("n = 0", CHAT, {"model": MODEL, "messages": MSGS, "n": 0}, 400),
+    ("n too large", CHAT, {"model": MODEL, "messages": MSGS, "n": 1000}, 400),
+    ("max_tokens = 0", COMP, {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400),
+    ("huge max_tokens", COMP, {"model": MODEL, "prompt": "a", "max_tokens": 10**9}, 400),
+    ("huge max_completion_tokens", CHAT, {"model": MODEL, "messages": MSGS, "max_completion_tokens": 10**9}, 400),
+    ("prompt over context", COMP, {"model": MODEL, "prompt": list(range(9000)), "max_tokens": 1}, 400),
+    ("token id out of vocab", COMP, {"model": MODEL, "prompt": [10**8], "max_tokens": 1}, 400),
+    ("negative temperature", CHAT, {"model": MODEL, "messages": MSGS, "temperature": -1}, 400),
+    ("top_p 0", CHAT, {"model": MODEL, "messages": MSGS, "top_p": 0}, 400),
+    ("top_logprobs too many", CHAT, {"model": MODEL, "messages": MSGS, "logprobs": True, "top_logprobs": 50}, 400),
+    ("top_logprobs without logprobs", CHAT, {"model": MODEL, "messages": MSGS, "top_logprobs": 2}, 400),
+    ("stop not strings", CHAT, {"model": MODEL, "messages": MSGS, "stop": [1, 2]}, 400),
+    ("empty stop string", CHAT, {"model": MODEL, "messages": MSGS, "stop": [""]}, 400),
+    ("batched prompts", COMP, {"model": MODEL, "prompt": ["a", "b"]}, 400),
+    ("echo", COMP, {"model": MODEL, "prompt": "a", "echo": True}, 400),
+    ("empty prompt", COMP, {"model": MODEL, "prompt": ""}, 400),
+    ("unknown model", CHAT, {"model": "gpt-17", "messages": MSGS}, 404),
+    ("body is a list", CHAT, [1, 2, 3], 400),
+    ("stream not a bool", CHAT, {"model": MODEL, "messages": MSGS, "stream": "maybe"}, 400),
+]
+
+
+def _check_error(resp: httpx.Response, status: int) -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+
+
+@pytest.mark.parametrize(("name", "path", "body", "status"), BAD_JSON, ids=[c[0] for c in BAD_JSON])
+def test_bad_json_body(api: ServerThread, redis_url: str, name: str, path: str, body: Any, status: int) -> None:
+    resp = httpx.post(api.url + path, json=body, timeout=10)
+    _check_error(resp, status)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"\xff\xfe", b'{"model": "x", "messages": [}'])
+def test_invalid_json(api: ServerThread, redis_url: str, raw: bytes) -> None:
+    resp = httpx.post(api.url + CHAT, content=raw, headers={"content-type": "application/json"}, timeout=10)
+    _check_error(resp, 400)
+
+
+def test_oversize_body(api: ServerThread, redis_url: str) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "x" * (2 << 20)})
+    resp = httpx.post(api.url + COMP, content=body, headers={"content-type": "application/json"}, timeout=10)
+    _check_error(resp, 413)
+
+
+def test_oversize_chunked_body(api: ServerThread, redis_url: str) -> None:
+    def chunks():  # no Content-Length: the limit is enforced while reading
+        yield b'{"model": "' + MODEL.encode() + b'", "prompt": "'
+        for _ in range(40):
+            yield b"x" * 65536
+        yield b'"}'
+
+    resp = httpx.post(api.url + COMP, content=chunks(), headers={"content-type": "application/json"}, timeout=10)
+    _check_error(resp, 413)
+
+
+def test_unknown_route_is_openai_error(api: ServerThread, redis_url: str) -> None:
+    _check_error(httpx.get(api.url + "/v1/nothing", timeout=10), 404)
+    _check_error(httpx.get(api.url + "/v1/jobs/nope/events", timeout=10), 404)
+
+
+def test_openai_client_raises_typed_errors(api: ServerThread, redis_url: str) -> None:
+    client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=10**9)  # type: ignore[arg-type]
+    assert "maximum context length" in str(exc.value)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+
+
+def test_models(api: ServerThread, redis_url: str) -> None:
+    client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0)
+    ids = [m.id for m in client.models.list()]
+    assert ids == [MODEL]

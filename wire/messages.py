@@ -1,0 +1,208 @@
+"""JSON messages between the API and the workers: the job payload, the seq-numbered events of one job,
+the final result and the worker heartbeat. No pickle crosses Redis.
+
+Events of a job are numbered 0, 1, 2, ... by the worker (the only writer) and pushed to a Redis list at
+index == seq before being published, so a reader that sees a gap (or nothing for a while) reads the list
+from the next seq it expects: never a hole, and duplicates are dropped by seq.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+
+def dumps(obj: Any) -> bytes:
+    """arq ``job_serializer``: compact JSON; anything exotic (an exception arq stores) becomes its str."""
+    return json.dumps(obj, separators=(",", ":"), default=str).encode()
+
+
+def loads(data: bytes | str) -> Any:
+    """arq ``job_deserializer``."""
+    return json.loads(data)
+
+
+@dataclass
+class JobPayload:
+    """One generation job: the tokenized prompt and the sampling params (``SamplingParams.to_dict()`` keys)."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+    enqueue_time: float  # unix s
+    deadline: float  # unix s; a job not started by then is dropped with an error event, not generated late
+    stream: bool = True  # False: only the final event is published
+    priority: int = 0
+    events_ttl_s: int = 3600  # how long the events list and result stay readable (resume, /v1/jobs)
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent carrier
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobPayload:
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's logprob and the top alternatives as (token id, logprob) pairs."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+    def to_json(self) -> list[Any]:
+        return [self.token_id, self.logprob, [list(t) for t in self.top]]
+
+    @classmethod
+    def from_json(cls, data: list[Any]) -> TokenLogprob:
+        return cls(int(data[0]), float(data[1]), [(int(i), float(lp)) for i, lp in data[2]])
+
+
+def _logprobs_to_json(lps: list[TokenLogprob] | None) -> list[Any] | None:
+    return None if lps is None else [lp.to_json() for lp in lps]
+
+
+def _logprobs_from_json(data: list[Any] | None) -> list[TokenLogprob] | None:
+    return None if data is None else [TokenLogprob.from_json(d) for d in data]
+
+
+@dataclass
+class ChoiceDelta:
+    """New text and tokens of one of the n samples since the previous event."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop | length | abort
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class JobResult:
+    """A finished job, as stored in Redis and in the response cache."""
+
+    request_id: str
+    model: str
+    choices: list[ChoiceResult]
+    prompt_tokens: int
+    completion_tokens: int
+    num_cached_tokens: int = 0
+    queue_time_s: float = 0.0
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["choices"] = [
+            {**asdict(c), "logprobs": _logprobs_to_json(c.logprobs)} for c in self.choices
+        ]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> JobResult:
+        choices = [ChoiceResult(**{**c, "logprobs": _logprobs_from_json(c.get("logprobs"))}) for c in data["choices"]]
+        return cls(**{**data, "choices": choices})
+
+
+@dataclass
+class DeltaEvent:
+    seq: int
+    choices: list[ChoiceDelta]
+    kind: Literal["delta"] = "delta"
+
+
+@dataclass
+class FinalEvent:
+    seq: int
+    result: JobResult
+    kind: Literal["final"] = "final"
+
+
+@dataclass
+class ErrorEvent:
+    """The job ended without a result. ``status`` is the HTTP status a non-streaming caller gets."""
+
+    seq: int
+    message: str
+    type: str = "server_error"  # OpenAI error type
+    code: str | None = None
+    status: int = 500
+    kind: Literal["error"] = "error"
+
+
+Event = DeltaEvent | FinalEvent | ErrorEvent
+
+
+def encode_event(event: Event) -> str:
+    if isinstance(event, DeltaEvent):
+        choices = [
+            {"index": c.index, "text": c.text, "token_ids": c.token_ids, "logprobs": _logprobs_to_json(c.logprobs)}
+            for c in event.choices
+        ]
+        data: dict[str, Any] = {"kind": "delta", "seq": event.seq, "choices": choices}
+    elif isinstance(event, FinalEvent):
+        data = {"kind": "final", "seq": event.seq, "result": event.result.to_json()}
+    else:
+        data = asdict(event)
+    return json.dumps(data, separators=(",", ":"))
+
+
+def decode_event(raw: bytes | str) -> Event:
+    data = json.loads(raw)
+    kind = data.get("kind")
+    if kind == "delta":
+        choices = [
+            ChoiceDelta(c["index"], c["text"], c["token_ids"], _logprobs_from_json(c.get("logprobs")))
+            for c in data["choices"]
+        ]
+        return DeltaEvent(data["seq"], choices)
+    if kind == "final":
+        return FinalEvent(data["seq"], JobResult.from_json(data["result"]))
+    if kind == "error":
+        return ErrorEvent(**{k: v for k, v in data.items() if k != "kind"})
+    raise ValueError(f"unknown event kind {kind!r}")
+
+
+@dataclass
+class WorkerHeartbeat:
+    """A worker's liveness and engine stats, refreshed every few seconds under a TTL'd key."""
+
+    worker_id: str
+    model: str
+    capacity: int  # max concurrent sequences (arq max_jobs)
+    max_model_len: int
+    active_jobs: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    jobs_done: int = 0
+    draining: bool = False  # SIGTERM received: finishing running jobs, taking no new ones
+    time: float = 0.0  # unix s of this beat
+    host: str = ""
+    pid: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> WorkerHeartbeat:
+        data = json.loads(raw)
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})

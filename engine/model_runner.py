@@ -96,6 +96,10 @@ class ModelRunner:
             num_blocks = self._profile_free_blocks(probe)
         else:
             num_blocks = int(self.config.cache.cpu_kv_cache_gib * 2**30 // probe.bytes_per_block)
+        if self.parallel.world_size > 1:  # every rank must agree on the block count: take the smallest
+            count = torch.tensor([num_blocks], dtype=torch.long, device=self.device)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=self.parallel.group)
+            num_blocks = int(count.item())
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache: lower the model size or raise --gpu-memory-utilization")
         return KVCacheSpec(num_blocks, block_size, probe.num_layers, probe.num_kv_heads, probe.head_dim, self.dtype)

@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.executor import Executor, make_executor
 from engine.inputs import build_step_inputs
+from engine.model_runner import effective_max_model_len
 from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from engine.sampler import Sampler, SamplingBatch, make_generator
 from engine.sampling_params import SamplingParams
@@ -48,10 +49,11 @@ class Engine:
         spec = self.executor.kv_spec
         hf_config = self.executor.hf_config
         self.vocab_size = int(hf_config.vocab_size)
-        model_len = config.model.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
-        if model_len > spec.num_tokens:
-            logger.warning("max_model_len %d exceeds the KV cache (%d tokens): capped", model_len, spec.num_tokens)
-        self.max_model_len = min(model_len, spec.num_tokens)
+        self.max_model_len = effective_max_model_len(config, hf_config, spec)
+        if config.model.max_model_len and config.model.max_model_len > self.max_model_len:
+            logger.warning(
+                "max_model_len %d exceeds the KV cache (%d tokens): capped", config.model.max_model_len, spec.num_tokens
+            )
         self.kv = KVCacheManager(spec.num_blocks, spec.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.sampler = Sampler(self.executor.device)

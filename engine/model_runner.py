@@ -11,6 +11,7 @@ import torch
 import modelfiles
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.inputs import StepInputs
 from engine.loader import load_hf_config, load_model, resolve_dtype
 from engine.parallel import ParallelState
@@ -37,6 +38,12 @@ class KVCacheSpec:
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+
+def effective_max_model_len(config: EngineConfig, hf_config: Any, kv_spec: KVCacheSpec) -> int:
+    """The configured (or the model's) context length, capped by what the KV cache can hold."""
+    model_len = config.model.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+    return min(model_len, kv_spec.num_tokens)
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -76,6 +83,12 @@ class ModelRunner:
         )
         for i, layer in enumerate(layers):
             layer.kv_cache = self.kv_cache[i]
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            max_len = effective_max_model_len(config, self.hf_config, spec)
+            max_blocks = -(-max_len // spec.block_size)
+            self.graphs = DecodeGraphs(self.model, self.backend, config.scheduler.max_num_seqs, max_blocks, self.device)
+            self.graphs.capture()
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s",
             spec.num_blocks,
@@ -150,6 +163,10 @@ class ModelRunner:
             src = torch.tensor([s for s, _ in inputs.blocks_to_copy], device=self.device)
             dst = torch.tensor([d for _, d in inputs.blocks_to_copy], device=self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            hidden = self.graphs.run(inputs)
+            selected = hidden[inputs.logits_indices.to(self.device, non_blocking=True)]
+            return self.model.compute_logits(selected)
         meta = self._metadata(inputs)
         hidden = self.model(
             inputs.input_ids.to(self.device, non_blocking=True),

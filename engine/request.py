@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from engine.sampling_params import SamplingParams
 
 
-class RequestStatus(str, enum.Enum):
+class RequestStatus(enum.StrEnum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"

@@ -1,0 +1,93 @@
+"""CUDA graphs for decode-only steps: one graph per batch size of a ladder, inputs padded up to it.
+
+A decode step of a Python model is hundreds of small kernel launches; replaying a captured graph turns
+them into one launch. Graphs read their inputs from static buffers, so each replay first copies the
+step's tensors in. Padding rows write to slot -1 (skipped) and attend to one token of block 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.inputs import StepInputs
+
+logger = logging.getLogger(__name__)
+
+
+def batch_size_ladder(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 16, 16))
+    return sorted({min(s, max_num_seqs) for s in sizes})
+
+
+class DecodeGraphs:
+    """Captured decode graphs for one model; ``run`` replays the smallest one that fits."""
+
+    def __init__(self, model: Any, backend: str, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device):
+        self.model = model
+        self.backend = backend
+        self.sizes = batch_size_ladder(max_num_seqs)
+        max_bs = self.sizes[-1]
+        self.max_blocks = max_blocks_per_seq
+        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((max_bs, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs],
+            max_query_len=1,
+            max_seq_len=self.max_blocks,
+            backend=self.backend,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = None
+        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            meta = self._meta(bs)
+            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
+                self.model(self.input_ids[:bs], self.positions[:bs], meta)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.sizes)
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        return (
+            inputs.max_query_len == 1
+            and inputs.num_tokens <= self.sizes[-1]
+            and inputs.block_tables.shape[1] <= self.max_blocks
+        )
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` of a decode-only step."""
+        n = inputs.num_tokens
+        bs = next(s for s in self.sizes if s >= n)
+        width = inputs.block_tables.shape[1]
+        self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:n].copy_(inputs.positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(inputs.slot_mapping, non_blocking=True)
+        self.slot_mapping[n:bs].fill_(-1)
+        self.seq_lens[:n].copy_(inputs.seq_lens, non_blocking=True)
+        self.seq_lens[n:bs].fill_(1)
+        # Stale entries past a row's length, and stale padding rows, are valid block ids that are never
+        # read for a result (padding rows attend to one token and write nowhere).
+        self.block_tables[:n, :width].copy_(inputs.block_tables, non_blocking=True)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]

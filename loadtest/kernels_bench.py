@@ -32,10 +32,11 @@ DECODE_VARIANTS: list[dict[str, Any]] = [
     {"num_stages": 4},
     {"partition_scale": 2},
     {"partition_scale": 0.5},
+    {"block_n": 128, "num_stages": 2},
 ]
 PREFILL_VARIANTS: list[dict[str, Any]] = [
     {},
-    {"block_m": 64, "num_warps": 4},
+    {"block_m": 128, "num_warps": 8},
     {"block_n": 128},
     {"num_stages": 3},
     {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
@@ -148,7 +149,7 @@ def bench_decode(batch: int, seq_len: int, reps: int, variants: list[dict[str, A
     for variant in variants:
         kwargs = dict(variant)
         if "partition_scale" in kwargs:
-            kwargs["partition_size"] = max(256, int(base_partition * kwargs.pop("partition_scale")))
+            kwargs["partition_size"] = max(64, int(base_partition * kwargs.pop("partition_scale")))
         calls = [
             partial(_paged_decode_attention, query, cache, tables[i % copies], seq_lens, scale, None, **kwargs)
             for i in range(calls_per_graph)

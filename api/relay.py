@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 _CONTROL_CHANNEL = f"{keys.PREFIX}:relay"  # subscribed at start so the pub/sub connection always exists
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: one per reader
 class Subscription:
     job_id: str
     queue: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)

@@ -1,0 +1,146 @@
+"""``pagedserve``: serve (Redis + API + workers on one machine), api / worker (scale-out), bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from deploy.engine_args import add_engine_args, engine_config_from_args
+
+BENCHES = {
+    "kernels": "loadtest.kernels_bench",
+    "throughput": "loadtest.throughput",
+    "latency": "loadtest.throughput",
+    "serve": "loadtest.serve_bench",
+}
+
+
+def _add_common(p: argparse.ArgumentParser, redis_default: str | None) -> None:
+    p.add_argument("--model", default="", help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: from the path)")
+    p.add_argument("--redis-url", default=redis_default, help="Redis for the queue, streams and caches")
+    p.add_argument("--log-level", default="info")
+
+
+def _add_api_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("API")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-workers", type=int, default=1, help="uvicorn worker processes of the API")
+    g.add_argument("--api-key", action="append", default=[], help="accepted bearer key (repeat; none = no auth)")
+    g.add_argument("--rate-limit-rps", type=float, default=0.0, help="per-key requests/s (0 = unlimited)")
+    g.add_argument("--rate-limit-burst", type=int, default=20)
+    g.add_argument("--max-queue-depth", type=int, default=1024, help="waiting jobs above which requests get 429")
+    g.add_argument("--queue-deadline-s", type=float, default=60.0, help="drop jobs not started within this")
+    g.add_argument("--request-timeout-s", type=float, default=600.0)
+    g.add_argument("--response-cache", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--response-cache-ttl-s", type=int, default=3600)
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    g.add_argument("--otel-exporter", default="none", help="none | console | otlp")
+
+
+def _add_worker_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("worker")
+    g.add_argument("--worker-id", default=None)
+    g.add_argument("--metrics-port", type=int, default=None, help="Prometheus port of the worker (default: off)")
+    g.add_argument("--drain-timeout-s", type=float, default=600.0, help="SIGTERM: time running jobs get to finish")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="Redis (private unless --redis-url), the API and worker(s), supervised")
+    _add_common(serve, None)
+    serve.add_argument("--workers", type=int, default=1, help="worker processes (one engine each)")
+    _add_api_args(serve)
+    _add_worker_args(serve)
+    add_engine_args(serve)
+    api = sub.add_parser("api", help="the API tier only (no torch)")
+    _add_common(api, "redis://127.0.0.1:6379/0")
+    _add_api_args(api)
+    api.add_argument("--max-model-len", type=int, default=None)
+    worker = sub.add_parser("worker", help="one engine worker on the queue")
+    _add_common(worker, "redis://127.0.0.1:6379/0")
+    _add_worker_args(worker)
+    add_engine_args(worker)
+    bench = sub.add_parser("bench", help="benchmarks: kernels | throughput | latency | serve (-h after the name)")
+    bench.add_argument("kind", choices=sorted(BENCHES))
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def api_env(args: argparse.Namespace) -> dict[str, str]:
+    """API settings as PAGEDSERVE_* variables (so every uvicorn worker process reads the same)."""
+    values = {
+        "redis_url": args.redis_url, "model": args.model, "served_model_name": args.served_model_name or "",
+        "max_model_len": "" if args.max_model_len is None else args.max_model_len,
+        "api_keys": ",".join(args.api_key), "rate_limit_rps": args.rate_limit_rps,
+        "rate_limit_burst": args.rate_limit_burst, "max_queue_depth": args.max_queue_depth,
+        "queue_deadline_s": args.queue_deadline_s, "request_timeout_s": args.request_timeout_s,
+        "response_cache": args.response_cache, "response_cache_ttl_s": args.response_cache_ttl_s,
+        "max_body_bytes": args.max_body_bytes, "otel_exporter": args.otel_exporter,
+    }
+    return {f"PAGEDSERVE_{k.upper()}": str(v) for k, v in values.items()}
+
+
+def run_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    os.environ.update(api_env(args))
+    uvicorn.run("api.app:create_app", factory=True, host=args.host, port=args.port, workers=args.api_workers,
+                log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def run_worker_command(args: argparse.Namespace) -> int:
+    import modelfiles
+    from engine.worker import WorkerSettings, run_worker
+
+    files = modelfiles.resolve(args.model or None, args.served_model_name)
+    config = engine_config_from_args(args, args.model)
+    settings = WorkerSettings(redis_url=args.redis_url, metrics_port=args.metrics_port,
+                              drain_timeout_s=args.drain_timeout_s,
+                              **({"worker_id": args.worker_id} if args.worker_id else {}))
+    if getattr(args, "otel_exporter", "none") != "none":
+        from api.tracing import setup_tracing
+
+        setup_tracing(args.otel_exporter, "pagedserve-worker")
+    asyncio.run(run_worker(config, settings, files.name))
+    return 0
+
+
+def run_bench(kind: str, argv: Sequence[str]) -> int:
+    module = importlib.import_module(BENCHES[kind])
+    argv = list(argv)
+    if kind in ("throughput", "latency"):
+        argv = [kind, *argv]
+    result = module.main(argv)
+    return int(result or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = getattr(args, "log_level", "info").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "api":
+            return run_api(args)
+        if args.command == "worker":
+            return run_worker_command(args)
+        if args.command == "bench":
+            return run_bench(args.kind, args.rest)
+        from deploy.launcher import serve
+
+        return serve(args)
+    except ValueError as exc:
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

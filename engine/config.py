@@ -17,6 +17,7 @@ class ModelConfig:
     load_format: str = "auto"  # auto | dummy (random weights of the config's shape, for benchmarks)
     seed: int = 0
     trust_remote_code: bool = False
+    skip_tokenizer_init: bool = False  # token ids in, token ids out (benchmarks of configs without a tokenizer)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"):

@@ -44,7 +44,9 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.files = modelfiles.resolve(config.model.model)
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(self.files.folder)
+        self.tokenizer: Any = None
+        if not config.model.skip_tokenizer_init:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.files.folder)
         self.executor: Executor = make_executor(config, self.files)
         spec = self.executor.kv_spec
         hf_config = self.executor.hf_config
@@ -76,7 +78,7 @@ class Engine:
         if not ids:
             eos = getattr(self.executor.hf_config, "eos_token_id", None)
             ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if not ids and self.tokenizer.eos_token_id is not None:
+        if not ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
         return tuple(sorted(ids))
 
@@ -92,6 +94,8 @@ class Engine:
                 f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len}: "
                 "shorten the prompt (at least one token must be left to generate)"
             )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init")
         unknown = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if unknown:
             raise ValueError(f"unknown stop_token_ids {unknown}: the vocabulary has {self.vocab_size} tokens")
@@ -123,7 +127,10 @@ class Engine:
                 prompt=prompt,
                 waiting_for_fork=i > 0,
             )
-            self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+            if self.tokenizer is not None:
+                self._detok[request.request_id] = IncrementalDetokenizer(
+                    self.tokenizer, request.prompt_token_ids, params
+                )
             if params.seed is not None:
                 self._generators[request.request_id] = make_generator(params.seed + i, self.executor.device)
             self.scheduler.add_request(request)
@@ -172,7 +179,9 @@ class Engine:
         return {r.request_id: (tok, lp) for r, tok, lp in zip(rows, result.token_ids, result.logprobs, strict=True)}
 
     def _detokenize(self, request: Request) -> None:
-        detok = self._detok[request.request_id]
+        detok = self._detok.get(request.request_id)
+        if detok is None:
+            return
         stop = detok.add_tokens(request.output_token_ids[-1:])
         if stop is not None and not request.is_finished:
             request.stop_reason = stop
@@ -191,7 +200,7 @@ class Engine:
             outputs.append(
                 CompletionOutput(
                     index=r.sample_index,
-                    text=self._detok[r.request_id].output_text,
+                    text=self._detok[r.request_id].output_text if r.request_id in self._detok else "",
                     token_ids=list(r.output_token_ids),
                     cumulative_logprob=cumulative,
                     logprobs=list(r.output_logprobs) if want_lp else None,

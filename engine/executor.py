@@ -133,7 +133,14 @@ class MultiprocExecutor:
         message = StepMessage(inputs)
         for inbox in self.inboxes:
             inbox.put(message)
-        return self.runner.execute_model(inputs)
+        try:
+            return self.runner.execute_model(inputs)
+        except Exception as exc:  # a collective failed: name the rank that is gone, if one is
+            for p in self.procs:
+                p.join(timeout=1.0)
+                if not p.is_alive():
+                    raise RuntimeError(f"tensor-parallel rank {p.name} died (exit code {p.exitcode})") from exc
+            raise
 
     def shutdown(self) -> None:
         self._closing = True

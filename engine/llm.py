@@ -40,10 +40,16 @@ class LLM:
         attention_backend: str = "auto",
         scheduling_policy: str = "fcfs",
         cpu_kv_cache_gib: float = 1.0,
+        skip_tokenizer_init: bool = False,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
-                model=model, dtype=dtype, max_model_len=max_model_len, load_format=load_format, seed=seed
+                model=model,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                load_format=load_format,
+                seed=seed,
+                skip_tokenizer_init=skip_tokenizer_init,
             ),
             cache=CacheConfig(
                 block_size=block_size,

@@ -69,7 +69,9 @@ class ModelRunner:
         self.hf_config: Any = load_hf_config(files)
         self.dtype = resolve_dtype(config.model.dtype, self.hf_config, self.device)
         torch.manual_seed(config.model.seed)
-        self.model = load_model(files, self.hf_config, parallel, self.dtype, self.device, config.model.load_format)
+        self.model = load_model(
+            files, self.hf_config, parallel, self.dtype, self.device, config.model.load_format, config.model.seed
+        )
         self.model.eval()
         self.kv_spec = self._size_kv_cache()
         layers = self.model.attention_layers()

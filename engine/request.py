@@ -37,7 +37,7 @@ _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, Requ
 TokenLogprobs = dict[int, float]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests sit in lists that are searched every step
 class Request:
     """One sequence being generated. For n > 1 each sample is its own Request sharing a ``group_id``."""
 

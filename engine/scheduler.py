@@ -111,29 +111,27 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledChunk] = {}
         preempted_any = False
-        idx = 0
-        while idx < len(self.running) and budget > 0:
-            request = self.running[idx]
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
-                idx += 1
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
                 preempted_any = True
+                out.num_preempted += 1
+                self._preempt(victim)
                 if victim is request:
-                    self._preempt(request)
-                    out.num_preempted += 1
                     break
                 chunk = scheduled.pop(victim.request_id, None)
                 if chunk is not None:
                     budget += chunk.num_new_tokens
-                self._preempt(victim)
-                out.num_preempted += 1
             else:
                 scheduled[request.request_id] = ScheduledChunk(request, num_new)
                 budget -= num_new
-            idx = self._next_index(request, idx)
 
         # Admit waiting requests only when nothing had to be preempted: memory is tight otherwise.
         while self.waiting and budget > 0 and not preempted_any and len(self.running) < self.config.max_num_seqs:
@@ -159,19 +157,16 @@ class Scheduler:
         out.blocks_to_copy = self.kv.take_pending_copies()
         return out
 
-    def _next_index(self, request: Request, idx: int) -> int:
-        """Where to continue in ``running`` after handling ``request`` (preemption may shrink the list)."""
-        if request in self.running:
-            return self.running.index(request) + 1
-        return idx
-
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+        if self.running[-1] is request:
+            self.running.pop()
+        else:
+            self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -73,6 +73,7 @@ class ModelRunner:
             files, self.hf_config, parallel, self.dtype, self.device, config.model.load_format, config.model.seed
         )
         self.model.eval()
+        self.graphs: DecodeGraphs | None = None  # captured after the KV cache exists
         self.kv_spec = self._size_kv_cache()
         layers = self.model.attention_layers()
         spec = self.kv_spec
@@ -85,7 +86,6 @@ class ModelRunner:
         )
         for i, layer in enumerate(layers):
             layer.kv_cache = self.kv_cache[i]
-        self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             max_len = effective_max_model_len(config, self.hf_config, spec)
             max_blocks = -(-max_len // spec.block_size)

@@ -148,6 +148,29 @@ def run_hf_baseline(folder: str, reqs: list[BenchRequest], batch_size: int = 32)
     return {"requests": len(reqs), "elapsed_s": round(elapsed, 2), "output_tok_s": round(out_tokens / elapsed, 1)}
 
 
+def profile_steps(engine: Engine, reqs: list[BenchRequest], path: str, num_steps: int = 40) -> str:
+    """torch.profiler over steps of a full batch (mixed prefill + decode), table written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.kv.reset_prefix_cache()
+    for i, r in enumerate(reqs):
+        engine.add_request(f"prof-{i}", r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+    for _ in range(20):
+        engine.step()
+    sync(engine)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        sync(engine)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+    cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    with open(path, "w") as f:
+        f.write(table + "\n\n" + cpu_table)
+    for rid in list(engine.scheduler.groups):
+        engine.abort_request(rid)
+    return path
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -158,7 +181,7 @@ def git_commit() -> str:
 def suite(args: argparse.Namespace) -> dict[str, Any]:
     """Everything issue 5 asks for, on one engine: ceilings, latency, mixed-128, mixed, shared-prefix on/off,
     then the HF baseline on mixed-128 after the engine is freed."""
-    res: dict[str, Any] = {"date": str(date.today()), "commit": git_commit(), "shape": args.shape}
+    res: dict[str, Any] = {"date": str(date.today()), "commit": args.commit or git_commit(), "shape": args.shape}
     res["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     if torch.cuda.is_available():
         res["matmul_tflops"] = round(measure_matmul_tflops(), 1)
@@ -168,7 +191,8 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
     res["engine_start_s"] = round(time.perf_counter() - t, 1)
     res["kv_blocks"] = engine.kv.num_blocks
     vocab = engine.vocab_size
-    run_engine(engine, make_workload("mixed", vocab, 16), "warm")
+    warm = [BenchRequest(r.prompt_token_ids[::-1], r.max_tokens) for r in make_workload("mixed", vocab, 16)]
+    run_engine(engine, warm, "warm")
     res["latency"] = run_latency(engine, make_workload("latency", vocab)[0])
     if torch.cuda.is_available():
         floor_ms = weight_bytes(args.shape) / (res["copy_tb_s"] * 1e12) * 1e3
@@ -185,11 +209,14 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
             engine.kv.enable_prefix_caching = True
             res[name] = {"on": on, "off": off, "speedup": round(off["elapsed_s"] / on["elapsed_s"], 2)}
         else:
+            engine.kv.reset_prefix_cache()  # mixed-128 is the head of mixed: no reuse across workloads
             res[name] = run_engine(engine, make_workload(name, vocab), name)
             if "matmul_tflops" in res:
                 flops = res[name]["total_tok_s"] * 2 * num_params(args.shape)
                 res[name]["mfu"] = round(flops / (res["matmul_tflops"] * 1e12), 4)
         print(json.dumps({name: res[name]}), flush=True)
+    if args.profile:
+        res["profile"] = profile_steps(engine, make_workload("mixed", vocab), args.profile)
     engine.shutdown()
     del engine
     gc.collect()
@@ -222,6 +249,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--num-running", type=int, default=256, help="overhead mode: running requests")
     p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--profile", default=None, help="suite: write a torch.profiler table of 40 steps here")
+    p.add_argument("--commit", default=None, help="git commit to record (when .git is not at hand)")
     return p.parse_args(argv)
 
 

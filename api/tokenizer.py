@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -37,14 +38,18 @@ class PromptTokenizer:
         model_config = _read_json(folder / "config.json")
         self.model_max_len: int | None = model_config.get("max_position_embeddings")
         self._token_text_cache: dict[int, str] = {}
+        # repeated prompts (system prompts, retries, cache hits) skip the ~80 us encode
+        self._encode_cached = functools.lru_cache(maxsize=4096)(self._encode)
 
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        return ids
+        return list(self._encode_cached(text, add_special_tokens))
+
+    def _encode(self, text: str, add_special_tokens: bool) -> tuple[int, ...]:
+        return tuple(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any

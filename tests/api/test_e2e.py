@@ -17,7 +17,9 @@ import openai
 import pytest
 import redis
 
+import modelfiles
 from api.app import connect_redis
+from api.tokenizer import PromptTokenizer
 from deploy.redis_server import RedisServer
 from tests.api.conftest import MODEL, ServerThread, start_api
 from wire import keys
@@ -31,7 +33,7 @@ MSGS = [{"role": "user", "content": "Name three colors."}]
 
 def _beats(url: str) -> dict[str, WorkerHeartbeat]:
     r = redis.Redis.from_url(url)
-    raws = {w: r.get(keys.worker_key(w)) for w in WORKER_IDS}
+    raws: dict[str, bytes | None] = {w: r.get(keys.worker_key(w)) for w in WORKER_IDS}  # type: ignore[misc]
     return {w: WorkerHeartbeat.from_json(raw) for w, raw in raws.items() if raw}
 
 
@@ -72,9 +74,6 @@ def test_seeded_stream_equals_non_stream_sync(stack: tuple[ServerThread, list[su
     assert text == whole.choices[0].message.content and text
     usage = chunks[-1].usage
     assert usage is not None and usage.model_dump() == whole.usage.model_dump()
-    from api.tokenizer import PromptTokenizer
-    import modelfiles
-
     tok = PromptTokenizer(modelfiles.resolve(None).folder)
     assert usage.prompt_tokens == len(tok.encode_chat(MSGS))
     assert usage.completion_tokens == 12 or whole.choices[0].finish_reason == "stop"
@@ -149,7 +148,7 @@ def test_killed_client_job_is_aborted(stack: tuple[ServerThread, list[subprocess
     r = redis.Redis.from_url(api.settings.redis_url)
     deadline = time.monotonic() + 15
     while True:
-        events = [decode_event(e) for e in r.lrange(keys.events_key(job_id), 0, -1)]
+        events = [decode_event(e) for e in r.lrange(keys.events_key(job_id), 0, -1)]  # type: ignore[union-attr]
         beats = _beats(api.settings.redis_url).values()
         idle = all(b.num_running == 0 and b.kv_cache_usage == 0.0 and b.active_jobs == 0 for b in beats)
         if events and events[-1].kind != "delta" and idle:
@@ -168,7 +167,7 @@ async def test_job_past_queue_deadline_is_dropped(stack: tuple[ServerThread, lis
     payload = JobPayload("late-job", MODEL, [1, 2, 3], {"max_tokens": 4, "temperature": 0.0}, now - 10, now - 5)
     await pool.enqueue_job(keys.JOB_FUNCTION, payload.to_dict(), _job_id=payload.request_id, _queue_name=keys.QUEUE)
     deadline = time.monotonic() + 10
-    while not (raw := await pool.lrange(keys.events_key("late-job"), 0, -1)):
+    while not (raw := await pool.lrange(keys.events_key("late-job"), 0, -1)):  # type: ignore[misc]
         assert time.monotonic() < deadline
         await asyncio.sleep(0.1)
     await pool.aclose()

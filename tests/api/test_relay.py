@@ -38,8 +38,8 @@ async def test_stream_and_non_stream_chat(api: ServerThread, redis_url: str) -> 
     client = _client(api)
 
     async def streamed() -> tuple[str, openai.types.CompletionUsage | None]:
-        stream = await client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, stream=True,  # type: ignore[arg-type]
-                                                      stream_options={"include_usage": True})
+        stream = await client.chat.completions.create(  # type: ignore[call-overload]
+            model=MODEL, messages=MSGS, max_tokens=4, stream=True, stream_options={"include_usage": True})
         parts, usage = [], None
         async for chunk in stream:
             usage = chunk.usage or usage

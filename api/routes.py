@@ -19,6 +19,7 @@ from api.formatting import ResponseFormatter
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.service import CompletionService, PreparedRequest
 from api.streams import collect, formatter_for, job_event_stream, openai_stream
+from api.tracing import tracer
 from wire import keys
 from wire.messages import FinalEvent, encode_event
 
@@ -64,6 +65,14 @@ def _sse(content: Any) -> EventSourceResponse:
 
 
 async def _serve(request: Request, prep: PreparedRequest) -> Response:
+    # the span's context rides in the job payload; the worker's queue/prefill/decode spans are its children
+    with tracer.start_as_current_span(f"pagedserve.{prep.kind}", attributes={
+            "pagedserve.request_id": prep.request_id, "pagedserve.prompt_tokens": len(prep.prompt_token_ids),
+            "pagedserve.stream": prep.stream}):
+        return await _serve_traced(request, prep)
+
+
+async def _serve_traced(request: Request, prep: PreparedRequest) -> Response:
     svc = _svc(request)
     cached = await svc.cached(prep)
     if cached is not None:

@@ -90,6 +90,20 @@ async def test_seeded_stream_equals_non_stream_async(stack: tuple[ServerThread, 
     assert whole.usage.completion_tokens == 10 and whole.choices[0].finish_reason == "length"
 
 
+async def test_n_samples_stream_and_not(stack: tuple[ServerThread, list[subprocess.Popen[bytes]]]) -> None:
+    api, _ = stack
+    client = openai.AsyncOpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    kwargs = {"model": MODEL, "messages": MSGS, "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 2}
+    whole = await client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert sorted(c.index for c in whole.choices) == [0, 1]
+    stream = await client.chat.completions.create(**kwargs, stream=True)  # type: ignore[call-overload]
+    texts: dict[int, str] = {0: "", 1: ""}
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == {c.index: c.message.content for c in whole.choices}
+
+
 def test_stop_sequence_is_honoured(stack: tuple[ServerThread, list[subprocess.Popen[bytes]]]) -> None:
     api, _ = stack
     client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0, timeout=60)

@@ -148,7 +148,9 @@ class Engine:
         return self.scheduler.num_unfinished > 0
 
     # ---- the loop body ----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one scheduled batch. ``final_only`` (offline use) skips building outputs of unfinished
+        requests, which costs a copy of every running request's tokens per step."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -161,8 +163,14 @@ class Engine:
         groups: dict[str, None] = {}
         for request in changed:
             self._detokenize(request)
-            groups[request.group_id] = None
-        return [self._group_output(g) for g in groups]
+            if not final_only or request.is_finished:
+                groups[request.group_id] = None
+        outputs = []
+        for group_id in groups:
+            if final_only and not all(r.is_finished for r in self.scheduler.groups[group_id]):
+                continue
+            outputs.append(self._group_output(group_id))
+        return outputs
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> dict[str, tuple[int, dict[int, float] | None]]:
         rows = [c.request for c in out.chunks if c.samples]

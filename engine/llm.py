@@ -133,7 +133,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.engine.step(final_only=True):
                 if out.finished:
                     results[out.request_id] = out
                     bar.update(1)

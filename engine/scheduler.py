@@ -11,7 +11,7 @@ their blocks are freed and they go back to the front of the queue with their gen
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from cache.kv import KVCacheManager
@@ -174,7 +174,7 @@ class Scheduler:
         self._enqueue(request, front=True)
 
     # ---- after the model ran ----------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, dict[int, float] | None]]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, tuple[int, dict[int, float] | None]]) -> list[Request]:
         """Advance computed counts, append sampled tokens, apply token-level stop rules, free finished
         requests. ``sampled`` maps request id -> (token id, logprobs) for chunks that sampled.
         Returns the requests that got a new token (including ones that just finished)."""

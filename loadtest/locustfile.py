@@ -35,25 +35,38 @@ class ChatUser(HttpUser):
             self.client.headers["Authorization"] = f"Bearer {API_KEY}"
 
     def _body(self, stream: bool, greedy: bool = False) -> dict[str, object]:
-        return {"model": MODEL, "messages": [{"role": "user", "content": random.choice(PROMPTS)}],
-                "max_tokens": MAX_TOKENS, "temperature": 0.0 if greedy else 0.8, "stream": stream}
+        return {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": random.choice(PROMPTS)}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0 if greedy else 0.8,
+            "stream": stream,
+        }
 
     @task(3)
     def chat_stream(self) -> None:
         start = time.perf_counter()
-        with self.client.post("/v1/chat/completions", json=self._body(True), stream=True, catch_response=True,
-                              name="chat (stream)") as resp:
+        with self.client.post(
+            "/v1/chat/completions", json=self._body(True), stream=True, catch_response=True, name="chat (stream)"
+        ) as resp:
             if resp.status_code == 429:
                 resp.success()
-                self.environment.events.request.fire(request_type="POST", name="429", response_time=0,
-                                                     response_length=0, exception=None, context={})
+                self.environment.events.request.fire(
+                    request_type="POST", name="429", response_time=0, response_length=0, exception=None, context={}
+                )
                 return
             first = True
             for line in resp.iter_lines():
                 if first and line.startswith(b"data:") and not line.endswith(b"[DONE]"):
                     ttft_ms = (time.perf_counter() - start) * 1000
-                    self.environment.events.request.fire(request_type="SSE", name="TTFT", response_time=ttft_ms,
-                                                         response_length=0, exception=None, context={})
+                    self.environment.events.request.fire(
+                        request_type="SSE",
+                        name="TTFT",
+                        response_time=ttft_ms,
+                        response_length=0,
+                        exception=None,
+                        context={},
+                    )
                     first = False
                 if line.startswith(b"data:") and b'"error"' in line:
                     resp.failure(json.loads(line[5:])["error"]["message"])

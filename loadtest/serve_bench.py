@@ -66,9 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=20, help="requests sent (and not counted) before measuring")
     p.add_argument("--slo-ttft-ms", type=float, default=500.0, help="goodput: TTFT at most this")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput: TPOT at most this")
-    p.add_argument("--client", choices=("httpx", "raw"), default="httpx",
-                   help="raw: a minimal keep-alive HTTP/1.1 client (non-streaming only) so a 2-core box measures "
-                        "the server rather than httpx")
+    p.add_argument(
+        "--client",
+        choices=("httpx", "raw"),
+        default="httpx",
+        help="raw: a minimal keep-alive HTTP/1.1 client (non-streaming only) so a 2-core box measures "
+        "the server rather than httpx",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the summary to this file")
     return p
@@ -177,8 +181,10 @@ class RawConnection:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         assert self.reader is not None
         data = json.dumps(body).encode()
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\n{self.extra}\r\n").encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n{self.extra}\r\n"
+        ).encode()
         t0 = time.perf_counter()
         self.writer.write(head + data)
         status_line = await self.reader.readline()
@@ -212,8 +218,9 @@ async def run_raw(args: argparse.Namespace) -> dict[str, Any]:
     return summarize(records, time.perf_counter() - start, args)
 
 
-async def _raw_loop(conn: RawConnection, todo: Iterator[int], path: str, args: argparse.Namespace,
-                    records: list[Record] | None) -> None:
+async def _raw_loop(
+    conn: RawConnection, todo: Iterator[int], path: str, args: argparse.Namespace, records: list[Record] | None
+) -> None:
     for i in todo:
         rec = await conn.post(path, _body(args, i))
         if records is not None:

@@ -62,9 +62,10 @@ def run_engine(engine: Engine, reqs: list[BenchRequest], tag: str) -> dict[str, 
     start = time.perf_counter()
     steps, first_token_s, occupancy = 0, None, []
     while engine.has_unfinished_requests():
-        outs = engine.step()
+        engine.step(final_only=True)
         steps += 1
-        if first_token_s is None and outs:
+        if first_token_s is None and steps == 1:
+            sync(engine)
             first_token_s = time.perf_counter() - start
         if steps % 8 == 0 and engine.scheduler.waiting:  # steady state: the batch is full, a queue waits
             used_blocks = round(engine.kv.usage() * engine.kv.num_blocks)
@@ -171,6 +172,38 @@ def profile_steps(engine: Engine, reqs: list[BenchRequest], path: str, num_steps
     return path
 
 
+def cprofile_decode(args: argparse.Namespace) -> dict[str, Any]:
+    """Python-side cost of decode steps at a few batch sizes (cProfile, top functions by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    engine = build_engine(args)
+    res: dict[str, Any] = {}
+    for batch in (1, 64, 256):
+        reqs = [BenchRequest(r.prompt_token_ids, 200) for r in make_workload("mixed", engine.vocab_size, batch)]
+        for i, r in enumerate(reqs):
+            engine.add_request(f"cp{batch}-{i}", r.prompt_token_ids, SamplingParams(max_tokens=200, ignore_eos=True))
+        for _ in range(20):
+            engine.step(final_only=True)
+        sync(engine)
+        prof = cProfile.Profile()
+        start = time.perf_counter()
+        prof.enable()
+        for _ in range(50):
+            engine.step(final_only=True)
+        sync(engine)
+        prof.disable()
+        res[f"b{batch}_step_ms"] = round((time.perf_counter() - start) / 50 * 1e3, 3)
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+        res[f"b{batch}_profile"] = buf.getvalue()[-4000:]
+        for rid in list(engine.scheduler.groups):
+            engine.abort_request(rid)
+    engine.shutdown()
+    return res
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -230,7 +263,9 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pagedserve bench", description=__doc__)
-    p.add_argument("mode", nargs="?", default="throughput", choices=["throughput", "latency", "suite", "overhead"])
+    p.add_argument(
+        "mode", nargs="?", default="throughput", choices=["throughput", "latency", "suite", "overhead", "cprofile"]
+    )
     p.add_argument("--workload", default="mixed", choices=WORKLOADS)
     p.add_argument("--workloads", nargs="+", default=["mixed-128", "mixed", "shared-prefix"])
     p.add_argument("--model", default="", help="a model folder; default: a random-weight --shape")
@@ -260,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.overhead import measure_overhead
 
         result: dict[str, Any] = measure_overhead(args.num_running)
+    elif args.mode == "cprofile":
+        result = cprofile_decode(args)
+        for key, value in result.items():
+            print(key, value if isinstance(value, str) else json.dumps(value))
     elif args.mode == "suite":
         result = suite(args)
     else:

@@ -6,6 +6,7 @@ Shared by ``api`` (tokenizer) and ``engine`` (config, tokenizer, weights); it im
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -77,8 +78,6 @@ def _gguf_folder(gguf_path: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tokenizer.save_pretrained(tmp)
     (tmp / "done").write_text(json.dumps({"gguf": str(gguf_path)}))
-    try:
+    with contextlib.suppress(OSError):  # another process won the race; its folder is equivalent
         tmp.rename(folder)
-    except OSError:  # another process won the race; its folder is equivalent
-        pass
     return folder

@@ -55,8 +55,9 @@ class Authenticator:
             return ""
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token:
-            raise ApiError(401, "missing API key: send Authorization: Bearer <key>", "authentication_error",
-                           code="invalid_api_key")
+            raise ApiError(
+                401, "missing API key: send Authorization: Bearer <key>", "authentication_error", code="invalid_api_key"
+            )
         given = token.strip().encode()
         if not any(hmac.compare_digest(given, k) for k in self._keys):
             raise ApiError(401, "invalid API key", "authentication_error", code="invalid_api_key")
@@ -67,13 +68,19 @@ class Authenticator:
         if self.rate_limit_rps <= 0:
             return
         digest = hashlib.sha256(api_key.encode()).hexdigest()[:24]
-        allowed, wait = await self._script(keys=[keys.rate_limit_key(digest)],
-                                           args=[self.rate_limit_rps, self.burst, now])
+        allowed, wait = await self._script(
+            keys=[keys.rate_limit_key(digest)], args=[self.rate_limit_rps, self.burst, now]
+        )
         if int(allowed):
             return
         retry_after = max(1, math.ceil(float(wait)))
-        raise ApiError(429, f"rate limit exceeded for this API key; retry after {retry_after} s", "rate_limit_error",
-                       code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
+        raise ApiError(
+            429,
+            f"rate limit exceeded for this API key; retry after {retry_after} s",
+            "rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(retry_after)},
+        )
 
     async def authorize(self, authorization: str | None, now: float) -> None:
         key = self.check_key(authorization)

@@ -103,7 +103,9 @@ class ResponseFormatter:
         if self.kind != "chat":
             return []
         return [
-            self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            self.chunk(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            )
             for i in range(n)
         ]
 
@@ -122,9 +124,7 @@ class ResponseFormatter:
         return self.chunk([choice])
 
     def delta_chunks(self, event: DeltaEvent) -> list[dict[str, Any]]:
-        return [
-            self._choice_chunk(c.index, c.text, c.logprobs, None) for c in event.choices if c.text or c.logprobs
-        ]
+        return [self._choice_chunk(c.index, c.text, c.logprobs, None) for c in event.choices if c.text or c.logprobs]
 
     def final_chunks(self, event: FinalEvent, include_usage: bool) -> list[dict[str, Any]]:
         """Whatever text was not streamed yet (all of it for a cache hit), then each choice's finish reason."""

@@ -57,24 +57,39 @@ class ApiMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("pagedserve:time_to_first_token_seconds", "Time to first token, as the API sees it.",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("pagedserve:inter_token_latency_seconds", "Time between streamed deltas.",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("pagedserve:e2e_request_latency_seconds", "Request latency, arrival to last byte.",
-                             buckets=E2E_BUCKETS, registry=r)
-        self.queue_time = Histogram("pagedserve:request_queue_time_seconds", "Time a job waited in the queue.",
-                                    buckets=E2E_BUCKETS, registry=r)
-        self.requests = Counter("pagedserve:request_success", "Finished requests by finish reason.",
-                                ["finished_reason"], registry=r)
-        self.cache_hits = Counter("pagedserve:response_cache_hits", "Requests served from the response cache.",
-                                  registry=r)
-        self.cache_misses = Counter("pagedserve:response_cache_misses", "Cacheable requests not in the cache.",
-                                    registry=r)
-        self.rejected = Counter("pagedserve:requests_rejected", "Requests answered 429, by reason.", ["reason"],
-                                registry=r)
-        self.errors = Counter("pagedserve:request_errors", "Requests that ended with an error, by HTTP status.",
-                              ["status"], registry=r)
+        self.ttft = Histogram(
+            "pagedserve:time_to_first_token_seconds",
+            "Time to first token, as the API sees it.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pagedserve:inter_token_latency_seconds", "Time between streamed deltas.", buckets=ITL_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "pagedserve:e2e_request_latency_seconds",
+            "Request latency, arrival to last byte.",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "pagedserve:request_queue_time_seconds", "Time a job waited in the queue.", buckets=E2E_BUCKETS, registry=r
+        )
+        self.requests = Counter(
+            "pagedserve:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
+        self.cache_hits = Counter(
+            "pagedserve:response_cache_hits", "Requests served from the response cache.", registry=r
+        )
+        self.cache_misses = Counter(
+            "pagedserve:response_cache_misses", "Cacheable requests not in the cache.", registry=r
+        )
+        self.rejected = Counter(
+            "pagedserve:requests_rejected", "Requests answered 429, by reason.", ["reason"], registry=r
+        )
+        self.errors = Counter(
+            "pagedserve:request_errors", "Requests that ended with an error, by HTTP status.", ["status"], registry=r
+        )
 
     def watch_workers(self, beats: Callable[[], list[WorkerHeartbeat]], queue_depth: Callable[[], int]) -> None:
         self.registry.register(_WorkerCollector(beats, queue_depth))

@@ -48,7 +48,10 @@ class BodySizeLimit:
 
     async def _reject(self, send: Send) -> None:
         body = json.dumps(error_body(self._message(), "invalid_request_error", code="request_too_large")).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})

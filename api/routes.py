@@ -60,15 +60,21 @@ async def _json_body(request: Request) -> dict[str, Any]:
 
 
 def _sse(content: Any) -> EventSourceResponse:
-    return EventSourceResponse(content, sep="\n", ping=15, headers={"Cache-Control": "no-cache",
-                                                                    "X-Accel-Buffering": "no"})
+    return EventSourceResponse(
+        content, sep="\n", ping=15, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 async def _serve(request: Request, prep: PreparedRequest) -> Response:
     # the span's context rides in the job payload; the worker's queue/prefill/decode spans are its children
-    with tracer.start_as_current_span(f"pagedserve.{prep.kind}", attributes={
-            "pagedserve.request_id": prep.request_id, "pagedserve.prompt_tokens": len(prep.prompt_token_ids),
-            "pagedserve.stream": prep.stream}):
+    with tracer.start_as_current_span(
+        f"pagedserve.{prep.kind}",
+        attributes={
+            "pagedserve.request_id": prep.request_id,
+            "pagedserve.prompt_tokens": len(prep.prompt_token_ids),
+            "pagedserve.stream": prep.stream,
+        },
+    ):
         return await _serve_traced(request, prep)
 
 
@@ -104,8 +110,14 @@ async def chat_completions(request: Request) -> Response:
 async def models(request: Request) -> dict[str, Any]:
     await _authorize(request)
     svc = _svc(request)
-    card = {"id": svc.model_name, "object": "model", "created": request.app.state.started, "owned_by": "pagedserve",
-            "root": svc.model_name, "max_model_len": svc.max_model_len}
+    card = {
+        "id": svc.model_name,
+        "object": "model",
+        "created": request.app.state.started,
+        "owned_by": "pagedserve",
+        "root": svc.model_name,
+        "max_model_len": svc.max_model_len,
+    }
     return {"object": "list", "data": [card]}
 
 
@@ -134,8 +146,12 @@ async def create_job(request: Request) -> dict[str, Any]:
             pipe.expire(keys.events_key(prep.request_id), ttl)
             await pipe.execute()
         status = "completed"
-    return {"id": prep.request_id, "object": "job", "status": status,
-            "events_url": f"/v1/jobs/{prep.request_id}/events"}
+    return {
+        "id": prep.request_id,
+        "object": "job",
+        "status": status,
+        "events_url": f"/v1/jobs/{prep.request_id}/events",
+    }
 
 
 async def _job_meta(request: Request, job_id: str) -> dict[str, Any]:
@@ -193,8 +209,11 @@ async def ready(request: Request) -> JSONResponse:
     except Exception as exc:  # noqa: BLE001 - any Redis failure means not ready
         return JSONResponse({"status": "redis unavailable", "error": str(exc)}, status_code=503)
     live = [w for w in workers if not w.draining]
-    body = {"status": "ready" if live else "no live worker", "workers": len(live),
-            "capacity": sum(w.capacity for w in live)}
+    body = {
+        "status": "ready" if live else "no live worker",
+        "workers": len(live),
+        "capacity": sum(w.capacity for w in live),
+    }
     return JSONResponse(body, status_code=200 if live else 503)
 
 

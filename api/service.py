@@ -47,15 +47,29 @@ class PreparedRequest:
 
     def meta(self) -> dict[str, Any]:
         """What /v1/jobs/{id}/events needs to format this job's events."""
-        return {"kind": self.kind, "model": self.model, "created": self.created, "n": self.n,
-                "include_usage": self.include_usage}
+        return {
+            "kind": self.kind,
+            "model": self.model,
+            "created": self.created,
+            "n": self.n,
+            "include_usage": self.include_usage,
+        }
 
 
 class CompletionService:
     """Turns OpenAI requests into jobs. One per app; safe to share between concurrent requests."""
 
-    def __init__(self, settings: ApiSettings, tokenizer: PromptTokenizer, model_name: str, max_model_len: int,
-                 queue: JobQueue, relay: EventRelay, cache: ResponseCache | None, metrics: ApiMetrics) -> None:
+    def __init__(
+        self,
+        settings: ApiSettings,
+        tokenizer: PromptTokenizer,
+        model_name: str,
+        max_model_len: int,
+        queue: JobQueue,
+        relay: EventRelay,
+        cache: ResponseCache | None,
+        metrics: ApiMetrics,
+    ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -69,8 +83,13 @@ class CompletionService:
     # -- validation and tokenization -----------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise ApiError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
-                           "not_found_error", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
 
     def _max_tokens(self, requested: int | None, num_prompt: int) -> int:
         if num_prompt == 0:
@@ -78,8 +97,11 @@ class CompletionService:
         room = self.max_model_len - num_prompt
         if room < 1 or (requested is not None and requested > room):
             want = f"{num_prompt + (requested or 1)} tokens ({num_prompt} in the prompt, {requested or 1} to generate)"
-            raise bad_request(f"this model's maximum context length is {self.max_model_len} tokens, "
-                              f"but you requested {want}", "max_tokens", "context_length_exceeded")
+            raise bad_request(
+                f"this model's maximum context length is {self.max_model_len} tokens, but you requested {want}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         return room if requested is None else requested
 
     def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
@@ -103,8 +125,7 @@ class CompletionService:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         self._check_model(req.model)
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
         try:
             ids = self.tokenizer.encode_chat(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
             logprobs = req.num_logprobs()
@@ -112,15 +133,30 @@ class CompletionService:
             raise bad_request(str(exc), "messages") from exc
         return self._prepared("chat", "chatcmpl", req, ids, req.requested_max_tokens(), logprobs)
 
-    def _prepared(self, kind: Kind, id_prefix: str, req: CompletionRequest | ChatCompletionRequest, ids: list[int],
-                  requested_max: int | None, logprobs: int | None) -> PreparedRequest:
+    def _prepared(
+        self,
+        kind: Kind,
+        id_prefix: str,
+        req: CompletionRequest | ChatCompletionRequest,
+        ids: list[int],
+        requested_max: int | None,
+        logprobs: int | None,
+    ) -> PreparedRequest:
         max_tokens = self._max_tokens(requested_max, len(ids))
         try:
             params = req.sampling_dict(max_tokens, logprobs)
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
-        prep = PreparedRequest(kind, f"{id_prefix}-{uuid.uuid4().hex}", self.model_name, ids, params, req.stream,
-                               req.include_usage, req.priority)
+        prep = PreparedRequest(
+            kind,
+            f"{id_prefix}-{uuid.uuid4().hex}",
+            self.model_name,
+            ids,
+            params,
+            req.stream,
+            req.include_usage,
+            req.priority,
+        )
         if self.cache is not None and is_cacheable(params):
             prep.cache_key = self.cache.key(self.model_name, ids, params)
         return prep
@@ -142,9 +178,18 @@ class CompletionService:
 
     def payload(self, prep: PreparedRequest) -> JobPayload:
         now = time.time()
-        return JobPayload(prep.request_id, prep.model, prep.prompt_token_ids, prep.params, now,
-                          now + self.settings.queue_deadline_s, prep.stream, prep.priority,
-                          self.settings.events_ttl_s, current_context_carrier())
+        return JobPayload(
+            prep.request_id,
+            prep.model,
+            prep.prompt_token_ids,
+            prep.params,
+            now,
+            now + self.settings.queue_deadline_s,
+            prep.stream,
+            prep.priority,
+            self.settings.events_ttl_s,
+            current_context_carrier(),
+        )
 
     async def _check_room(self) -> None:
         try:

@@ -78,8 +78,9 @@ async def collect(svc: CompletionService, prep: PreparedRequest, sub: Subscripti
     return ev.result
 
 
-async def openai_stream(svc: CompletionService, prep: PreparedRequest, sub: Subscription | None,
-                        cached: JobResult | None = None) -> AsyncIterator[str]:
+async def openai_stream(
+    svc: CompletionService, prep: PreparedRequest, sub: Subscription | None, cached: JobResult | None = None
+) -> AsyncIterator[str]:
     """``data:`` payloads of an OpenAI stream; a job not finished when the client leaves is aborted."""
     fmt = formatter_for(svc, prep)
     finished = sub is None
@@ -140,8 +141,9 @@ def _event_chunks(fmt: ResponseFormatter, ev: Event, n: int, include_usage: bool
     return [_dumps(c) for c in chunks]
 
 
-async def job_event_stream(svc: CompletionService, job_id: str, meta: dict[str, Any], sub: Subscription,
-                           last_event_id: str | None) -> AsyncIterator[ServerSentEvent]:
+async def job_event_stream(
+    svc: CompletionService, job_id: str, meta: dict[str, Any], sub: Subscription, last_event_id: str | None
+) -> AsyncIterator[ServerSentEvent]:
     """EventSource stream of a job. Each SSE id is ``<seq>.<chunk>``; on resume, events up to Last-Event-ID are
     replayed into the formatter silently so the rest is sent exactly once. Leaving does not abort the job."""
     fmt = ResponseFormatter(meta["kind"], job_id, meta["model"], meta["created"], svc.tokenizer)
@@ -158,12 +160,10 @@ async def job_event_stream(svc: CompletionService, job_id: str, meta: dict[str, 
             if ev.kind != "delta":
                 yield ServerSentEvent(DONE)
                 return
-        events = svc.relay.events(sub, from_seq=last_seq + 1, timeout_s=svc.settings.request_timeout_s,
-                                  catch_up=True)
+        events = svc.relay.events(sub, from_seq=last_seq + 1, timeout_s=svc.settings.request_timeout_s, catch_up=True)
         async for ev in events:
             for j, data in enumerate(_event_chunks(fmt, ev, n, include_usage)):
                 yield ServerSentEvent(data, id=f"{ev.seq}.{j}")
         yield ServerSentEvent(DONE)
     finally:
         svc.spawn(svc.relay.unsubscribe(sub))
-

@@ -67,9 +67,13 @@ class PromptTokenizer:
         except TemplateError as exc:
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
         # the template writes the special tokens itself; adding them again would double the BOS
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False
+        )
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         text: str = self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

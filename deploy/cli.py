@@ -70,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(worker, "redis://127.0.0.1:6379/0")
     _add_worker_args(worker)
     add_engine_args(worker)
-    bench = sub.add_parser("bench", help="benchmarks: kernels | throughput | latency | suite | overhead | serve (-h after the name)")
+    bench = sub.add_parser(
+        "bench", help="benchmarks: kernels | throughput | latency | suite | overhead | serve (-h after the name)"
+    )
     bench.add_argument("kind", choices=sorted(BENCHES))
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
@@ -79,13 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
 def api_env(args: argparse.Namespace) -> dict[str, str]:
     """API settings as PAGEDSERVE_* variables (so every uvicorn worker process reads the same)."""
     values = {
-        "redis_url": args.redis_url, "model": args.model, "served_model_name": args.served_model_name or "",
+        "redis_url": args.redis_url,
+        "model": args.model,
+        "served_model_name": args.served_model_name or "",
         "max_model_len": "" if args.max_model_len is None else args.max_model_len,
-        "api_keys": ",".join(args.api_key), "rate_limit_rps": args.rate_limit_rps,
-        "rate_limit_burst": args.rate_limit_burst, "max_queue_depth": args.max_queue_depth,
-        "queue_deadline_s": args.queue_deadline_s, "request_timeout_s": args.request_timeout_s,
-        "response_cache": args.response_cache, "response_cache_ttl_s": args.response_cache_ttl_s,
-        "max_body_bytes": args.max_body_bytes, "otel_exporter": args.otel_exporter,
+        "api_keys": ",".join(args.api_key),
+        "rate_limit_rps": args.rate_limit_rps,
+        "rate_limit_burst": args.rate_limit_burst,
+        "max_queue_depth": args.max_queue_depth,
+        "queue_deadline_s": args.queue_deadline_s,
+        "request_timeout_s": args.request_timeout_s,
+        "response_cache": args.response_cache,
+        "response_cache_ttl_s": args.response_cache_ttl_s,
+        "max_body_bytes": args.max_body_bytes,
+        "otel_exporter": args.otel_exporter,
     }
     return {f"PAGEDSERVE_{k.upper()}": str(v) for k, v in values.items()}
 
@@ -94,8 +103,15 @@ def run_api(args: argparse.Namespace) -> int:
     import uvicorn
 
     os.environ.update(api_env(args))
-    uvicorn.run("api.app:create_app", factory=True, host=args.host, port=args.port, workers=args.api_workers,
-                log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(
+        "api.app:create_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.api_workers,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+    )
     return 0
 
 
@@ -105,9 +121,12 @@ def run_worker_command(args: argparse.Namespace) -> int:
 
     files = modelfiles.resolve(args.model or None, args.served_model_name)
     config = engine_config_from_args(args, args.model)
-    settings = WorkerSettings(redis_url=args.redis_url, metrics_port=args.metrics_port,
-                              drain_timeout_s=args.drain_timeout_s,
-                              **({"worker_id": args.worker_id} if args.worker_id else {}))
+    settings = WorkerSettings(
+        redis_url=args.redis_url,
+        metrics_port=args.metrics_port,
+        drain_timeout_s=args.drain_timeout_s,
+        **({"worker_id": args.worker_id} if args.worker_id else {}),
+    )
     if getattr(args, "otel_exporter", "none") != "none":
         from api.tracing import setup_tracing
 

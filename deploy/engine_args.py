@@ -33,9 +33,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags back as argv, to hand to a worker subprocess unchanged."""
     out: list[str] = []
-    for name in ("dtype", "max_model_len", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens",
-                 "gpu_memory_utilization", "block_size", "swap_space", "num_gpu_blocks_override",
-                 "cpu_kv_cache_gib", "load_format", "device", "scheduling_policy", "seed"):
+    for name in (
+        "dtype",
+        "max_model_len",
+        "tensor_parallel_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "gpu_memory_utilization",
+        "block_size",
+        "swap_space",
+        "num_gpu_blocks_override",
+        "cpu_kv_cache_gib",
+        "load_format",
+        "device",
+        "scheduling_policy",
+        "seed",
+    ):
         value = getattr(args, name)
         if value is not None:
             out += [f"--{name.replace('_', '-')}", str(value)]
@@ -50,14 +63,26 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
     from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
     return EngineConfig(
-        model=ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          load_format=args.load_format, seed=args.seed),
-        cache=CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                          num_gpu_blocks_override=args.num_gpu_blocks_override,
-                          cpu_kv_cache_gib=args.cpu_kv_cache_gib, enable_prefix_caching=args.enable_prefix_caching,
-                          swap_space_gib=args.swap_space),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  policy=args.scheduling_policy),
+        model=ModelConfig(
+            model=model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            load_format=args.load_format,
+            seed=args.seed,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            cpu_kv_cache_gib=args.cpu_kv_cache_gib,
+            enable_prefix_caching=args.enable_prefix_caching,
+            swap_space_gib=args.swap_space,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            policy=args.scheduling_policy,
+        ),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         device=args.device,
         enforce_eager=args.enforce_eager,

@@ -58,25 +58,59 @@ def _cli(*args: str) -> list[str]:
 
 
 def _api_argv(args: argparse.Namespace, redis_url: str) -> list[str]:
-    argv = _cli("api", "--redis-url", redis_url, "--host", args.host, "--port", str(args.port),
-                "--api-workers", str(args.api_workers), "--max-queue-depth", str(args.max_queue_depth),
-                "--queue-deadline-s", str(args.queue_deadline_s), "--request-timeout-s", str(args.request_timeout_s),
-                "--response-cache-ttl-s", str(args.response_cache_ttl_s), "--max-body-bytes", str(args.max_body_bytes),
-                "--rate-limit-rps", str(args.rate_limit_rps), "--rate-limit-burst", str(args.rate_limit_burst),
-                "--otel-exporter", args.otel_exporter, "--log-level", args.log_level,
-                "--response-cache" if args.response_cache else "--no-response-cache")
+    argv = _cli(
+        "api",
+        "--redis-url",
+        redis_url,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--api-workers",
+        str(args.api_workers),
+        "--max-queue-depth",
+        str(args.max_queue_depth),
+        "--queue-deadline-s",
+        str(args.queue_deadline_s),
+        "--request-timeout-s",
+        str(args.request_timeout_s),
+        "--response-cache-ttl-s",
+        str(args.response_cache_ttl_s),
+        "--max-body-bytes",
+        str(args.max_body_bytes),
+        "--rate-limit-rps",
+        str(args.rate_limit_rps),
+        "--rate-limit-burst",
+        str(args.rate_limit_burst),
+        "--otel-exporter",
+        args.otel_exporter,
+        "--log-level",
+        args.log_level,
+        "--response-cache" if args.response_cache else "--no-response-cache",
+    )
     for key in args.api_key:
         argv += ["--api-key", key]
-    for flag, value in (("--model", args.model), ("--served-model-name", args.served_model_name),
-                        ("--max-model-len", args.max_model_len)):
+    for flag, value in (
+        ("--model", args.model),
+        ("--served-model-name", args.served_model_name),
+        ("--max-model-len", args.max_model_len),
+    ):
         if value:
             argv += [flag, str(value)]
     return argv
 
 
 def _worker_argv(args: argparse.Namespace, redis_url: str, index: int) -> list[str]:
-    argv = _cli("worker", "--redis-url", redis_url, "--drain-timeout-s", str(args.drain_timeout_s),
-                "--log-level", args.log_level, *engine_argv(args))
+    argv = _cli(
+        "worker",
+        "--redis-url",
+        redis_url,
+        "--drain-timeout-s",
+        str(args.drain_timeout_s),
+        "--log-level",
+        args.log_level,
+        *engine_argv(args),
+    )
     for flag, value in (("--model", args.model), ("--served-model-name", args.served_model_name)):
         if value:
             argv += [flag, str(value)]

@@ -22,8 +22,9 @@ class RedisServer:
     def __init__(self, port: int | None = None, binary: str = "redis-server") -> None:
         path = shutil.which(binary)
         if path is None:
-            raise ValueError(f"{binary} not found on PATH: install it (Debian: apt-get install redis-server) "
-                             "or pass --redis-url")
+            raise ValueError(
+                f"{binary} not found on PATH: install it (Debian: apt-get install redis-server) or pass --redis-url"
+            )
         self.binary = path
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -34,8 +35,23 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", self._dir.name, "--maxclients", "10000", "--loglevel", "warning"]
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._dir.name,
+            "--maxclients",
+            "10000",
+            "--loglevel",
+            "warning",
+        ]
         log = open(Path(self._dir.name) / "redis.log", "wb")  # noqa: SIM115 - lives as long as the server
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s

@@ -106,9 +106,7 @@ class JobResult:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        data["choices"] = [
-            {**asdict(c), "logprobs": _logprobs_to_json(c.logprobs)} for c in self.choices
-        ]
+        data["choices"] = [{**asdict(c), "logprobs": _logprobs_to_json(c.logprobs)} for c in self.choices]
         return data
 
     @classmethod

@@ -27,8 +27,14 @@ class ServerThread:
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
         self.port = free_port()
-        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=self.port, log_level="warning",
-                                lifespan="on", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            create_app(settings),
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=2,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -107,9 +113,13 @@ class ScriptedWorker:
                     await client.publish(keys.stream_channel(payload.request_id), raw or b"")
             text = "".join(self.pieces)
             ids = [100 + i for i in range(len(self.pieces))]
-            result = JobResult(payload.request_id, payload.model,
-                               [ChoiceResult(k, text, ids, finish_reason) for k in range(n)],
-                               len(payload.prompt_token_ids), n * len(ids))
+            result = JobResult(
+                payload.request_id,
+                payload.model,
+                [ChoiceResult(k, text, ids, finish_reason) for k in range(n)],
+                len(payload.prompt_token_ids),
+                n * len(ids),
+            )
             await writer.final(result)
             return result
         finally:

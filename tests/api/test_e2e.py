@@ -42,9 +42,28 @@ def stack(redis_server: RedisServer) -> Iterator[tuple[ServerThread, list[subpro
     redis.Redis.from_url(redis_server.url).flushall()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     workers = [
-        subprocess.Popen([sys.executable, "-m", "deploy.cli", "worker", "--redis-url", redis_server.url, "--device",
-                          "cpu", "--max-num-seqs", "48", "--worker-id", wid, "--drain-timeout-s", "60",
-                          "--log-level", "warning"], env=env, cwd=ROOT)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "deploy.cli",
+                "worker",
+                "--redis-url",
+                redis_server.url,
+                "--device",
+                "cpu",
+                "--max-num-seqs",
+                "48",
+                "--worker-id",
+                wid,
+                "--drain-timeout-s",
+                "60",
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            cwd=ROOT,
+        )
         for wid in WORKER_IDS
     ]
     api = start_api(redis_server, response_cache=False)
@@ -117,15 +136,23 @@ def test_stop_sequence_is_honoured(stack: tuple[ServerThread, list[subprocess.Po
     assert cut.choices[0].text == free[: free.index(stop)]
 
 
-async def test_64_concurrent_streams_complete_in_order(stack: tuple[ServerThread, list[subprocess.Popen[bytes]]]) -> None:
+async def test_64_concurrent_streams_complete_in_order(
+    stack: tuple[ServerThread, list[subprocess.Popen[bytes]]],
+) -> None:
     api, _ = stack
     done_before = {w: b.jobs_done for w, b in _beats(api.settings.redis_url).items()}
     client = openai.AsyncOpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
     async def one(i: int) -> tuple[str, str, int, str | None]:
         stream = await client.completions.create(
-            model=MODEL, prompt=f"Count from {i}:", max_tokens=6, temperature=0.0, logprobs=0, stream=True,
-            stream_options={"include_usage": True})
+            model=MODEL,
+            prompt=f"Count from {i}:",
+            max_tokens=6,
+            temperature=0.0,
+            logprobs=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, tokens, usage, finish = [], [], 0, None
         async for chunk in stream:
             if chunk.usage:
@@ -150,8 +177,14 @@ async def test_64_concurrent_streams_complete_in_order(stack: tuple[ServerThread
 
 def test_killed_client_job_is_aborted(stack: tuple[ServerThread, list[subprocess.Popen[bytes]]]) -> None:
     api, _ = stack
-    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
-            "temperature": 0.0, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a long story.",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+    }
     with httpx.stream("POST", api.url + "/v1/completions", json=body, timeout=60) as resp:
         lines = resp.iter_lines()
         first = next(line for line in lines if line.startswith("data:"))
@@ -192,8 +225,9 @@ async def test_job_past_queue_deadline_is_dropped(stack: tuple[ServerThread, lis
 def test_sigterm_finishes_running_jobs_then_exits(stack: tuple[ServerThread, list[subprocess.Popen[bytes]]]) -> None:
     api, workers = stack  # last test of the module: it stops the workers
     client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0, timeout=120)
-    stream = client.completions.create(model=MODEL, prompt="Once", max_tokens=40, temperature=0.0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL, prompt="Once", max_tokens=40, temperature=0.0, stream=True, extra_body={"ignore_eos": True}
+    )
     first = next(iter(stream))
     for w in workers:
         w.send_signal(signal.SIGTERM)

@@ -25,8 +25,16 @@ BODY = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
 
 @pytest.fixture(scope="module")
 def small_queue_api(redis_server: RedisServer) -> Iterator[ServerThread]:
-    server = start_api(redis_server, max_queue_depth=2, retry_after_s=3, queue_deadline_s=0.5,
-                       request_timeout_s=3.0, api_keys=("key-1", "key-2"), rate_limit_rps=1.0, rate_limit_burst=5)
+    server = start_api(
+        redis_server,
+        max_queue_depth=2,
+        retry_after_s=3,
+        queue_deadline_s=0.5,
+        request_timeout_s=3.0,
+        api_keys=("key-1", "key-2"),
+        rate_limit_rps=1.0,
+        rate_limit_burst=5,
+    )
     yield server
     server.stop()
 
@@ -72,18 +80,36 @@ def test_ready_follows_worker_heartbeats(api: ServerThread, redis_url: str) -> N
     assert httpx.get(api.url + "/health").json() == {"status": "ok"}
     assert httpx.get(api.url + "/ready").status_code == 503
     r = redis.Redis.from_url(redis_url)
-    beat = WorkerHeartbeat("w1", MODEL, capacity=8, max_model_len=8192, num_running=3, kv_cache_usage=0.25,
-                           prompt_tokens_total=100, time=time.time())
+    beat = WorkerHeartbeat(
+        "w1",
+        MODEL,
+        capacity=8,
+        max_model_len=8192,
+        num_running=3,
+        kv_cache_usage=0.25,
+        prompt_tokens_total=100,
+        time=time.time(),
+    )
     r.set(keys.worker_key("w1"), beat.to_json(), ex=10)
     r.zadd(keys.WORKERS, {"w1": beat.time})
     ready = httpx.get(api.url + "/ready")
     assert ready.status_code == 200 and ready.json()["workers"] == 1
     text = httpx.get(api.url + "/metrics").text
-    for line in ("pagedserve:num_requests_running 3.0", "pagedserve:kv_cache_usage_perc 0.25",
-                 "pagedserve:prompt_tokens_total 100.0", "pagedserve:num_workers 1.0"):
+    for line in (
+        "pagedserve:num_requests_running 3.0",
+        "pagedserve:kv_cache_usage_perc 0.25",
+        "pagedserve:prompt_tokens_total 100.0",
+        "pagedserve:num_workers 1.0",
+    ):
         assert line in text
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "inter_token_latency_seconds", "prefix_cache_hits_total", "num_preemptions_total"):
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "inter_token_latency_seconds",
+        "prefix_cache_hits_total",
+        "num_preemptions_total",
+    ):
         assert f"pagedserve:{name}" in text
 
 

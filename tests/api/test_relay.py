@@ -39,7 +39,8 @@ async def test_stream_and_non_stream_chat(api: ServerThread, redis_url: str) -> 
 
     async def streamed() -> tuple[str, openai.types.CompletionUsage | None]:
         stream = await client.chat.completions.create(  # type: ignore[call-overload]
-            model=MODEL, messages=MSGS, max_tokens=4, stream=True, stream_options={"include_usage": True})
+            model=MODEL, messages=MSGS, max_tokens=4, stream=True, stream_options={"include_usage": True}
+        )
         parts, usage = [], None
         async for chunk in stream:
             usage = chunk.usage or usage
@@ -47,8 +48,10 @@ async def test_stream_and_non_stream_chat(api: ServerThread, redis_url: str) -> 
         return "".join(parts), usage
 
     (text, usage), _ = await asyncio.gather(streamed(), worker.serve())
-    plain, _ = await asyncio.gather(client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4),  # type: ignore[arg-type]
-                                    worker.serve())
+    plain, _ = await asyncio.gather(
+        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4),  # type: ignore[arg-type]
+        worker.serve(),
+    )
     assert text == plain.choices[0].message.content == "Hello, world!"
     assert usage is not None and plain.usage is not None
     assert usage.completion_tokens == plain.usage.completion_tokens == 4

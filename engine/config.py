@@ -66,10 +66,17 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_init_method: str | None = None  # tcp://host:port; None = pick a free local port
+    # "mp": one process per rank with a process group (forced at TP=1 too); "uni": TP=1 in-process, no group;
+    # "auto": uni at TP=1, mp above
+    distributed_executor_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in ("auto", "mp", "uni"):
+            raise ValueError("distributed_executor_backend must be auto, mp or uni")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend 'uni' runs one rank: use 'mp' for tensor_parallel_size > 1")
 
 
 @dataclass

@@ -115,7 +115,7 @@ class MultiprocExecutor:
         if device.type == "cuda":
             torch.cuda.set_device(0)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        self.parallel = init_distributed(0, world_size, init_method, backend)
+        self.parallel = init_distributed(0, world_size, init_method, backend, force=True)
         self.runner = ModelRunner(config, files, self.parallel)
         self.kv_spec = self.runner.kv_spec
         self.hf_config = self.runner.hf_config
@@ -155,6 +155,7 @@ class MultiprocExecutor:
 
 
 def make_executor(config: EngineConfig, files: modelfiles.ModelFiles) -> Executor:
-    if config.parallel.tensor_parallel_size == 1:
+    backend = config.parallel.distributed_executor_backend
+    if backend == "uni" or (backend == "auto" and config.parallel.tensor_parallel_size == 1):
         return LocalExecutor(config, files)
     return MultiprocExecutor(config, files)

@@ -41,6 +41,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         cpu_kv_cache_gib: float = 1.0,
         skip_tokenizer_init: bool = False,
+        distributed_executor_backend: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -65,7 +66,9 @@ class LLM:
                 policy=scheduling_policy,
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size, distributed_executor_backend=distributed_executor_backend
+            ),
             device=device,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,

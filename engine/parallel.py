@@ -47,11 +47,11 @@ class ParallelState:
 
 
 def init_distributed(
-    rank: int, world_size: int, init_method: str | None = None, backend: str | None = None
+    rank: int, world_size: int, init_method: str | None = None, backend: str | None = None, force: bool = False
 ) -> ParallelState:
     """Join the TP process group (``backend`` None = nccl when CUDA is available, else gloo).
-    At world_size 1 no process group is created."""
-    if world_size == 1:
+    At world_size 1 no process group is created unless ``force`` (the process-per-rank path at TP=1)."""
+    if world_size == 1 and not force:
         return ParallelState()
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -67,7 +67,7 @@ def run_engine(engine: Engine, reqs: list[BenchRequest], tag: str) -> dict[str, 
         if first_token_s is None and steps == 1:
             sync(engine)
             first_token_s = time.perf_counter() - start
-        if steps % 8 == 0 and engine.scheduler.waiting:  # steady state: the batch is full, a queue waits
+        if steps % 8 == 0:
             used_blocks = round(engine.kv.usage() * engine.kv.num_blocks)
             live = sum(r.num_computed_tokens for r in engine.scheduler.running)
             if used_blocks:

@@ -79,5 +79,13 @@ def test_bf16_logits_close_to_hf(folder: Path) -> None:
         hf_bf16 = hf.to(torch.bfloat16)(torch.tensor([ids]).cuda()).logits[0].float()
     rel = ((ours - ref).norm() / ref.norm()).item()
     rel_hf = ((hf_bf16 - ref).norm() / ref.norm()).item()
-    print(f"bf16 relative logits error: ours {rel:.4f}, HF bf16 {rel_hf:.4f}")
-    assert rel < 1e-2, (rel, rel_hf)
+    print(f"bf16 relative logits error vs fp32: ours {rel:.4f}, HF bf16 {rel_hf:.4f}")
+    # 1e-2, or HF's own bf16 error where that is larger: bf16 rounding alone sets that floor
+    assert rel < max(1e-2, 1.1 * rel_hf), (rel, rel_hf)
+
+
+def test_tp1_process_per_rank_path_equals_in_process(folder: Path) -> None:
+    """The tensor-parallel path (process group on NCCL, rank-0 driver) at TP=1 gives the same tokens."""
+    uni = engine_tokens(folder, dtype="bfloat16", distributed_executor_backend="uni")
+    mp = engine_tokens(folder, dtype="bfloat16", distributed_executor_backend="mp")
+    assert mp == uni

@@ -65,3 +65,15 @@ def test_dead_rank_stops_the_engine_with_a_clear_error(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "rank" in proc.stderr and "died" in proc.stderr
+
+
+def test_tp1_through_the_process_per_rank_path(tmp_path: Path) -> None:
+    folder = build_tiny_model(tmp_path, "qwen2", seed=12)
+    expected, _ = greedy_tokens(folder, 1)
+    llm = LLM(str(folder), device="cpu", distributed_executor_backend="mp")
+    try:
+        outs = llm.generate(prompts(5), SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
+        assert type(llm.engine.executor).__name__ == "MultiprocExecutor"
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    finally:
+        llm.shutdown()

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cache_write import reshape_and_cache_ref
-from kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
+from kernels.paged_attention import paged_decode_attention_ref
+from kernels.prefill_attention import paged_prefill_attention_ref
 
 BACKENDS = ("torch", "triton")
 
@@ -50,7 +51,8 @@ def paged_attention(
     ``[num_tokens, num_heads, head_dim]``."""
     if meta.backend == "triton":
         from kernels.cache_write import reshape_and_cache
-        from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+        from kernels.paged_attention import paged_decode_attention
+        from kernels.prefill_attention import paged_prefill_attention
 
         reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
         if meta.is_decode_only:

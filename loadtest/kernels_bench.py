@@ -73,12 +73,8 @@ def time_graph(calls: Sequence[Callable[[], object]], reps: int) -> float:
 
 
 def check_correctness() -> list[dict[str, Any]]:
-    from kernels.paged_attention import (
-        paged_decode_attention,
-        paged_decode_attention_ref,
-        paged_prefill_attention,
-        paged_prefill_attention_ref,
-    )
+    from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+    from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
     gen = torch.Generator(device="cuda")
     gen.seed()
@@ -169,7 +165,7 @@ def bench_decode(batch: int, seq_len: int, reps: int, variants: list[dict[str, A
 
 
 def bench_prefill(num_tokens: int, reps: int, variants: list[dict[str, Any]]) -> dict[str, Any]:
-    from kernels.paged_attention import _paged_prefill_attention
+    from kernels.prefill_attention import _paged_prefill_attention
 
     flops = 4 * NUM_HEADS * HEAD_DIM * num_tokens * (num_tokens + 1) / 2  # causal QK^T and PV
     scale = HEAD_DIM**-0.5

@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import (
-    paged_decode_attention,
-    paged_decode_attention_ref,
-    paged_prefill_attention,
-    paged_prefill_attention_ref,
-)
+from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from tests.kernels.helpers import paged_cache, rel_err
 
 pytestmark = [

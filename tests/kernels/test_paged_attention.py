@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import (
-    _paged_decode_attention,
-    _paged_prefill_attention,
-    paged_decode_attention,
-    paged_decode_attention_ref,
-    paged_prefill_attention,
-    paged_prefill_attention_ref,
-)
+from kernels.paged_attention import _paged_decode_attention, paged_decode_attention, paged_decode_attention_ref
+from kernels.prefill_attention import _paged_prefill_attention, paged_prefill_attention, paged_prefill_attention_ref
 from tests.kernels.helpers import DEVICE, paged_cache, rel_err, tolerance
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

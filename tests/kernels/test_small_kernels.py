@@ -96,7 +96,7 @@ def test_import_without_triton_then_clear_error() -> None:
     """API nodes and CPU installs import kernels.* without Triton; calling a kernel says what is missing."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, kernels.paged_attention as pa, kernels.norm, kernels.rotary, kernels.cache_write\n"
+        "import torch, kernels.paged_attention as pa, kernels.prefill_attention, kernels.norm, kernels.rotary, kernels.cache_write\n"
         "try:\n"
         "    kernels.norm.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)\n"
         "except RuntimeError as e:\n"

@@ -1,0 +1,191 @@
+"""Paged prefill / chunked-prefill attention: variable-length queries (``query_start_loc``), causal among
+the new tokens, attending to each sequence's cached prefix through its block table. Decode rows (q_len 1)
+may share the launch. Layout and conventions as in ``kernels.paged_attention``."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import check_index, check_same_device, next_pow2, require_triton, tl, triton
+from kernels.paged_attention import _LOG2E, _check_attention_inputs, _dot_precision, _upcast
+
+
+def paged_prefill_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences back to back
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32: sequence i's queries are rows [q[i], q[i+1])
+    seq_lens: torch.Tensor,  # [num_seqs] int32: cached prefix + new tokens
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Variable-length queries (the last ``q_len`` positions of each sequence), causal among themselves,
+    attending to the sequence's cached prefix through its block table. Decode rows are q_len == 1."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q0, q1 = starts[i], starts[i + 1]
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[i, :num_blocks].to(torch.long)
+        k = kv_cache[0][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [L, Hkv, D]
+        v = kv_cache[1][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        q = query[q0:q1].view(q_len, num_kv_heads, group, head_dim).float()  # [Q, Hkv, G, D]
+        scores = torch.einsum("qhgd,khd->hgqk", q, k.float()) * scale  # [Hkv, G, Q, L]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        mask = k_pos > q_pos
+        if sliding_window is not None:
+            mask |= k_pos <= q_pos - sliding_window
+        scores = scores.masked_fill(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.einsum("hgqk,khd->qhgd", probs, v.float())  # [Q, Hkv, G, D]
+        out[q0:q1] = o.reshape(q_len, num_heads, head_dim).to(query.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton: prefill / chunked prefill / mixed batches. Grid (q_tile, kv_head). Sequence s owns the tiles
+# [q_start[s] // BLOCK_Q + s, q_start[s + 1] // BLOCK_Q + s + 1): a bound on its cdiv(q_len, BLOCK_Q) tiles
+# that needs no device sync, found back by binary search over query_start_loc. A tile is BLOCK_Q query
+# tokens x the GROUP query heads of one KV head, flattened into BLOCK_Q * GROUP_PAD rows (GQA).
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    scale_log2, sliding_window, num_seqs,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    lo = 0
+    hi = num_seqs
+    while hi - lo > 1:  # largest s with q_start[s] // BLOCK_Q + s <= tile
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(first_tile <= tile, mid, lo)
+        hi = tl.where(first_tile <= tile, hi, mid)
+    seq = lo
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile_start = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # cached tokens before this step's queries
+
+    r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    tok = q_tile_start + r // GROUP_PAD  # [M] index among the sequence's new tokens
+    g = r % GROUP_PAD
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = d < HEAD_DIM
+    row_mask = (tok < q_len) & (g < GROUP)
+    heads = kvh * GROUP + g
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = context_len + tok  # [M] absolute positions
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+
+    kv_hi = tl.minimum(context_len + q_tile_start + BLOCK_Q, seq_len)  # causal: up to the tile's last query
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(context_len + q_tile_start - sliding_window + 1, 0)
+    bt_row = block_tables_ptr + seq * stride_bt
+    for start in range((kv_lo // BLOCK_N) * BLOCK_N, kv_hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_hi
+        block_ids = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        row_off = block_ids * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kvh * stride_kh  # [BLOCK_N]
+        kv_mask = pos_ok[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences back to back
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32: cached prefix + new tokens
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`paged_prefill_attention_ref`."""
+    return _paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window)
+
+
+def _paged_prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    block_m: int = 64,  # 64 rows x 4 warps beat 128 x 8 at 4k tokens on an H200 (268 vs 231 TFLOP/s)
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    require_triton("paged_prefill_attention")
+    _check_attention_inputs(query, kv_cache, block_tables, seq_lens)
+    check_index("query_start_loc", query_start_loc, 1)
+    check_same_device(query=query, query_start_loc=query_start_loc)
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(
+            f"query_start_loc needs num_seqs + 1 = {seq_lens.shape[0] + 1} entries, got {query_start_loc.shape[0]}"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    group_pad = next_pow2(group)
+    block_q = max(1, block_m // group_pad)
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_tiles = num_tokens // block_q + num_seqs  # bound on sum(cdiv(q_len, block_q)); no device sync
+    _prefill_kernel[(num_tiles, num_kv_heads)](
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * _LOG2E, sliding_window or 0, num_seqs,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out

@@ -42,6 +42,10 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.swap_space_gib < 0:
+            raise ValueError(f"swap_space must be >= 0, got {self.swap_space_gib}")
+        if self.swap_space_gib > 0:
+            raise ValueError("swap to CPU is not supported: preempted requests are recomputed; use --swap-space 0")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
 

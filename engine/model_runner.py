@@ -86,18 +86,20 @@ class ModelRunner:
         )
         for i, layer in enumerate(layers):
             layer.kv_cache = self.kv_cache[i]
+        max_len = effective_max_model_len(config, self.hf_config, spec)
         if self.device.type == "cuda" and not config.enforce_eager:
-            max_len = effective_max_model_len(config, self.hf_config, spec)
             max_blocks = -(-max_len // spec.block_size)
             self.graphs = DecodeGraphs(self.model, self.backend, config.scheduler.max_num_seqs, max_blocks, self.device)
             self.graphs.capture()
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s: %.1f requests of %d tokens at once",
             spec.num_blocks,
             spec.block_size,
             spec.num_tokens,
             spec.num_blocks * spec.bytes_per_block / 2**30,
             self.device,
+            spec.num_tokens / max_len,
+            max_len,
         )
 
     def _size_kv_cache(self) -> KVCacheSpec:

@@ -16,14 +16,28 @@ from cache.kv import KVCacheManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.executor import Executor, make_executor
-from engine.inputs import build_step_inputs
+from engine.inputs import StepInputs, TokenFill, build_step_inputs
 from engine.model_runner import effective_max_model_len
 from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
-from engine.sampler import Sampler, SamplingBatch, make_generator
+from engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import PLACEHOLDER, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+def _resolved(token_ids: list[int]) -> list[int]:
+    """Output tokens without the slot reserved for the step still in flight."""
+    return token_ids[:-1] if token_ids and token_ids[-1] == PLACEHOLDER else list(token_ids)
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled ids are still on the device."""
+
+    out: SchedulerOutput
+    rows: list[tuple[Request, int]]
+    token_ids: torch.Tensor  # [num_sampling_rows] on the device
 
 
 @dataclass
@@ -66,6 +80,13 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.computed_tokens_total = 0  # tokens run through the model (prefix-cache hits excluded)
+        self._inflight: _InFlight | None = None
+        self._num_history_requests = 0  # running requests whose sampling reads past tokens on the host
+        uses_ranks = config.parallel.tensor_parallel_size > 1 or config.parallel.distributed_executor_backend == "mp"
+        wants_async = config.async_scheduling
+        if wants_async is None:
+            wants_async = self.executor.device.type == "cuda"
+        self.async_scheduling = wants_async and not uses_ranks  # other ranks cannot see device-side ids
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -131,6 +152,8 @@ class Engine:
                 self._detok[request.request_id] = IncrementalDetokenizer(
                     self.tokenizer, request.prompt_token_ids, params
                 )
+            if params.needs_history:
+                self._num_history_requests += 1
             if params.seed is not None:
                 self._generators[request.request_id] = make_generator(params.seed + i, self.executor.device)
             self.scheduler.add_request(request)
@@ -145,20 +168,79 @@ class Engine:
         return self._group_output(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._inflight is not None
 
     # ---- the loop body ----------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one scheduled batch. ``final_only`` (offline use) skips building outputs of unfinished
-        requests, which costs a copy of every running request's tokens per step."""
+        requests, which costs a copy of every running request's tokens per step.
+
+        With asynchronous scheduling the step launched here is only resolved by the next call: the host
+        schedules and prepares step N+1 while the device runs step N, and step N's sampled ids reach
+        step N+1's input on the device. Requests whose sampling needs the token history (penalties,
+        logprobs) switch the engine back to synchronous steps while they run."""
+        overlap = self._can_overlap()
+        if self._inflight is not None and not overlap:
+            return self._resolve_inflight(final_only)
         out = self.scheduler.schedule()
-        if out.is_empty:
+        if out.is_empty and self._inflight is None:
             return []
-        self.computed_tokens_total += out.num_tokens
-        inputs = build_step_inputs(out, self.kv.block_size)
-        logits = self.executor.execute_model(inputs)
-        sampled = self._sample(out, logits)
-        changed = self.scheduler.update(out, sampled)
+        launched: _InFlight | None = None
+        if not out.is_empty:
+            self.computed_tokens_total += out.num_tokens
+            inputs = build_step_inputs(out, self.kv.block_size)
+            logits = self.executor.execute_model(inputs, self._token_fill(out, inputs))
+            batch = self._sampling_batch(out)
+            if overlap:
+                token_ids = self.sampler.sample_ids(logits, batch) if len(batch) else logits.new_empty(0)
+                launched = _InFlight(out, self.scheduler.advance(out), token_ids)
+            else:
+                result = self.sampler(logits, batch) if len(batch) else SamplerOutput([], [])
+                rows = self.scheduler.advance(out)
+                changed = self.scheduler.resolve(out, rows, result.token_ids, result.logprobs)
+                return self._outputs(changed, final_only)
+        outputs = self._resolve_inflight(final_only) if self._inflight is not None else []
+        self._inflight = launched
+        return outputs
+
+    def _can_overlap(self) -> bool:
+        return self.async_scheduling and self._num_history_requests == 0
+
+    def _resolve_inflight(self, final_only: bool) -> list[RequestOutput]:
+        inflight, self._inflight = self._inflight, None
+        assert inflight is not None
+        token_ids: list[int] = inflight.token_ids.tolist()  # waits for that step only
+        changed = self.scheduler.resolve(inflight.out, inflight.rows, token_ids, [None] * len(token_ids))
+        return self._outputs(changed, final_only)
+
+    def _token_fill(self, out: SchedulerOutput, inputs: StepInputs) -> TokenFill | None:
+        """Input positions whose token is still on the device (sampled by the step in flight)."""
+        if self._inflight is None:
+            return None
+        row_of = {r.request_id: i for i, (r, _) in enumerate(self._inflight.rows)}
+        dst: list[int] = []
+        src: list[int] = []
+        ends = inputs.query_start_loc.tolist()[1:]
+        for chunk, end in zip(out.chunks, ends, strict=True):
+            outputs = chunk.request.output_token_ids
+            if outputs and outputs[-1] == PLACEHOLDER:
+                dst.append(end - 1)
+                src.append(row_of[chunk.request.request_id])
+        if not dst:
+            return None
+        return TokenFill(self._inflight.token_ids, torch.tensor(dst), torch.tensor(src))
+
+    def _sampling_batch(self, out: SchedulerOutput) -> SamplingBatch:
+        rows = [c.request for c in out.chunks if c.samples]
+        return SamplingBatch(
+            params=[r.sampling_params for r in rows],
+            prompt_token_ids=[r.prompt_token_ids for r in rows],
+            output_token_ids=[r.output_token_ids for r in rows],
+            generators=[self._generators.get(r.request_id) for r in rows],
+            eos_token_ids=[r.eos_token_ids for r in rows],
+        )
+
+    def _outputs(self, changed: list[Request], final_only: bool) -> list[RequestOutput]:
         self.generation_tokens_total += len(changed)
         groups: dict[str, None] = {}
         for request in changed:
@@ -172,25 +254,11 @@ class Engine:
             outputs.append(self._group_output(group_id))
         return outputs
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> dict[str, tuple[int, dict[int, float] | None]]:
-        rows = [c.request for c in out.chunks if c.samples]
-        if not rows:
-            return {}
-        batch = SamplingBatch(
-            params=[r.sampling_params for r in rows],
-            prompt_token_ids=[r.prompt_token_ids for r in rows],
-            output_token_ids=[r.output_token_ids for r in rows],
-            generators=[self._generators.get(r.request_id) for r in rows],
-            eos_token_ids=[r.eos_token_ids for r in rows],
-        )
-        result = self.sampler(logits, batch)
-        return {r.request_id: (tok, lp) for r, tok, lp in zip(rows, result.token_ids, result.logprobs, strict=True)}
-
     def _detokenize(self, request: Request) -> None:
         detok = self._detok.get(request.request_id)
         if detok is None:
             return
-        stop = detok.add_tokens(request.output_token_ids[-1:])
+        stop = detok.add_tokens(_resolved(request.output_token_ids)[-1:])
         if stop is not None and not request.is_finished:
             request.stop_reason = stop
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
@@ -209,7 +277,7 @@ class Engine:
                 CompletionOutput(
                     index=r.sample_index,
                     text=self._detok[r.request_id].output_text if r.request_id in self._detok else "",
-                    token_ids=list(r.output_token_ids),
+                    token_ids=_resolved(r.output_token_ids),
                     cumulative_logprob=cumulative,
                     logprobs=list(r.output_logprobs) if want_lp else None,
                     finish_reason=r.status.finish_reason,
@@ -227,6 +295,8 @@ class Engine:
         )
         if finished:
             for r in requests:
+                if r.sampling_params.needs_history:
+                    self._num_history_requests -= 1
                 self._detok.pop(r.request_id, None)
                 self._generators.pop(r.request_id, None)
             self.scheduler.release_group(group_id)

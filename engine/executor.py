@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 import modelfiles
 from engine.config import EngineConfig
-from engine.inputs import StepInputs
+from engine.inputs import StepInputs, TokenFill
 from engine.model_runner import KVCacheSpec, ModelRunner, pick_device
 from engine.parallel import ParallelState, init_distributed
 
@@ -32,7 +32,7 @@ class Executor(Protocol):
     hf_config: Any
     device: torch.device
 
-    def execute_model(self, inputs: StepInputs) -> torch.Tensor: ...
+    def execute_model(self, inputs: StepInputs, fill: TokenFill | None = None) -> torch.Tensor: ...
 
     def shutdown(self) -> None: ...
 
@@ -59,8 +59,8 @@ class LocalExecutor:
         self.hf_config = self.runner.hf_config
         self.device = self.runner.device
 
-    def execute_model(self, inputs: StepInputs) -> torch.Tensor:
-        return self.runner.execute_model(inputs)
+    def execute_model(self, inputs: StepInputs, fill: TokenFill | None = None) -> torch.Tensor:
+        return self.runner.execute_model(inputs, fill)
 
     def shutdown(self) -> None:
         pass
@@ -129,7 +129,9 @@ class MultiprocExecutor:
                     os._exit(70)  # a collective with a dead peer would hang; die so the queue retries the job
             time.sleep(0.2)
 
-    def execute_model(self, inputs: StepInputs) -> torch.Tensor:
+    def execute_model(self, inputs: StepInputs, fill: TokenFill | None = None) -> torch.Tensor:
+        if fill is not None:
+            raise ValueError("device-side input tokens need a single rank (asynchronous scheduling is off at TP > 1)")
         message = StepMessage(inputs)
         for inbox in self.inboxes:
             inbox.put(message)

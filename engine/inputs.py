@@ -35,6 +35,15 @@ class StepInputs:
         return int(self.input_ids.shape[0])
 
 
+@dataclass
+class TokenFill:
+    """Input tokens that exist only on the device: ``input_ids[dst] = tokens[src]`` before the forward."""
+
+    tokens: torch.Tensor  # [num_rows] the sampled ids of the step still in flight, on the device
+    dst: torch.Tensor  # [k] int64: positions in the flat input_ids
+    src: torch.Tensor  # [k] int64: rows of ``tokens``
+
+
 def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
     input_ids: list[int] = []
     positions: list[int] = []

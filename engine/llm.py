@@ -42,6 +42,7 @@ class LLM:
         cpu_kv_cache_gib: float = 1.0,
         skip_tokenizer_init: bool = False,
         distributed_executor_backend: str = "auto",
+        async_scheduling: bool | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -72,6 +73,7 @@ class LLM:
             device=device,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
         )
         self.engine = Engine(config)
 

@@ -12,7 +12,7 @@ import modelfiles
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.inputs import StepInputs
+from engine.inputs import StepInputs, TokenFill
 from engine.loader import load_hf_config, load_model, resolve_dtype
 from engine.parallel import ParallelState
 
@@ -148,37 +148,40 @@ class ModelRunner:
         return int(budget // probe.bytes_per_block)
 
     # ---- execution --------------------------------------------------------------------------------
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Through pinned memory on CUDA: a pageable copy would make the host wait for queued device work."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def _metadata(self, inputs: StepInputs) -> AttentionMetadata:
-        dev = self.device
         return AttentionMetadata(
-            slot_mapping=inputs.slot_mapping.to(dev, non_blocking=True),
-            query_start_loc=inputs.query_start_loc.to(dev, non_blocking=True),
-            seq_lens=inputs.seq_lens.to(dev, non_blocking=True),
-            block_tables=inputs.block_tables.to(dev, non_blocking=True),
+            slot_mapping=self._to_device(inputs.slot_mapping),
+            query_start_loc=self._to_device(inputs.query_start_loc),
+            seq_lens=self._to_device(inputs.seq_lens),
+            block_tables=self._to_device(inputs.block_tables),
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             backend=self.backend,
         )
 
     @torch.inference_mode()
-    def execute_model(self, inputs: StepInputs) -> torch.Tensor:
-        """Forward one step; returns float32 logits ``[num_sampling, vocab]`` (full vocab on every rank)."""
+    def execute_model(self, inputs: StepInputs, fill: TokenFill | None = None) -> torch.Tensor:
+        """Forward one step; returns float32 logits ``[num_sampling, vocab]`` (full vocab on every rank).
+        ``fill`` supplies input tokens that are still on the device (asynchronous scheduling)."""
         if inputs.blocks_to_copy:
             src = torch.tensor([s for s, _ in inputs.blocks_to_copy], device=self.device)
             dst = torch.tensor([d for _, d in inputs.blocks_to_copy], device=self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        input_ids = self._to_device(inputs.input_ids)
+        if fill is not None:
+            input_ids[self._to_device(fill.dst)] = fill.tokens[self._to_device(fill.src)]
+        logits_indices = self._to_device(inputs.logits_indices)
         if self.graphs is not None and self.graphs.can_run(inputs):
-            hidden = self.graphs.run(inputs)
-            selected = hidden[inputs.logits_indices.to(self.device, non_blocking=True)]
-            return self.model.compute_logits(selected)
-        meta = self._metadata(inputs)
-        hidden = self.model(
-            inputs.input_ids.to(self.device, non_blocking=True),
-            inputs.positions.to(self.device, non_blocking=True),
-            meta,
-        )  # [num_tokens, hidden]
-        selected = hidden[inputs.logits_indices.to(self.device, non_blocking=True)]  # [num_sampling, hidden]
-        return self.model.compute_logits(selected)
+            hidden = self.graphs.run(inputs, input_ids)
+        else:
+            hidden = self.model(input_ids, self._to_device(inputs.positions), self._metadata(inputs))
+        return self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
 
 
 def _dummy_prefill(lens: list[int], block_size: int) -> StepInputs:

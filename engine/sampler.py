@@ -54,6 +54,13 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host-to-device copy through pinned memory, so the host does not wait for queued GPU work."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
     """A generator for one seeded request, on the device its noise is drawn on."""
     generator = torch.Generator(device=device)
@@ -77,27 +84,34 @@ class Sampler:
         Logprobs are ``log_softmax`` of the logits after penalties and min_tokens masking, before
         temperature and the top-k / top-p / min-p filters (the model's distribution as penalised).
         """
-        num_rows, vocab_size = logits.shape
+        logits = self._process(logits, batch)
+        token_ids = self._choose(logits, batch)
+        token_id_list: list[int] = token_ids.tolist()
+        return SamplerOutput(token_id_list, self._logprobs(logits, token_ids, batch))
+
+    def sample_ids(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The chosen ids as a device tensor ``[num_rows]``, with no host sync (asynchronous scheduling;
+        no logprobs)."""
+        return self._choose(self._process(logits, batch), batch)
+
+    def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        num_rows = logits.shape[0]
         if num_rows != len(batch):
             raise ValueError(f"logits have {num_rows} rows but the batch has {len(batch)}")
         logits = logits.float()
         logits = self._apply_penalties(logits, batch)
-        logits = self._apply_min_tokens(logits, batch)
+        return self._apply_min_tokens(logits, batch)
 
+    def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy_ids = torch.argmax(logits, dim=-1)  # [num_rows]
         is_greedy = [p.is_greedy for p in batch.params]
         if all(is_greedy):
-            token_ids = greedy_ids
-        else:
-            sampled_ids = self._sample(logits, batch)
-            if any(is_greedy):
-                greedy_mask = torch.tensor(is_greedy, device=logits.device)
-                token_ids = torch.where(greedy_mask, greedy_ids, sampled_ids)
-            else:
-                token_ids = sampled_ids
-
-        token_id_list: list[int] = token_ids.tolist()
-        return SamplerOutput(token_id_list, self._logprobs(logits, token_ids, batch))
+            return greedy_ids
+        sampled_ids = self._sample(logits, batch)
+        if any(is_greedy):
+            greedy_mask = _to_device(torch.tensor(is_greedy), logits.device)
+            return torch.where(greedy_mask, greedy_ids, sampled_ids)
+        return sampled_ids
 
     # ---- penalties -------------------------------------------------------------------------------
 
@@ -148,7 +162,7 @@ class Sampler:
         if not row_ids:
             return logits
         logits = logits.clone()
-        index = torch.tensor([row_ids, col_ids], device=logits.device)  # [2, num_blocked]
+        index = _to_device(torch.tensor([row_ids, col_ids]), logits.device)  # [2, num_blocked]
         logits[index[0], index[1]] = float("-inf")
         return logits
 
@@ -164,7 +178,7 @@ class Sampler:
             (1.0, 1, 1.0, 0.0) if p.is_greedy else (p.temperature, p.top_k, p.top_p, p.min_p) for p in batch.params
         ]
         sampled_top_ks = [p.top_k for p in batch.params if not p.is_greedy]
-        table = torch.tensor(settings, dtype=torch.float32, device=device)  # [num_rows, 4], one copy
+        table = _to_device(torch.tensor(settings, dtype=torch.float32), device)  # [num_rows, 4], one copy
         temperature, top_p, min_p = table[:, 0:1], table[:, 2:3], table[:, 3:4]  # each [num_rows, 1]
 
         logits = logits / temperature

@@ -74,6 +74,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def needs_history(self) -> bool:
+        """Sampling reads past tokens or returns logprobs on the host each step (no asynchronous steps)."""
+        penalised = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return penalised or self.logprobs is not None
+
+    @property
     def is_deterministic(self) -> bool:
         """Same request, same answer: greedy, or seeded (used by the response cache)."""
         return self.is_greedy or self.seed is not None

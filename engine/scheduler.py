@@ -18,6 +18,8 @@ from cache.kv import KVCacheManager
 from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus
 
+PLACEHOLDER = -1  # an output token sampled by a step still running on the device
+
 
 @dataclass
 class ScheduledChunk:
@@ -89,6 +91,8 @@ class Scheduler:
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if request.output_token_ids and request.output_token_ids[-1] == PLACEHOLDER:
+            request.output_token_ids.pop()  # the token of a step in flight: dropped with the request
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -114,7 +118,7 @@ class Scheduler:
         for request in list(self.running):
             if budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING or self._is_done(request):  # preempted / about to finish
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
@@ -175,27 +179,58 @@ class Scheduler:
 
     # ---- after the model ran ----------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: Mapping[str, tuple[int, dict[int, float] | None]]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, apply token-level stop rules, free finished
-        requests. ``sampled`` maps request id -> (token id, logprobs) for chunks that sampled.
-        Returns the requests that got a new token (including ones that just finished)."""
-        changed: list[Request] = []
+        """Synchronous form: ``advance`` then ``resolve`` with the sampled tokens. ``sampled`` maps request
+        id -> (token id, logprobs) for chunks that sampled. Returns the requests that got a new token."""
+        rows = self.advance(out)
+        results = [sampled.get(r.request_id, (PLACEHOLDER, None)) for r, _ in rows]
+        return self.resolve(out, rows, [t for t, _ in results], [lp for _, lp in results])
+
+    def advance(self, out: SchedulerOutput) -> list[tuple[Request, int]]:
+        """Once the step is launched: count its tokens as computed and give every sampling chunk an output
+        slot holding ``PLACEHOLDER`` until ``resolve``. Returns (request, output index) per sampling row, in
+        chunk order (the order of the sampler's rows); aborted requests keep their row."""
+        rows: list[tuple[Request, int]] = []
         for chunk in out.chunks:
             request = chunk.request
-            if request.is_finished:  # aborted while the step ran
+            samples = chunk.samples
+            if request.is_finished:  # aborted while the step was built
+                if samples:
+                    rows.append((request, -1))
                 continue
             request.num_computed_tokens += chunk.num_new_tokens
-            self.kv.cache_full_blocks(request)
-            result = sampled.get(request.request_id)
-            if result is None:
+            if samples:
+                if request.num_output_tokens == 0:
+                    self._fork_siblings(request)
+                request.output_token_ids.append(PLACEHOLDER)
+                rows.append((request, request.num_output_tokens - 1))
+        return rows
+
+    def resolve(
+        self,
+        out: SchedulerOutput,
+        rows: list[tuple[Request, int]],
+        token_ids: list[int],
+        logprobs: list[dict[int, float] | None],
+    ) -> list[Request]:
+        """Fill in the sampled tokens of a step, register newly full blocks in the prefix cache, apply the
+        token-level stop rules and free finished requests. With asynchronous scheduling the next step has
+        already been scheduled: a request that stops here drops the token that step is computing."""
+        changed: list[Request] = []
+        for (request, index), token_id, lp in zip(rows, token_ids, logprobs, strict=True):
+            if request.is_finished or token_id == PLACEHOLDER:
                 continue
-            if request.num_output_tokens == 0:
-                self._fork_siblings(request)
-            token_id, logprobs = result
-            request.output_token_ids.append(token_id)
-            if logprobs is not None:
-                request.output_logprobs.append(logprobs)
-            status = self._stop_status(request, token_id)
+            request.output_token_ids[index] = token_id
+            if lp is not None:
+                request.output_logprobs.append(lp)
+        for chunk in out.chunks:
+            if chunk.request.status == RequestStatus.RUNNING:
+                self.kv.cache_full_blocks(chunk.request)
+        for (request, index), token_id in zip(rows, token_ids, strict=True):
+            if request.is_finished or token_id == PLACEHOLDER:
+                continue
+            status = self._stop_status(request, token_id, index + 1)
             if status is not None:
+                del request.output_token_ids[index + 1 :]
                 self.finish(request, status)
             changed.append(request)
         return changed
@@ -211,19 +246,26 @@ class Scheduler:
             sibling.waiting_for_fork = False
             self._enqueue(sibling, front=True)
 
-    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+    def _stop_status(self, request: Request, token_id: int, num_output: int) -> RequestStatus | None:
+        """Stop rules for the ``num_output``-th output token (later slots may already be reserved)."""
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:  # the sampler masks stop ids before that
+        if num_output >= params.min_tokens:  # the sampler masks stop ids before that
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_output >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if request.num_prompt_tokens + num_output >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _is_done(self, request: Request) -> bool:
+        """Already at its length limit, waiting for ``resolve`` to finish it (asynchronous scheduling)."""
+        max_tokens = request.sampling_params.max_tokens
+        full = max_tokens is not None and request.num_output_tokens >= max_tokens
+        return full or request.num_tokens >= self.max_model_len
 
     def iter_running(self) -> Iterable[Request]:
         return iter(self.running)

@@ -157,3 +157,45 @@ async def test_async_engine_streams_and_aborts(folder: Path) -> None:
         assert engine.stats().kv_cache_usage == 0.0 and engine.stats().num_running == 0
     finally:
         await engine.shutdown()
+
+
+def test_async_scheduling_gives_the_same_outputs_as_sync(folder: Path) -> None:
+    """One step in flight (tokens resolved a step late, stops applied a step late) changes nothing visible:
+    stop ids, stop strings, min_tokens, seeded n>1 samples, max_tokens and aborts all match the sync engine."""
+    probe = LLM(str(folder), device="cpu", async_scheduling=False)
+    first = probe.generate({"prompt_token_ids": [9, 8, 7]}, greedy(8), use_tqdm=False)[0].outputs[0]
+    stop_id = first.token_ids[3]
+    stop_text = first.text[2:4] if len(first.text) >= 4 else first.text[-1:]
+    prompts = [{"prompt_token_ids": [9, 8, 7]}] * 3 + [
+        {"prompt_token_ids": list(range(20, 20 + n))} for n in (5, 9, 30)
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop_id]),
+        SamplingParams(temperature=0.0, max_tokens=8, stop=[stop_text]),
+        SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop_id], min_tokens=5),
+        SamplingParams(temperature=0.8, top_k=20, max_tokens=9, seed=5, n=2),
+        SamplingParams(temperature=1.0, top_p=0.8, max_tokens=3, seed=6),
+        SamplingParams(temperature=0.0, max_tokens=1),
+    ]
+    results = []
+    for mode in (False, True):
+        llm = LLM(str(folder), device="cpu", async_scheduling=mode, max_num_batched_tokens=16)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs])
+        assert llm.engine.kv.usage() == 0.0 and not llm.engine.has_unfinished_requests()
+    assert results[0] == results[1]
+    assert results[0][0][0][2] == "stop" and len(results[0][0][0][0]) == 4
+
+
+def test_async_abort_frees_blocks(folder: Path) -> None:
+    llm = LLM(str(folder), device="cpu", async_scheduling=True)
+    engine = llm.engine
+    engine.add_request("a", list(range(10, 30)), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    final = engine.abort_request("a")
+    assert final is not None and final.finished and final.outputs[0].finish_reason == "abort"
+    assert -1 not in final.outputs[0].token_ids
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv.usage() == 0.0

@@ -51,18 +51,27 @@ def run_engine(folder: Path, prompts: list[list[int]], **llm_kwargs: object) -> 
     return [o.outputs[0].token_ids for o in outputs], llm
 
 
-def test_greedy_equals_hf_in_one_continuous_batch(checkpoint: tuple[Path, list]) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_equals_hf_in_one_continuous_batch(checkpoint: tuple[Path, list], async_scheduling: bool) -> None:
     folder, (prompts, expected) = checkpoint
     # A small token budget: long prompts are chunked and share steps with other requests' decodes.
-    got, llm = run_engine(folder, prompts, max_num_batched_tokens=24, max_num_seqs=6)
+    got, llm = run_engine(folder, prompts, max_num_batched_tokens=24, max_num_seqs=6, async_scheduling=async_scheduling)
     assert got == expected
+    assert llm.engine.async_scheduling == async_scheduling
 
 
-def test_greedy_equals_hf_under_preemption(checkpoint: tuple[Path, list]) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_equals_hf_under_preemption(checkpoint: tuple[Path, list], async_scheduling: bool) -> None:
     folder, (prompts, expected) = checkpoint
     # 12 blocks of 8 tokens for prompts of up to 63+12 tokens: requests must be preempted and recomputed.
     got, llm = run_engine(
-        folder, prompts, block_size=8, num_gpu_blocks_override=12, max_model_len=96, max_num_batched_tokens=64
+        folder,
+        prompts,
+        block_size=8,
+        num_gpu_blocks_override=12,
+        max_model_len=96,
+        max_num_batched_tokens=64,
+        async_scheduling=async_scheduling,
     )
     assert llm.engine.scheduler.num_preemptions > 0
     assert got == expected

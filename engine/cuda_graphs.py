@@ -18,11 +18,6 @@ from engine.inputs import StepInputs
 logger = logging.getLogger(__name__)
 
 
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    # a pageable host tensor would make the copy wait for the work already queued on the device
-    return t.pin_memory() if t.device.type == "cpu" else t
-
-
 def batch_size_ladder(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 16, 16))
     return sorted({min(s, max_num_seqs) for s in sizes})
@@ -86,13 +81,13 @@ class DecodeGraphs:
         bs = next(s for s in self.sizes if s >= n)
         width = inputs.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(_pinned(inputs.positions), non_blocking=True)
-        self.slot_mapping[:n].copy_(_pinned(inputs.slot_mapping), non_blocking=True)
+        self.positions[:n].copy_(inputs.positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(inputs.slot_mapping, non_blocking=True)
         self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[:n].copy_(_pinned(inputs.seq_lens), non_blocking=True)
+        self.seq_lens[:n].copy_(inputs.seq_lens, non_blocking=True)
         self.seq_lens[n:bs].fill_(1)
         # Stale entries past a row's length, and stale padding rows, are valid block ids that are never
         # read for a result (padding rows attend to one token and write nowhere).
-        self.block_tables[:n, :width].copy_(_pinned(inputs.block_tables), non_blocking=True)
+        self.block_tables[:n, :width].copy_(inputs.block_tables, non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -83,10 +83,7 @@ class Engine:
         self._inflight: _InFlight | None = None
         self._num_history_requests = 0  # running requests whose sampling reads past tokens on the host
         uses_ranks = config.parallel.tensor_parallel_size > 1 or config.parallel.distributed_executor_backend == "mp"
-        wants_async = config.async_scheduling
-        if wants_async is None:
-            wants_async = self.executor.device.type == "cuda"
-        self.async_scheduling = wants_async and not uses_ranks  # other ranks cannot see device-side ids
+        self.async_scheduling = config.async_scheduling and not uses_ranks  # other ranks cannot see device-side ids
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()

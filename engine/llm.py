@@ -42,7 +42,7 @@ class LLM:
         cpu_kv_cache_gib: float = 1.0,
         skip_tokenizer_init: bool = False,
         distributed_executor_backend: str = "auto",
-        async_scheduling: bool | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(

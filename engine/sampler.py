@@ -55,10 +55,8 @@ class SamplerOutput:
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host-to-device copy through pinned memory, so the host does not wait for queued GPU work."""
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    """An asynchronous host-to-device copy (``torch.tensor(..., device=cuda)`` would wait for queued GPU work)."""
+    return t.to(device, non_blocking=True)
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:

@@ -43,6 +43,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
         enforce_eager=args.enforce_eager,
         device=args.device,
+        async_scheduling=args.async_scheduling,
     )
     return Engine(config)
 
@@ -231,6 +232,15 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
         floor_ms = weight_bytes(args.shape) / (res["copy_tb_s"] * 1e12) * 1e3
         res["latency"]["floor_ms"] = round(floor_ms, 3)
         res["latency"]["ratio_to_floor"] = round(res["latency"]["tpot_ms"] / floor_ms, 3)
+    if args.compare_async:  # the same engine, host scheduling overlapped with the device or not
+        for mode in (False, True):
+            engine.async_scheduling = mode
+            engine.kv.reset_prefix_cache()
+            key = "async" if mode else "sync"
+            res[f"latency_{key}"] = run_latency(engine, make_workload("latency", vocab)[0])
+            res[f"mixed_{key}"] = run_engine(engine, make_workload("mixed", vocab), f"cmp-{key}")
+            print(json.dumps({key: [res[f"latency_{key}"], res[f"mixed_{key}"]]}), flush=True)
+        engine.async_scheduling = False
     for name in args.workloads:
         if name == "shared-prefix":
             engine.kv.enable_prefix_caching = True
@@ -285,6 +295,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-running", type=int, default=256, help="overhead mode: running requests")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--profile", default=None, help="suite: write a torch.profiler table of 40 steps here")
+    p.add_argument("--compare-async", action="store_true", help="suite: latency and mixed with and without")
+    p.add_argument("--async-scheduling", action="store_true", help="overlap host scheduling with the device")
     p.add_argument("--commit", default=None, help="git commit to record (when .git is not at hand)")
     return p.parse_args(argv)
 

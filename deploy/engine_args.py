@@ -24,6 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--cpu-kv-cache-gib", type=float, default=1.0, help="KV cache budget on CPU")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while the GPU runs step N")
     g.add_argument("--load-format", default="auto", help="auto | dummy (random weights)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--scheduling-policy", default="fcfs", help="fcfs | priority")
@@ -55,6 +56,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     out.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
     if args.enforce_eager:
         out.append("--enforce-eager")
+    if args.async_scheduling:
+        out.append("--async-scheduling")
     return out
 
 
@@ -86,4 +89,5 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         device=args.device,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )

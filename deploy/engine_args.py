@@ -20,7 +20,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap for preempted requests (only 0: preemption recomputes)")
+    g.add_argument(
+        "--swap-space",
+        type=float,
+        default=0.0,
+        help="GiB of CPU swap for preempted requests (only 0: preemption recomputes)",
+    )
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--cpu-kv-cache-gib", type=float, default=1.0, help="KV cache budget on CPU")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

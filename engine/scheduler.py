@@ -11,7 +11,7 @@ their blocks are freed and they go back to the front of the queue with their gen
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from cache.kv import KVCacheManager
@@ -266,6 +266,3 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         full = max_tokens is not None and request.num_output_tokens >= max_tokens
         return full or request.num_tokens >= self.max_model_len
-
-    def iter_running(self) -> Iterable[Request]:
-        return iter(self.running)

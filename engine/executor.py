@@ -7,7 +7,6 @@ so the job queue retries the work elsewhere instead of hanging in a collective.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import threading
@@ -23,8 +22,6 @@ from engine.config import EngineConfig
 from engine.inputs import StepInputs, TokenFill
 from engine.model_runner import KVCacheSpec, ModelRunner, pick_device
 from engine.parallel import ParallelState, init_distributed
-
-logger = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
@@ -125,7 +122,8 @@ class MultiprocExecutor:
         while not self._closing:
             for p in self.procs:
                 if not p.is_alive() and not self._closing:
-                    logger.critical("tensor-parallel rank %s died (exit code %s): stopping", p.name, p.exitcode)
+                    message = f"tensor-parallel rank {p.name} died (exit code {p.exitcode}): stopping\n"
+                    os.write(2, message.encode())  # unbuffered: nothing may stand between this line and the exit
                     os._exit(70)  # a collective with a dead peer would hang; die so the queue retries the job
             time.sleep(0.2)
 

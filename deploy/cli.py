@@ -51,6 +51,9 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-id", default=None)
     g.add_argument("--metrics-port", type=int, default=None, help="Prometheus port of the worker (default: off)")
     g.add_argument("--drain-timeout-s", type=float, default=600.0, help="SIGTERM: time running jobs get to finish")
+    g.add_argument(
+        "--job-lease-s", type=float, default=10.0, help="a dead worker's jobs run again elsewhere after this long"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +128,7 @@ def run_worker_command(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout_s,
+        job_lease_s=args.job_lease_s,
         **({"worker_id": args.worker_id} if args.worker_id else {}),
     )
     if getattr(args, "otel_exporter", "none") != "none":

@@ -107,6 +107,8 @@ def _worker_argv(args: argparse.Namespace, redis_url: str, index: int) -> list[s
         redis_url,
         "--drain-timeout-s",
         str(args.drain_timeout_s),
+        "--job-lease-s",
+        str(args.job_lease_s),
         "--log-level",
         args.log_level,
         *engine_argv(args),

@@ -22,12 +22,14 @@ from arq.connections import ArqRedis, RedisSettings, create_pool
 from arq.worker import Worker, func
 from opentelemetry import trace
 from opentelemetry.propagate import extract
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import start_http_server
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.failover import DivergedError, PriorAttempt
 from engine.request import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.worker_metrics import WorkerMetrics
 from wire import keys
 from wire.messages import (
     ChoiceDelta,
@@ -57,6 +59,8 @@ class WorkerSettings:
     heartbeat_ttl_s: float = 10.0
     drain_timeout_s: float = 600.0  # on SIGTERM, how long running jobs may take to finish
     job_timeout_s: float = 3600.0
+    job_lease_s: float = 10.0  # a dead worker's jobs run again elsewhere this long after its last heartbeat
+    max_attempts: int = 3  # a job that took down this many workers gets an error instead of a fourth
     metrics_port: int | None = None  # Prometheus endpoint of this worker; None = off
 
     def __post_init__(self) -> None:
@@ -64,42 +68,10 @@ class WorkerSettings:
             raise ValueError(f"max_jobs must be >= 1, got {self.max_jobs}")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_ttl_s must exceed heartbeat_interval_s")
-
-
-class WorkerMetrics:
-    """The worker's Prometheus metrics (vLLM's names, ``pagedserve:`` prefix)."""
-
-    def __init__(self) -> None:
-        self.running = Gauge("pagedserve:num_requests_running", "Requests in the running batch.")
-        self.waiting = Gauge("pagedserve:num_requests_waiting", "Requests waiting in the engine.")
-        self.kv_usage = Gauge("pagedserve:kv_cache_usage_perc", "KV-cache usage, 0..1.")
-        self.jobs_active = Gauge("pagedserve:worker_jobs_active", "Jobs this worker is running.")
-        self.totals = {
-            name: Counter(f"pagedserve:{name}", doc)
-            for name, doc in (
-                ("prefix_cache_queries", "Prefix-cache queries (tokens)."),
-                ("prefix_cache_hits", "Prefix-cache hits (tokens)."),
-                ("num_preemptions", "Preemptions."),
-                ("prompt_tokens", "Prefill tokens processed."),
-                ("generation_tokens", "Generation tokens processed."),
-            )
-        }
-        self._last = {name: 0 for name in self.totals}
-        self.ttft = Histogram("pagedserve:time_to_first_token_seconds", "Enqueue to first token.")
-        self.itl = Histogram("pagedserve:inter_token_latency_seconds", "Between output deltas.")
-        self.e2e = Histogram("pagedserve:e2e_request_latency_seconds", "Enqueue to finish.")
-        self.queue_time = Histogram("pagedserve:request_queue_time_seconds", "Time waiting in the Redis queue.")
-        self.jobs = Counter("pagedserve:worker_jobs", "Jobs by outcome.", ["outcome"])
-
-    def update(self, beat: WorkerHeartbeat) -> None:
-        self.running.set(beat.num_running)
-        self.waiting.set(beat.num_waiting)
-        self.kv_usage.set(beat.kv_cache_usage)
-        self.jobs_active.set(beat.active_jobs)
-        for name, counter in self.totals.items():
-            total = int(getattr(beat, name if name.startswith(("prefix", "num")) else f"{name}_total"))
-            counter.inc(max(0, total - self._last[name]))
-            self._last[name] = total
+        if self.job_lease_s <= 2 * self.heartbeat_interval_s:
+            raise ValueError("job_lease_s must be more than two heartbeat intervals (each beat renews the lease)")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
 
 
 def _token_logprobs(out: CompletionOutput, start: int, k: int) -> list[TokenLogprob] | None:
@@ -125,6 +97,7 @@ class GenerationWorker:
         self.active: set[str] = set()
         self.jobs_done = 0
         self.draining = False
+        self._arq: Worker | None = None
 
     # -- the job ----------------------------------------------------------------------------------------
     async def generate(self, ctx: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
@@ -133,7 +106,10 @@ class GenerationWorker:
         writer = JobEventWriter(self.redis, payload.request_id, payload.events_ttl_s, payload.stream)
         started = time.time()
         self.metrics.queue_time.observe(max(0.0, started - payload.enqueue_time))
-        outcome = await self._refuse(payload, writer, started, int(ctx.get("job_try", 1)))
+        job_try = int(ctx.get("job_try", 1))
+        prior = await PriorAttempt.load(self.redis, payload.request_id) if job_try > 1 else PriorAttempt()
+        writer.next_seq = prior.num_events
+        outcome = await self._refuse(payload, writer, started, job_try, prior)
         if outcome is not None:
             self.metrics.jobs.labels(outcome).inc()
             return {"outcome": outcome}
@@ -143,25 +119,37 @@ class GenerationWorker:
             queue_span.end(end_time=int(started * 1e9))
             self.active.add(payload.request_id)
             try:
-                outcome = await self._run(payload, writer, started)
+                outcome = await self._run(payload, writer, started, prior)
             finally:
                 self.active.discard(payload.request_id)
                 self.jobs_done += 1
         self.metrics.jobs.labels(outcome).inc()
         return {"outcome": outcome}
 
-    async def _refuse(self, payload: JobPayload, writer: JobEventWriter, now: float, job_try: int) -> str | None:
+    async def _refuse(
+        self, payload: JobPayload, writer: JobEventWriter, now: float, job_try: int, prior: PriorAttempt
+    ) -> str | None:
         """A reason not to generate this job at all (and its error event), or None."""
-        if job_try > 1 and await self.redis.llen(keys.events_key(payload.request_id)):  # type: ignore[misc]
-            writer.next_seq = int(await self.redis.llen(keys.events_key(payload.request_id)))  # type: ignore[misc]
+        if prior.finished:  # the last attempt wrote its final event; arq lost only the bookkeeping
+            return "duplicate"
+        if job_try > self.settings.max_attempts:
             await writer.error(
-                "the worker running this request was lost mid-generation; retry the request",
+                f"the request was attempted on {job_try - 1} workers and each was lost; not trying again",
                 "server_error",
                 "worker_lost",
                 503,
             )
             return "worker_lost"
-        if now > payload.deadline:
+        if prior.sent_anything and not SamplingParams.from_dict(payload.params).is_deterministic:
+            await writer.error(
+                "the worker running this request was lost mid-stream and a sampled (unseeded) request cannot "
+                "be continued; retry the request",
+                "server_error",
+                "worker_lost",
+                503,
+            )
+            return "worker_lost"
+        if now > payload.deadline and not prior.sent_anything:
             waited = now - payload.enqueue_time
             await writer.error(
                 f"request dropped: it waited {waited:.1f} s in the queue, past its "
@@ -173,13 +161,13 @@ class GenerationWorker:
             return "deadline"
         return None
 
-    async def _run(self, payload: JobPayload, writer: JobEventWriter, started: float) -> str:
+    async def _run(self, payload: JobPayload, writer: JobEventWriter, started: float, prior: PriorAttempt) -> str:
         try:
             params = SamplingParams.from_dict(payload.params)
             stream = self.engine.generate(payload.request_id, payload.prompt_token_ids, params, payload.priority)
             first_at: float | None = None
             last_at = started
-            sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) already published
+            sent = prior.sent()  # choice index -> (chars, tokens) already published (by an earlier attempt)
             final: RequestOutput | None = None
             prefill = tracer.start_span("prefill")
             decode = None
@@ -193,6 +181,7 @@ class GenerationWorker:
                 else:
                     self.metrics.itl.observe(now - last_at)
                 last_at = now
+                prior.check(out)
                 deltas = self._deltas(out, sent, params.logprobs)
                 if deltas:
                     await writer.delta(deltas)
@@ -202,6 +191,15 @@ class GenerationWorker:
                 decode.end()
             else:
                 prefill.end()
+        except DivergedError as exc:  # a rerun after a lost worker came out different: never splice streams
+            self.engine.abort(payload.request_id)
+            await writer.error(
+                f"the worker running this request was lost and the rerun differs ({exc}); retry the request",
+                "server_error",
+                "worker_lost",
+                503,
+            )
+            return "worker_lost"
         except ValueError as exc:  # the engine refused the input (before any output)
             await writer.error(str(exc), "invalid_request_error", "invalid_request", 400)
             return "invalid"
@@ -224,7 +222,7 @@ class GenerationWorker:
         deltas = []
         for o in out.outputs:
             chars, tokens = sent.get(o.index, (0, 0))
-            if len(o.text) == chars and len(o.token_ids) == tokens:
+            if len(o.text) <= chars and len(o.token_ids) <= tokens:  # nothing new (or resent by a rerun)
                 continue
             lps = _token_logprobs(o, tokens, k) if k is not None else None
             deltas.append(ChoiceDelta(o.index, o.text[chars:], list(o.token_ids[tokens:]), lps))
@@ -289,6 +287,9 @@ class GenerationWorker:
             pipe.set(keys.worker_key(hb.worker_id), hb.to_json(), px=ttl_ms)
             pipe.zadd(keys.WORKERS, {hb.worker_id: hb.time})
             pipe.zremrangebyscore(keys.WORKERS, "-inf", hb.time - 3600)  # forget long-dead workers
+            lease_ms = int(self.settings.job_lease_s * 1000)
+            for job_id in list(self._arq.tasks if self._arq is not None else ()):  # renew our jobs' leases
+                pipe.pexpire(keys.ARQ_IN_PROGRESS_PREFIX + job_id, lease_ms)
             await pipe.execute()
 
     async def heartbeat_loop(self) -> None:
@@ -306,8 +307,10 @@ class GenerationWorker:
 
     # -- running ----------------------------------------------------------------------------------------
     def arq_worker(self) -> Worker:
-        job = func(self.generate, name=keys.JOB_FUNCTION, max_tries=2, timeout=self.settings.job_timeout_s)
-        return Worker(
+        # arq's own retry limit stays above ours so that the last attempt can still tell the client
+        tries = self.settings.max_attempts + 1
+        job = func(self.generate, name=keys.JOB_FUNCTION, max_tries=tries, timeout=self.settings.job_timeout_s)
+        worker = Worker(
             functions=[job],
             queue_name=keys.QUEUE,
             redis_pool=self.redis,
@@ -318,9 +321,13 @@ class GenerationWorker:
             job_serializer=dumps,
             job_deserializer=loads,
             keep_result=60,
-            max_tries=2,
+            max_tries=tries,
             log_results=False,
         )
+        # arq marks a running job in progress for its whole timeout, so a dead worker's jobs would wait an
+        # hour; a short lease renewed by every heartbeat hands them to another worker within seconds
+        worker.in_progress_timeout_s = self.settings.job_lease_s
+        return worker
 
     async def drain(self, worker: Worker, main: asyncio.Task[None]) -> None:
         """Stop taking jobs, let the running ones finish (up to drain_timeout_s), then stop the worker."""
@@ -335,7 +342,7 @@ class GenerationWorker:
 
     async def serve(self) -> None:
         """Run until SIGTERM/SIGINT (graceful) or a second signal (at once)."""
-        worker = self.arq_worker()
+        worker = self._arq = self.arq_worker()
         main = asyncio.ensure_future(worker.async_run())
         beats = asyncio.ensure_future(self.heartbeat_loop())
         loop = asyncio.get_running_loop()

@@ -40,6 +40,32 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
+    logit_bias: dict[str, float] | None = None
+    # accepted by OpenAI or vLLM but not implemented here: refused with a 400 when set (never silently ignored)
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    best_of: int | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for the first requested feature this server does not have, or None."""
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "response_format other than text (JSON mode, schemas) is not supported"
+        if self.tools or self.functions:
+            return ("tools" if self.tools else "functions"), "tool and function calling are not supported"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool_choice is not supported (no tools)"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", "best_of other than n is not supported"
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                return name, "guided decoding is not supported"
+        return None
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -71,7 +97,19 @@ class _SamplingFields(BaseModel):
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": self.logit_bias_ids(),
         }
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
+        if any(not -100.0 <= v <= 100.0 for v in bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        return bias
 
 
 class CompletionRequest(_SamplingFields):

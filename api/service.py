@@ -142,11 +142,16 @@ class CompletionService:
         requested_max: int | None,
         logprobs: int | None,
     ) -> PreparedRequest:
+        refused = req.unsupported()
+        if refused is not None:
+            raise bad_request(refused[1], refused[0], "unsupported_parameter")
         max_tokens = self._max_tokens(requested_max, len(ids))
         try:
             params = req.sampling_dict(max_tokens, logprobs)
         except ValueError as exc:
-            raise bad_request(str(exc)) from exc
+            raise bad_request(str(exc), "logit_bias" if "logit_bias" in str(exc) else None) from exc
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in params["logit_bias"] or ()):
+            raise bad_request(f"logit_bias token ids must be in [0, {self.tokenizer.vocab_size})", "logit_bias")
         prep = PreparedRequest(
             kind,
             f"{id_prefix}-{uuid.uuid4().hex}",

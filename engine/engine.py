@@ -114,9 +114,10 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init")
-        unknown = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if unknown:
-            raise ValueError(f"unknown stop_token_ids {unknown}: the vocabulary has {self.vocab_size} tokens")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            unknown = [t for t in ids if t >= self.vocab_size]
+            if unknown:
+                raise ValueError(f"unknown token ids in {name} {unknown}: the vocabulary has {self.vocab_size} tokens")
 
     def add_request(
         self,

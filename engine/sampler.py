@@ -5,8 +5,8 @@ One call picks the next token for every sequence that samples this step. All per
 batched kernels whatever the mix of requests; the only Python loops fill a seeded row's random
 noise from that request's own generator and build padded token tensors for the penalties.
 
-Order of operations (vLLM's): penalties (repetition, frequency, presence) -> min_tokens masking of
-EOS / stop tokens -> [logprobs taken here] -> greedy argmax, or temperature -> top-k -> top-p ->
+Order of operations (vLLM's): penalties (repetition, frequency, presence) -> logit_bias -> min_tokens
+masking of EOS / stop tokens -> [logprobs taken here] -> greedy argmax, or temperature -> top-k -> top-p ->
 min-p -> sample.
 
 Sampling uses the exponential race (equivalent to Gumbel-max): ``argmax(probs / E)`` with
@@ -98,6 +98,7 @@ class Sampler:
             raise ValueError(f"logits have {num_rows} rows but the batch has {len(batch)}")
         logits = logits.float()
         logits = self._apply_penalties(logits, batch)
+        logits = self._apply_logit_bias(logits, batch)
         return self._apply_min_tokens(logits, batch)
 
     def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -146,6 +147,24 @@ class Sampler:
             sub = sub - frequency * output_counts - presence * (output_counts > 0).float()
 
         return logits.index_copy(0, row_index, sub)
+
+    def _apply_logit_bias(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Add each row's ``logit_bias`` to the logits of its tokens (one scatter-add for the whole batch)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        for i, p in enumerate(batch.params):
+            for token_id, bias in (p.logit_bias or {}).items():
+                if token_id < logits.shape[1]:
+                    rows.append(i)
+                    cols.append(token_id)
+                    values.append(bias)
+        if not rows:
+            return logits
+        flat = torch.tensor(rows, dtype=torch.long) * logits.shape[1] + torch.tensor(cols, dtype=torch.long)
+        bias_t = torch.tensor(values, dtype=logits.dtype)
+        out = logits.flatten().index_add(0, _to_device(flat, logits.device), _to_device(bias_t, logits.device))
+        return out.view_as(logits)
 
     def _apply_min_tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Mask EOS and stop_token_ids for rows that have not yet produced ``min_tokens`` tokens."""

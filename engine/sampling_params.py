@@ -27,6 +27,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per output token (0 = only the chosen one's)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's range: -100..100)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -35,6 +36,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:  # JSON object keys arrive as strings
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError("logit_bias must map token ids to numbers") from None
         self._validate()
 
     def _validate(self) -> None:
@@ -68,6 +74,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.logit_bias and any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
+            raise ValueError("logit_bias must map token ids >= 0 to values in [-100, 100]")
 
     @property
     def is_greedy(self) -> bool:

@@ -44,6 +44,19 @@ BAD_JSON: list[tuple[str, str, Any, int]] = [
     ("unknown model", CHAT, {"model": "gpt-17", "messages": MSGS}, 404),
     ("body is a list", CHAT, [1, 2, 3], 400),
     ("stream not a bool", CHAT, {"model": MODEL, "messages": MSGS, "stream": "maybe"}, 400),
+    ("logit_bias id out of vocab", COMP, {"model": MODEL, "prompt": "a", "logit_bias": {"99999999": -100}}, 400),
+    ("logit_bias key not an id", COMP, {"model": MODEL, "prompt": "a", "logit_bias": {"blue": 5}}, 400),
+    ("logit_bias value too big", COMP, {"model": MODEL, "prompt": "a", "logit_bias": {"5": 500}}, 400),
+    ("json mode", CHAT, {"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}}, 400),
+    (
+        "tools",
+        CHAT,
+        {"model": MODEL, "messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+    ),
+    ("tool_choice required", CHAT, {"model": MODEL, "messages": MSGS, "tool_choice": "required"}, 400),
+    ("best_of", COMP, {"model": MODEL, "prompt": "a", "best_of": 3}, 400),
+    ("guided_choice", CHAT, {"model": MODEL, "messages": MSGS, "guided_choice": ["yes", "no"]}, 400),
 ]
 
 
@@ -101,3 +114,11 @@ def test_models(api: ServerThread, redis_url: str) -> None:
     client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0)
     ids = [m.id for m in client.models.list()]
     assert ids == [MODEL]
+
+
+def test_unsupported_feature_names_its_parameter(api: ServerThread, redis_url: str) -> None:
+    body = {"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {}}}
+    resp = httpx.post(api.url + CHAT, json=body, timeout=10)
+    _check_error(resp, 400)
+    assert resp.json()["error"]["param"] == "response_format"
+    assert resp.json()["error"]["code"] == "unsupported_parameter"

@@ -86,7 +86,8 @@ def test_seeded_stream_equals_non_stream_sync(stack: tuple[ServerThread, list[su
     api, _ = stack
     client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0, timeout=60)
     kwargs = {"model": MODEL, "messages": MSGS, "max_tokens": 12, "temperature": 0.9, "seed": 1234}
-    whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    harmless = {"response_format": {"type": "text"}, "tool_choice": "none"}  # the defaults, spelled out: accepted
+    whole = client.chat.completions.create(**kwargs, **harmless)  # type: ignore[call-overload]
     stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})  # type: ignore[call-overload]
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -121,6 +122,14 @@ async def test_n_samples_stream_and_not(stack: tuple[ServerThread, list[subproce
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
     assert texts == {c.index: c.message.content for c in whole.choices}
+
+
+def test_logit_bias_forces_a_token(stack: tuple[ServerThread, list[subprocess.Popen[bytes]]]) -> None:
+    api, _ = stack
+    client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    (blue,) = PromptTokenizer(modelfiles.resolve(None).folder).encode(" blue")
+    r = client.completions.create(model=MODEL, prompt="Sky:", max_tokens=3, temperature=0.0, logit_bias={str(blue): 100})
+    assert r.choices[0].text == " blue" * 3
 
 
 def test_stop_sequence_is_honoured(stack: tuple[ServerThread, list[subprocess.Popen[bytes]]]) -> None:

@@ -85,8 +85,9 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm: LLM) -> None:
         lambda: (list(range(3, 250)), SamplingParams()),  # longer than max_model_len=200
         lambda: ([5, 6], SamplingParams(stop_token_ids=[10**6])),
         lambda: ([5, 10**6], SamplingParams()),
+        lambda: ([5, 6], SamplingParams(logit_bias={10**6: 1.0})),
     ],
-    ids=["empty", "too-long", "unknown-stop-id", "token-out-of-vocab"],
+    ids=["empty", "too-long", "unknown-stop-id", "token-out-of-vocab", "logit-bias-out-of-vocab"],
 )
 def test_bad_input_raises_and_engine_keeps_serving(llm: LLM, make) -> None:  # type: ignore[no-untyped-def]
     ids, params = make()

@@ -245,3 +245,30 @@ def test_rows_with_different_filters_in_one_batch() -> None:
     for column, expected in enumerate([top3, top_p, probs]):
         assert_fits(torch.bincount(tokens[:, column], minlength=len(LOGITS)).double(), expected)
     assert (tokens[:, 3] == 0).all()
+
+
+def test_logit_bias_moves_only_its_rows() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 3)
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={"2": 5.0}),  # JSON-style string keys are accepted
+        SamplingParams(temperature=0.0, logit_bias={1: -100.0}),
+        SamplingParams(temperature=0.0),
+    ]
+    out = Sampler(CPU)(logits.clone(), make_batch(params))
+    assert out.token_ids == [2, 3, 1]
+    # biased distribution: the logprob of a boosted token is that of the biased logits
+    lp = Sampler(CPU)(logits[:1].clone(), make_batch([SamplingParams(temperature=0.0, logprobs=0, logit_bias={0: 4.0})]))
+    expected = torch.log_softmax(torch.tensor([4.0, 3.0, 1.0, 2.0]), -1)[0].item()
+    assert lp.logprobs[0] is not None and math.isclose(lp.logprobs[0][0], expected, rel_tol=1e-5)
+
+
+def test_logit_bias_distribution() -> None:
+    row = [0.0, 1.0, 2.0]
+    params = SamplingParams(temperature=1.0, logit_bias={0: 2.0})
+    assert_fits(draw_counts(row, params), torch.softmax(torch.tensor([2.0, 1.0, 2.0]), -1))
+
+
+@pytest.mark.parametrize("bias", [{"x": 1.0}, {-1: 1.0}, {3: 101.0}])
+def test_logit_bias_validation(bias: dict) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)

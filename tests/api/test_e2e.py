@@ -128,7 +128,9 @@ def test_logit_bias_forces_a_token(stack: tuple[ServerThread, list[subprocess.Po
     api, _ = stack
     client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0, timeout=60)
     (blue,) = PromptTokenizer(modelfiles.resolve(None).folder).encode(" blue")
-    r = client.completions.create(model=MODEL, prompt="Sky:", max_tokens=3, temperature=0.0, logit_bias={str(blue): 100})
+    r = client.completions.create(
+        model=MODEL, prompt="Sky:", max_tokens=3, temperature=0.0, logit_bias={str(blue): 100}
+    )
     assert r.choices[0].text == " blue" * 3
 
 

@@ -257,7 +257,9 @@ def test_logit_bias_moves_only_its_rows() -> None:
     out = Sampler(CPU)(logits.clone(), make_batch(params))
     assert out.token_ids == [2, 3, 1]
     # biased distribution: the logprob of a boosted token is that of the biased logits
-    lp = Sampler(CPU)(logits[:1].clone(), make_batch([SamplingParams(temperature=0.0, logprobs=0, logit_bias={0: 4.0})]))
+    lp = Sampler(CPU)(
+        logits[:1].clone(), make_batch([SamplingParams(temperature=0.0, logprobs=0, logit_bias={0: 4.0})])
+    )
     expected = torch.log_softmax(torch.tensor([4.0, 3.0, 1.0, 2.0]), -1)[0].item()
     assert lp.logprobs[0] is not None and math.isclose(lp.logprobs[0][0], expected, rel_tol=1e-5)
 

@@ -18,6 +18,7 @@ BENCHES = {
     "latency": "loadtest.throughput",
     "suite": "loadtest.throughput",
     "overhead": "loadtest.throughput",
+    "sweep": "loadtest.throughput",
     "serve": "loadtest.serve_bench",
 }
 

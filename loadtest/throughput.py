@@ -271,10 +271,32 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """Throughput and time per output token at each concurrency level, on one engine; PNG if ``--plot``."""
+    from loadtest.sweep import plot_sweep, run_sweep
+
+    res: dict[str, Any] = {"date": str(date.today()), "commit": args.commit or git_commit(), "shape": args.shape}
+    res["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    floor_ms = None
+    if torch.cuda.is_available() and not args.model:
+        floor_ms = weight_bytes(args.shape) / (measure_copy_bandwidth() * 1e12) * 1e3
+        res["floor_ms"] = round(floor_ms, 3)
+    engine = build_engine(args)
+    res["levels"] = run_sweep(engine, args.concurrency, args.prompt_len, args.output_len)
+    engine.shutdown()
+    if args.plot:
+        title = f"{args.model or args.shape + ' shape'}, {res['gpu']}, {args.prompt_len} in / {args.output_len} out"
+        res["plot"] = plot_sweep(res["levels"], args.plot, f"{title} ({res['commit']}, {res['date']})", floor_ms)
+    return res
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pagedserve bench", description=__doc__)
     p.add_argument(
-        "mode", nargs="?", default="throughput", choices=["throughput", "latency", "suite", "overhead", "cprofile"]
+        "mode",
+        nargs="?",
+        default="throughput",
+        choices=["throughput", "latency", "suite", "overhead", "cprofile", "sweep"],
     )
     p.add_argument("--workload", default="mixed", choices=WORKLOADS)
     p.add_argument("--workloads", nargs="+", default=["mixed-128", "mixed", "shared-prefix"])
@@ -298,6 +320,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compare-async", action="store_true", help="suite: latency and mixed with and without")
     p.add_argument("--async-scheduling", action="store_true", help="overlap host scheduling with the device")
     p.add_argument("--commit", default=None, help="git commit to record (when .git is not at hand)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    p.add_argument("--prompt-len", type=int, default=128, help="sweep: prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=256, help="sweep: output tokens per request")
+    p.add_argument("--plot", default=None, help="sweep: write a PNG of throughput and latency vs concurrency")
     return p.parse_args(argv)
 
 
@@ -313,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             print(key, value if isinstance(value, str) else json.dumps(value))
     elif args.mode == "suite":
         result = suite(args)
+    elif args.mode == "sweep":
+        result = sweep(args)
     else:
         engine = build_engine(args)
         vocab = engine.vocab_size

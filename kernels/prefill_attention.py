@@ -64,7 +64,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -104,7 +104,26 @@ def _prefill_kernel(
     if USE_WINDOW:
         kv_lo = tl.maximum(context_len + q_tile_start - sliding_window + 1, 0)
     bt_row = block_tables_ptr + seq * stride_bt
-    for start in range((kv_lo // BLOCK_N) * BLOCK_N, kv_hi, BLOCK_N):
+    masked_start = (kv_lo // BLOCK_N) * BLOCK_N
+    if SPLIT_MASK:  # (never with a window) keys before the tile's first query are visible to all its rows
+        masked_start = (tl.minimum(context_len + q_tile_start, kv_hi) // BLOCK_N) * BLOCK_N
+        for start in range(0, masked_start, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            block_ids = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
+            row_off = block_ids * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kvh * stride_kh  # [BLOCK_N]
+            k = tl.load(k_ptr + row_off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)  # [BLOCK_N, D]
+            v = tl.load(v_ptr + row_off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N], all finite
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+    for start in range(masked_start, kv_hi, BLOCK_N):  # the diagonal (and window edge): masked
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_hi
         block_ids = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
@@ -157,6 +176,7 @@ def _paged_prefill_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    split_mask: bool = True,  # an unmasked loop below the causal diagonal, masks only on the diagonal tiles
 ) -> torch.Tensor:
     require_triton("paged_prefill_attention")
     _check_attention_inputs(query, kv_cache, block_tables, seq_lens)
@@ -186,6 +206,6 @@ def _paged_prefill_attention(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query), num_warps=num_warps, num_stages=num_stages,
+        SPLIT_MASK=split_mask and sliding_window is None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

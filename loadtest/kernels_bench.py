@@ -36,6 +36,7 @@ DECODE_VARIANTS: list[dict[str, Any]] = [
 ]
 PREFILL_VARIANTS: list[dict[str, Any]] = [
     {},
+    {"split_mask": False},  # every KV tile masked, as measured on 2026-11-29 (commit f936af9)
     {"block_m": 128, "num_warps": 8},
     {"block_n": 128},
     {"num_stages": 3},
@@ -196,6 +197,29 @@ def bench_prefill(num_tokens: int, reps: int, variants: list[dict[str, Any]]) ->
     return result
 
 
+def bench_silu_and_mul(num_tokens: int, inter: int, reps: int) -> dict[str, Any]:
+    """The fused gated activation against torch's silu + mul, GB/s of the minimum traffic (read 2I, write I)."""
+    from kernels.activation import silu_and_mul, silu_and_mul_ref
+
+    nbytes = 3 * num_tokens * inter * DTYPE.itemsize
+    copies = max(1, min(16, ROTATE_BYTES // nbytes))
+    xs = [torch.randn(num_tokens, 2 * inter, device="cuda", dtype=DTYPE) for _ in range(copies)]
+    err = _rel(silu_and_mul(xs[0]), silu_and_mul_ref(xs[0]))
+    calls = max(copies, 8)
+    t_fused = time_graph([partial(silu_and_mul, xs[i % copies]) for i in range(calls)], reps)
+    t_torch = time_graph([partial(silu_and_mul_ref, xs[i % copies]) for i in range(calls)], reps)
+    del xs
+    torch.cuda.empty_cache()
+    return {
+        "num_tokens": num_tokens,
+        "inter": inter,
+        "rel_err": err,
+        "triton_gbps": nbytes / t_fused / 1e9,
+        "torch_gbps": nbytes / t_torch / 1e9,
+        "speedup": t_torch / t_fused,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedserve bench kernels", description=__doc__)
     parser.add_argument("--out", help="write the full results as JSON here")
@@ -233,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     report["prefill"] = bench_prefill(
         args.prefill_tokens, args.reps, PREFILL_VARIANTS if args.sweep else PREFILL_VARIANTS[:1]
     )
+    report["silu_and_mul"] = [bench_silu_and_mul(t, 14336, args.reps) for t in (256, 8192)]
     _print_table(report)
     if args.out:
         with open(args.out, "w") as f:
@@ -255,6 +280,11 @@ def _print_table(report: dict[str, Any]) -> None:
         f"prefill {p['num_tokens']} tokens causal: triton {p['triton_tflops']:.0f} TFLOP/s, best {p['best_tflops']:.0f} "
         f"{p['best_variant']}, SDPA {p['sdpa_tflops']:.0f} TFLOP/s, ratio {p['triton_tflops'] / p['sdpa_tflops']:.2f}"
     )
+    for a in report["silu_and_mul"]:
+        print(
+            f"silu_and_mul T={a['num_tokens']} I={a['inter']}: triton {a['triton_gbps']:.0f} GB/s, torch "
+            f"{a['torch_gbps']:.0f} GB/s ({a['speedup']:.2f}x), rel err {a['rel_err']:.1e}"
+        )
     for c in report["correctness"]:
         print(f"correctness {c['kernel']} window={c['window']}: rel err {c['rel_err']:.2e}")
 

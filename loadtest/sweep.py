@@ -8,7 +8,9 @@ token (all decode from then on); throughput counts every requested token over th
 
 from __future__ import annotations
 
+import json
 import random
+import sys
 import time
 from typing import Any
 
@@ -90,3 +92,20 @@ def plot_sweep(points: list[dict[str, Any]], path: str, title: str, floor_ms: fl
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loadtest.sweep plot SWEEP.json OUT.png``: the plot of a sweep measured elsewhere."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or args[0] != "plot":
+        print("usage: python -m loadtest.sweep plot SWEEP.json OUT.png", file=sys.stderr)
+        return 2
+    with open(args[1]) as f:
+        res = json.load(f)
+    title = f"{res['shape']} shape, {res['gpu']} ({res['commit']}, {res['date']})"
+    plot_sweep(res["levels"], args[2], title, res.get("floor_ms"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -38,3 +38,10 @@ def test_prefill_real_sizes(sliding_window: int | None, gen: torch.Generator) ->
     out = paged_prefill_attention(query, cache, tables, query_start_loc, seq_lens, 128**-0.5, sliding_window)
     ref = paged_prefill_attention_ref(query, cache, tables, query_start_loc, seq_lens, 128**-0.5, sliding_window)
     assert rel_err(out, ref) < 1e-2, f"seed {gen.initial_seed()}"
+
+
+def test_silu_and_mul_real_size(gen: torch.Generator) -> None:
+    from kernels.activation import silu_and_mul, silu_and_mul_ref
+
+    x = torch.randn(4096, 2 * 14336, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+    assert rel_err(silu_and_mul(x), silu_and_mul_ref(x)) < 1e-2

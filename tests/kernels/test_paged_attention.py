@@ -69,8 +69,9 @@ PREFILL_ROWS = [(0, 1), (0, 23), (17, 9), (32, 16), (40, 1), (5, 1)]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("sliding_window", [None, 10])
+@pytest.mark.parametrize("split_mask", [True, False])
 def test_prefill_mixed_batch_matches_ref(
-    dtype: torch.dtype, group: int, sliding_window: int | None, gen: torch.Generator
+    dtype: torch.dtype, group: int, sliding_window: int | None, split_mask: bool, gen: torch.Generator
 ) -> None:
     seq_lens_list = [c + q for c, q in PREFILL_ROWS]
     cache, tables = paged_cache(seq_lens_list, 16, NUM_KV_HEADS, HEAD_DIM, dtype, gen)
@@ -80,8 +81,9 @@ def test_prefill_mixed_batch_matches_ref(
     query = _query(int(q_lens.sum()), NUM_KV_HEADS * group, dtype, gen)
     # block_m 16: several query tiles per sequence and several KV tiles per query tile
     out = _paged_prefill_attention(
-        query, cache, tables, query_start_loc, seq_lens, 0.17, sliding_window, block_m=16, block_n=16
-    )
+        query, cache, tables, query_start_loc, seq_lens, 0.17, sliding_window, block_m=16, block_n=16,
+        split_mask=split_mask,
+    )  # fmt: skip
     ref = paged_prefill_attention_ref(query, cache, tables, query_start_loc, seq_lens, 0.17, sliding_window)
     assert rel_err(out, ref) < tolerance(dtype), f"seed {gen.initial_seed()}"
 

@@ -105,3 +105,18 @@ def test_import_without_triton_then_clear_error() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [64, 100, 1500])
+def test_silu_and_mul_matches_ref(dtype: torch.dtype, inter: int, gen: torch.Generator) -> None:
+    from kernels.activation import silu_and_mul, silu_and_mul_ref
+
+    x = (3 * _randn(5, 2 * inter, dtype=torch.float32, gen=gen)).to(dtype)
+    out = silu_and_mul(x)
+    ref = silu_and_mul_ref(x)
+    assert out.shape == (5, inter) and out.dtype == dtype
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else tolerance(dtype))
+    assert silu_and_mul(x[:0]).shape == (0, inter)
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul(x[:, :-1])

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything issues 3 and 5 measure on the GPU, in the order a short device session needs: correctness first,
+# then kernels, the concurrency sweep and the full suite. Results (JSON, text) land in $OUT.
+#   stage 1 (~5 min): GPU tests, kernel benchmark with tuning variants, concurrency sweep of the 8B shape
+#   stage 2 (~6 min): the suite (ceilings, latency, mixed-128, mixed, shared-prefix on/off, HF baseline)
+# Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
+# Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
+set -euo pipefail
+stage=${1:?stage 1 or 2}
+commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+out=${OUT:-/tmp/pagedserve-gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+if [ "$stage" = 1 ]; then
+  python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/kernels/test_gpu.py 2>&1 | tail -15 | tee "$out/gpu_tests.txt"
+  python -m loadtest.kernels_bench --sweep --out "$out/kernels.json" 2>&1 | tail -40
+  python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \
+    --concurrency 1 2 4 8 16 32 64 128 256 512 --commit "$commit" --out "$out/sweep.json" 2>&1 | tail -5
+else
+  python -m loadtest.throughput suite --shape 8b --baseline hf --max-model-len 4096 --max-num-seqs 512 \
+    --commit "$commit" --out "$out/suite.json" 2>&1 | tail -60
+fi

@@ -5,6 +5,8 @@ Run with ``pagedserve api`` or ``uvicorn --factory api.app:create_app`` (setting
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +21,7 @@ from api.errors import install_error_handlers
 from api.jobs import JobQueue
 from api.metrics import ApiMetrics
 from api.middleware import BodySizeLimit
+from api.reaper import QueueReaper
 from api.relay import EventRelay
 from api.routes import router
 from api.service import CompletionService
@@ -66,10 +69,15 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         app.state.svc = svc
         app.state.auth = Authenticator(redis, settings.api_keys, settings.rate_limit_rps, settings.rate_limit_burst)
         app.state.started = int(time.time())
+        app.state.reaper = QueueReaper(redis, settings.queue_deadline_s, settings.events_ttl_s)
+        sweeper = asyncio.create_task(app.state.reaper.run(), name="queue-reaper")
         logger.info("serving %s (max_model_len %d) on queue %s", svc.model_name, svc.max_model_len, keys.QUEUE)
         try:
             yield
         finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
             await svc.relay.stop()
             await redis.aclose()
 

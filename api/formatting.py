@@ -46,14 +46,24 @@ class ResponseFormatter:
     """Builds response bodies for one request. Streaming state (text sent per choice) lives here, so a
     final event after missed or absent deltas (a cache hit) still sends the whole text exactly once."""
 
-    def __init__(self, kind: Kind, request_id: str, model: str, created: int, tokenizer: PromptTokenizer) -> None:
+    def __init__(
+        self,
+        kind: Kind,
+        request_id: str,
+        model: str,
+        created: int,
+        tokenizer: PromptTokenizer,
+        echo: str | None = None,
+    ) -> None:
         self.kind = kind
+        self.echo = echo  # completions with echo: the prompt text leads each choice's text
         self.request_id = request_id
         self.model = model
         self.created = created
         self._tok = tokenizer
         self._sent_chars: dict[int, int] = {}
         self._sent_tokens: dict[int, int] = {}
+        self._echoed: set[int] = set()
 
     @property
     def _object(self) -> str:
@@ -79,7 +89,7 @@ class ResponseFormatter:
         logprobs = _completion_logprobs(c.logprobs, self._tok, 0) if c.logprobs is not None else None
         return {
             "index": c.index,
-            "text": c.text,
+            "text": (self.echo or "") + c.text,
             "logprobs": logprobs,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
@@ -120,6 +130,9 @@ class ResponseFormatter:
             delta = {"content": text} if text or finish_reason is None else {}
             return self.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
         logprobs = _completion_logprobs(lps, self._tok, offset) if lps else None
+        if self.echo is not None and index not in self._echoed:
+            self._echoed.add(index)
+            text = self.echo + text
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self.chunk([choice])
 

@@ -119,6 +119,13 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
 
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts: one string, one token-id list, or a batch of either."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
 
 class TextPart(BaseModel):
     type: Literal["text"]

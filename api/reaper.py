@@ -2,7 +2,7 @@
 
 Workers drop a job that starts late themselves, but with no worker running (all busy on long jobs, all dead,
 none deployed yet) nobody would, and the caller would wait for its request timeout. Every API process sweeps
-the queue once a second; one atomic script removes a job only if it never started (no in-progress marker
+the queue twice a second; one atomic script removes a job only if it never started (no in-progress marker
 and no retry counter: a job whose worker died keeps its place for the next worker), so of several API
 processes exactly one writes the error event, which reaches the caller through the job's events as usual.
 """
@@ -32,7 +32,7 @@ class QueueReaper:
     """Sweeps the queue for jobs enqueued more than ``deadline_s + grace_s`` ago that no worker started."""
 
     def __init__(
-        self, redis: Redis, deadline_s: float, events_ttl_s: int, grace_s: float = 2.0, interval_s: float = 1.0
+        self, redis: Redis, deadline_s: float, events_ttl_s: int, grace_s: float = 0.5, interval_s: float = 0.5
     ) -> None:
         self._redis = redis
         self._script = redis.register_script(_DROP_IF_NEVER_STARTED)

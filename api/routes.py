@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request, Response
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 
 from api.auth import Authenticator
+from api.batch import batch_stream, collect_all, response_body, start_all
 from api.errors import ApiError, bad_request
 from api.formatting import ResponseFormatter
 from api.protocol import ChatCompletionRequest, CompletionRequest
@@ -92,11 +94,25 @@ async def _serve_traced(request: Request, prep: PreparedRequest) -> Response:
     return JSONResponse(formatter_for(svc, prep).response(result))
 
 
+async def _serve_batch(request: Request, preps: list[PreparedRequest]) -> Response:
+    svc = _svc(request)
+    batch_id = f"cmpl-{uuid.uuid4().hex}"
+    with tracer.start_as_current_span(
+        "pagedserve.completion_batch", attributes={"pagedserve.request_id": batch_id, "pagedserve.prompts": len(preps)}
+    ):
+        sources = await start_all(svc, preps)
+        if preps[0].stream:
+            return _sse(batch_stream(svc, batch_id, sources, preps[0].include_usage))
+        results = await collect_all(svc, sources, request)
+        return JSONResponse(response_body(svc, batch_id, sources, results))
+
+
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     await _authorize(request)
     req = _parse(CompletionRequest, await _json_body(request))
-    return await _serve(request, _svc(request).prepare_completion(req))
+    preps = _svc(request).prepare_completions(req)
+    return await (_serve(request, preps[0]) if len(preps) == 1 else _serve_batch(request, preps))
 
 
 @router.post("/v1/chat/completions")
@@ -181,7 +197,9 @@ async def job_status(request: Request, job_id: str) -> dict[str, Any]:
     status = "queued" if last is None else {"delta": "running", "final": "completed", "error": "failed"}[last.kind]
     body: dict[str, Any] = {"id": job_id, "object": "job", "status": status, "model": meta["model"]}
     if isinstance(last, FinalEvent):
-        fmt = ResponseFormatter(meta["kind"], job_id, meta["model"], meta["created"], _svc(request).tokenizer)
+        fmt = ResponseFormatter(
+            meta["kind"], job_id, meta["model"], meta["created"], _svc(request).tokenizer, meta.get("echo")
+        )
         body["result"] = fmt.response(last.result)
     return body
 

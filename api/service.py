@@ -24,6 +24,8 @@ from wire.messages import JobPayload, JobResult
 
 logger = logging.getLogger(__name__)
 
+MAX_PROMPTS = 64  # prompts in one batched /v1/completions request
+
 
 @dataclass
 class PreparedRequest:
@@ -40,6 +42,7 @@ class PreparedRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
     cache_key: str | None = None
+    echo: str | None = None  # completions with echo: the prompt text, sent before the generated text
 
     @property
     def n(self) -> int:
@@ -53,6 +56,7 @@ class PreparedRequest:
             "created": self.created,
             "n": self.n,
             "include_usage": self.include_usage,
+            "echo": self.echo,
         }
 
 
@@ -104,24 +108,40 @@ class CompletionService:
             )
         return room if requested is None else requested
 
-    def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise bad_request("batched prompts are not supported: send one prompt per request", "prompt")
-            prompt = prompt[0]  # type: ignore[assignment]
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+        ids = [int(t) for t in prompt]
         if any(t < 0 or t >= self.tokenizer.vocab_size for t in ids):
             raise bad_request(f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", "prompt")
         return ids
 
     def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
+        """One prompt (a string or token ids); several go through ``prepare_completions``."""
+        (prep,) = self.prepare_completions(req, max_prompts=1)
+        return prep
+
+    def prepare_completions(self, req: CompletionRequest, max_prompts: int = MAX_PROMPTS) -> list[PreparedRequest]:
+        """One job per prompt of a (possibly batched) completion request; all are validated before any runs."""
         self._check_model(req.model)
-        if req.echo or req.suffix:
-            raise bad_request("echo and suffix are not supported", "echo" if req.echo else "suffix")
-        ids = self._prompt_ids(req.prompt)
-        return self._prepared("completion", "cmpl", req, ids, req.max_tokens, req.logprobs)
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
+        prompts = req.prompt_list()
+        if not prompts:
+            raise bad_request("prompt must not be an empty list", "prompt")
+        if len(prompts) > max_prompts:
+            what = "batched prompts are not supported here" if max_prompts == 1 else "too many prompts"
+            raise bad_request(f"{what}: at most {max_prompts} prompts per request, got {len(prompts)}", "prompt")
+        preps = []
+        for prompt in prompts:
+            ids = self._prompt_ids(prompt)
+            prep = self._prepared("completion", "cmpl", req, ids, req.max_tokens, req.logprobs)
+            if req.echo:
+                prep.echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+            preps.append(prep)
+        return preps
 
     def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         self._check_model(req.model)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from sse_starlette import ServerSentEvent
@@ -35,7 +35,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def formatter_for(svc: CompletionService, prep: PreparedRequest) -> ResponseFormatter:
-    return ResponseFormatter(prep.kind, prep.request_id, prep.model, prep.created, svc.tokenizer)
+    return ResponseFormatter(prep.kind, prep.request_id, prep.model, prep.created, svc.tokenizer, prep.echo)
 
 
 def _observe_final(svc: CompletionService, prep: PreparedRequest, result: JobResult) -> None:
@@ -78,19 +78,19 @@ async def collect(svc: CompletionService, prep: PreparedRequest, sub: Subscripti
     return ev.result
 
 
-async def openai_stream(
+async def job_chunks(
     svc: CompletionService, prep: PreparedRequest, sub: Subscription | None, cached: JobResult | None = None
-) -> AsyncIterator[str]:
-    """``data:`` payloads of an OpenAI stream; a job not finished when the client leaves is aborted."""
+) -> AsyncGenerator[dict[str, Any], None]:
+    """The chunk bodies of one job's OpenAI stream (an error body last if it fails); a job not finished when
+    the consumer stops is aborted."""
     fmt = formatter_for(svc, prep)
     finished = sub is None
     try:
         for chunk in fmt.start_chunks(prep.n):
-            yield _dumps(chunk)
+            yield chunk
         if cached is not None:
             for chunk in fmt.final_chunks(FinalEvent(0, cached), prep.include_usage):
-                yield _dumps(chunk)
-            yield DONE
+                yield chunk
             return
         assert sub is not None
         last = None
@@ -100,21 +100,33 @@ async def openai_stream(
                 svc.metrics.ttft.observe(now - prep.arrival) if last is None else svc.metrics.itl.observe(now - last)
                 last = now
                 for chunk in fmt.delta_chunks(ev):
-                    yield _dumps(chunk)
+                    yield chunk
             elif isinstance(ev, FinalEvent):
                 finished = True
                 _observe_final(svc, prep, ev.result)
                 await svc.remember(prep, ev.result)
                 for chunk in fmt.final_chunks(ev, prep.include_usage):
-                    yield _dumps(chunk)
+                    yield chunk
             elif isinstance(ev, ErrorEvent):
                 finished = True
                 svc.metrics.errors.labels(str(ev.status)).inc()
-                yield _dumps(error_body(ev.message, ev.type, code=ev.code))
-        yield DONE
+                yield error_body(ev.message, ev.type, code=ev.code)
     finally:
         if sub is not None:
             svc.spawn(svc.release(sub, abort=not finished))
+
+
+async def openai_stream(
+    svc: CompletionService, prep: PreparedRequest, sub: Subscription | None, cached: JobResult | None = None
+) -> AsyncIterator[str]:
+    """``data:`` payloads of an OpenAI stream, ``[DONE]`` last."""
+    chunks = job_chunks(svc, prep, sub, cached)
+    try:
+        async for chunk in chunks:
+            yield _dumps(chunk)
+        yield DONE
+    finally:
+        await chunks.aclose()  # at once, not at garbage collection: a client that left gets its job aborted
 
 
 def parse_last_event_id(value: str | None) -> tuple[int, int]:
@@ -146,7 +158,7 @@ async def job_event_stream(
 ) -> AsyncIterator[ServerSentEvent]:
     """EventSource stream of a job. Each SSE id is ``<seq>.<chunk>``; on resume, events up to Last-Event-ID are
     replayed into the formatter silently so the rest is sent exactly once. Leaving does not abort the job."""
-    fmt = ResponseFormatter(meta["kind"], job_id, meta["model"], meta["created"], svc.tokenizer)
+    fmt = ResponseFormatter(meta["kind"], job_id, meta["model"], meta["created"], svc.tokenizer, meta.get("echo"))
     n, include_usage = int(meta["n"]), bool(meta["include_usage"])
     last_seq, last_chunk = parse_last_event_id(last_event_id)
     try:

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from deploy.redis_server import RedisServer
-from tests.api.conftest import MODEL, ServerThread, start_api
+from tests.api.conftest import MODEL, ScriptedWorker, ServerThread, start_api
 from wire import keys
 from wire.messages import WorkerHeartbeat
 
@@ -69,11 +69,20 @@ def test_auth_and_rate_limit(small_queue_api: ServerThread, redis_url: str) -> N
 
 
 def test_queue_deadline_gives_a_clear_error(small_queue_api: ServerThread, redis_url: str) -> None:
-    # no worker takes the job: the API gives up after request_timeout_s with a timeout error, not a hang
+    # no worker takes the job: it leaves the queue at its deadline with a clear error, not a hang
     t0 = time.monotonic()
     resp = _post(small_queue_api, "key-2", "/v1/completions")
-    assert resp.status_code == 504 and resp.json()["error"]["type"] == "timeout"
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "queue_deadline_exceeded"
     assert time.monotonic() - t0 < 10
+
+
+async def test_silent_worker_gives_a_timeout(small_queue_api: ServerThread, redis_url: str) -> None:
+    # a worker takes the job and never answers: the API gives up after request_timeout_s (504)
+    worker = ScriptedWorker(redis_url)
+    t0 = time.monotonic()
+    resp, _ = await asyncio.gather(asyncio.to_thread(_post, small_queue_api, "key-1", "/v1/completions"), worker.take())
+    assert resp.status_code == 504 and resp.json()["error"]["type"] == "timeout"
+    assert 3.0 <= time.monotonic() - t0 < 10
 
 
 def test_ready_follows_worker_heartbeats(api: ServerThread, redis_url: str) -> None:

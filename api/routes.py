@@ -18,7 +18,7 @@ from api.auth import Authenticator
 from api.batch import batch_stream, collect_all, response_body, start_all
 from api.errors import ApiError, bad_request
 from api.formatting import ResponseFormatter
-from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from api.service import CompletionService, PreparedRequest
 from api.streams import collect, formatter_for, job_event_stream, openai_stream
 from api.tracing import tracer
@@ -122,11 +122,42 @@ async def chat_completions(request: Request) -> Response:
     return await _serve(request, _svc(request).prepare_chat(req))
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> dict[str, Any]:
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    """vLLM's tokenizer endpoint: token ids of a prompt or of chat messages (after the chat template)."""
     await _authorize(request)
     svc = _svc(request)
-    card = {
+    req = _parse(TokenizeRequest, await _json_body(request))
+    if req.model is not None:
+        svc.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    if req.messages is not None:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = svc.tokenizer.encode_chat(messages, req.add_generation_prompt)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from exc
+    else:
+        ids = svc.tokenizer.encode(req.prompt or "", req.add_special_tokens)
+    return {"tokens": ids, "count": len(ids), "max_model_len": svc.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, Any]:
+    await _authorize(request)
+    svc = _svc(request)
+    req = _parse(DetokenizeRequest, await _json_body(request))
+    if req.model is not None:
+        svc.check_model(req.model)
+    if any(not 0 <= t < svc.tokenizer.vocab_size for t in req.tokens):
+        raise bad_request(f"token ids must be in [0, {svc.tokenizer.vocab_size})", "tokens")
+    return {"prompt": svc.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+
+def _model_card(request: Request) -> dict[str, Any]:
+    svc = _svc(request)
+    return {
         "id": svc.model_name,
         "object": "model",
         "created": request.app.state.started,
@@ -134,7 +165,19 @@ async def models(request: Request) -> dict[str, Any]:
         "root": svc.model_name,
         "max_model_len": svc.max_model_len,
     }
-    return {"object": "list", "data": [card]}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(request: Request, model: str) -> dict[str, Any]:
+    await _authorize(request)
+    _svc(request).check_model(model)
+    return _model_card(request)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    await _authorize(request)
+    return {"object": "list", "data": [_model_card(request)]}
 
 
 # -- EventSource job API ------------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ class CompletionService:
         self._background: set[asyncio.Task[None]] = set()
 
     # -- validation and tokenization -----------------------------------------------------------------------
-    def _check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise ApiError(
                 404,
@@ -123,7 +123,7 @@ class CompletionService:
 
     def prepare_completions(self, req: CompletionRequest, max_prompts: int = MAX_PROMPTS) -> list[PreparedRequest]:
         """One job per prompt of a (possibly batched) completion request; all are validated before any runs."""
-        self._check_model(req.model)
+        self.check_model(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if req.echo and req.logprobs is not None:
@@ -144,7 +144,7 @@ class CompletionService:
         return preps
 
     def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
-        self._check_model(req.model)
+        self.check_model(req.model)
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
         try:
             ids = self.tokenizer.encode_chat(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))

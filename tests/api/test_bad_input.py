@@ -123,3 +123,19 @@ def test_unsupported_feature_names_its_parameter(api: ServerThread, redis_url: s
     _check_error(resp, 400)
     assert resp.json()["error"]["param"] == "response_format"
     assert resp.json()["error"]["code"] == "unsupported_parameter"
+
+
+def test_tokenize_detokenize_and_model_card(api: ServerThread, redis_url: str) -> None:
+    tok = httpx.post(api.url + "/tokenize", json={"model": MODEL, "prompt": "Hello world"}, timeout=10).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > 0
+    back = httpx.post(api.url + "/detokenize", json={"model": MODEL, "tokens": tok["tokens"]}, timeout=10).json()
+    assert back["prompt"].endswith("Hello world")
+    chat = httpx.post(api.url + "/tokenize", json={"messages": MSGS}, timeout=10).json()
+    assert chat["count"] > tok["count"] - 2  # the template adds role markers around "hi"
+    _check_error(httpx.post(api.url + "/tokenize", json={"model": MODEL}, timeout=10), 400)
+    _check_error(httpx.post(api.url + "/detokenize", json={"tokens": [10**9]}, timeout=10), 400)
+    _check_error(httpx.post(api.url + "/tokenize", json={"model": "nope", "prompt": "x"}, timeout=10), 404)
+    client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0)
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")

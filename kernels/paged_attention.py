@@ -71,15 +71,46 @@ def paged_decode_attention_ref(
 
 
 @triton.jit
+def _merge_partitions(
+    seq_len, base, out_row_ptr, part_out_ptr, part_stats_ptr, num_partitions,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr,
+    PARTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Merge one head's partition results (rows ``base + p`` of the scratch) into its output row."""
+    num_parts = tl.minimum(tl.cdiv(seq_len, PARTITION_SIZE), num_partitions)
+    p = tl.arange(0, PARTS_PAD)
+    # .cg: read from L2, where the other programs' stores landed (the fused variant reads them right away)
+    m = tl.load(part_stats_ptr + (base + p) * 2, mask=p < num_parts, other=float("-inf"), cache_modifier=".cg")
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    total = tl.zeros([CHUNK], tl.float32)
+    for c in range(0, num_parts, CHUNK):
+        pc = c + tl.arange(0, CHUNK)
+        pc_mask = pc < num_parts
+        m_c = tl.load(part_stats_ptr + (base + pc) * 2, mask=pc_mask, other=float("-inf"), cache_modifier=".cg")
+        l_c = tl.load(part_stats_ptr + (base + pc) * 2 + 1, mask=pc_mask, other=0.0, cache_modifier=".cg")
+        w = l_c * tl.exp2(m_c - m_max)  # [CHUNK]
+        o_c = tl.load(part_out_ptr + (base + pc)[:, None] * HEAD_DIM + d[None, :],
+                      mask=pc_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
+        acc += tl.sum(w[:, None] * o_c, axis=0)
+        total += w
+    denom = tl.sum(total, axis=0)
+    o = acc / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_row_ptr + d, o.to(out_row_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit
 def _decode_partition_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_stats_ptr,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_stats_ptr, counters_ptr,
     scale_log2, sliding_window,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_os, stride_oh,
     num_partitions,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, PARTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -133,6 +164,18 @@ def _decode_partition_kernel(
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
         tl.store(part_stats_ptr + row * 2, m_i, mask=g_mask)
         tl.store(part_stats_ptr + row * 2 + 1, l_i, mask=g_mask)
+        if FUSED_REDUCE:  # the last program of (seq, kv head) to finish merges all partitions: no second launch
+            counter = counters_ptr + seq * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")  # release our stores, acquire the others'
+            if arrived == num_partitions - 1:
+                tl.atomic_xchg(counter, 0)  # zero again for the next call (and the next graph replay)
+                for gi in tl.static_range(GROUP):
+                    head = kvh * GROUP + gi
+                    _merge_partitions(
+                        seq_len, (seq * (GROUP * tl.num_programs(1)) + head) * num_partitions,
+                        out_ptr + seq * stride_os + head * stride_oh, part_out_ptr, part_stats_ptr, num_partitions,
+                        HEAD_DIM, HEAD_DIM_PAD, PARTITION_SIZE, PARTS_PAD, CHUNK,
+                    )  # fmt: skip
 
 
 @triton.jit
@@ -144,29 +187,11 @@ def _decode_reduce_kernel(
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    num_parts = tl.minimum(tl.cdiv(seq_len, PARTITION_SIZE), num_partitions)
-    base = (seq * tl.num_programs(1) + head) * num_partitions
-    p = tl.arange(0, PARTS_PAD)
-    m = tl.load(part_stats_ptr + (base + p) * 2, mask=p < num_parts, other=float("-inf"))
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
-    d = tl.arange(0, HEAD_DIM_PAD)
-    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
-    total = tl.zeros([CHUNK], tl.float32)
-    for c in range(0, num_parts, CHUNK):
-        pc = c + tl.arange(0, CHUNK)
-        pc_mask = pc < num_parts
-        m_c = tl.load(part_stats_ptr + (base + pc) * 2, mask=pc_mask, other=float("-inf"))
-        l_c = tl.load(part_stats_ptr + (base + pc) * 2 + 1, mask=pc_mask, other=0.0)
-        w = l_c * tl.exp2(m_c - m_max)  # [CHUNK]
-        o_c = tl.load(part_out_ptr + (base + pc)[:, None] * HEAD_DIM + d[None, :],
-                      mask=pc_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
-        acc += tl.sum(w[:, None] * o_c, axis=0)
-        total += w
-    denom = tl.sum(total, axis=0)
-    o = acc / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    _merge_partitions(
+        tl.load(seq_lens_ptr + seq), (seq * tl.num_programs(1) + head) * num_partitions,
+        out_ptr + seq * stride_os + head * stride_oh, part_out_ptr, part_stats_ptr, num_partitions,
+        HEAD_DIM, HEAD_DIM_PAD, PARTITION_SIZE, PARTS_PAD, CHUNK,
+    )  # fmt: skip
 
 
 @lru_cache(maxsize=8)
@@ -238,6 +263,7 @@ def _paged_decode_attention(
     block_n: int = 64,  # 128 was faster at B=256 but slower at B=64 (one program per SM at 3 stages)
     num_warps: int = 4,
     num_stages: int = 3,
+    fused_reduce: bool = False,  # merge partitions in the last program of each (seq, kv head): one launch
 ) -> torch.Tensor:
     """The wrapper with its tuning knobs exposed (tests force small partitions; the benchmark sweeps)."""
     require_triton("paged_decode_attention")
@@ -265,23 +291,40 @@ def _paged_decode_attention(
     )
     part_stats = query.new_empty((num_seqs, num_heads, num_partitions, 2) if not single else (1,), dtype=torch.float32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    fused = fused_reduce and not single
+    counters = _arrival_counters(query.device, num_seqs * num_kv_heads) if fused else part_stats
+    parts_pad, chunk = next_pow2(num_partitions), min(16, next_pow2(num_partitions))
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_stats,
+        query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_stats, counters,
         scale * _LOG2E, sliding_window or 0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_partitions,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, PARTITION_SIZE=partition_size, SINGLE_PARTITION=single,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
-        num_warps=num_warps, num_stages=num_stages,
+        FUSED_REDUCE=fused, PARTS_PAD=parts_pad, CHUNK=chunk, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if not single:
+    if not single and not fused:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             seq_lens, out, part_out, part_stats, out.stride(0), out.stride(1), num_partitions,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim), PARTITION_SIZE=partition_size,
-            PARTS_PAD=next_pow2(num_partitions), CHUNK=min(16, next_pow2(num_partitions)), num_warps=4,
+            PARTS_PAD=parts_pad, CHUNK=chunk, num_warps=4,
         )  # fmt: skip
     return out
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (seq, kv head), that the fused variant leaves zeroed after each call.
+    Kept per device and grown outside CUDA-graph capture (a capture must find them already large enough)."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fused_reduce: run the shape once before capturing it in a CUDA graph")
+        counters = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return counters
 
 
 def _upcast(query: torch.Tensor) -> bool:

@@ -33,6 +33,9 @@ DECODE_VARIANTS: list[dict[str, Any]] = [
     {"partition_scale": 2},
     {"partition_scale": 0.5},
     {"block_n": 128, "num_stages": 2},
+    {"fused_reduce": True},  # one launch: the last program of each (seq, kv head) merges the partitions
+    {"fused_reduce": True, "block_n": 128, "num_stages": 2},
+    {"fused_reduce": True, "partition_scale": 2},
 ]
 PREFILL_VARIANTS: list[dict[str, Any]] = [
     {},

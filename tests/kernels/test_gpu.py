@@ -17,13 +17,22 @@ pytestmark = [
 
 @pytest.mark.parametrize("lens", [[1, 1000, 4097, 8192], [131072]])
 @pytest.mark.parametrize("sliding_window", [None, 4096])
-def test_decode_real_sizes(lens: list[int], sliding_window: int | None, gen: torch.Generator) -> None:
+@pytest.mark.parametrize("fused_reduce", [False, True])
+def test_decode_real_sizes(
+    lens: list[int], sliding_window: int | None, fused_reduce: bool, gen: torch.Generator
+) -> None:
+    from kernels.paged_attention import _paged_decode_attention
+
     cache, tables = paged_cache(lens, 16, 8, 128, torch.bfloat16, gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     query = torch.randn(len(lens), 32, 128, generator=gen).to(torch.bfloat16).cuda()
-    out = paged_decode_attention(query, cache, tables, seq_lens, 128**-0.5, sliding_window)
     ref = paged_decode_attention_ref(query, cache, tables, seq_lens, 128**-0.5, sliding_window)
-    assert rel_err(out, ref) < 1e-2, f"seed {gen.initial_seed()}"
+    for _ in range(3):  # repeated calls: the fused variant's arrival counters must come back to zero
+        out = _paged_decode_attention(
+            query, cache, tables, seq_lens, 128**-0.5, sliding_window, fused_reduce=fused_reduce
+        )
+        assert rel_err(out, ref) < 1e-2, f"seed {gen.initial_seed()}"
+    assert paged_decode_attention(query, cache, tables, seq_lens, 128**-0.5, sliding_window).shape == out.shape
 
 
 @pytest.mark.parametrize("sliding_window", [None, 700])

@@ -23,18 +23,29 @@ def _query(num_rows: int, num_heads: int, dtype: torch.dtype, gen: torch.Generat
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("sliding_window", [None, 24])
-@pytest.mark.parametrize("partition_size", [None, 32])  # None: one partition here; 32: the reduce kernel
+# None: one partition here; 32: the reduce kernel; (32, fused): the last program of each head merges
+@pytest.mark.parametrize(("partition_size", "fused_reduce"), [(None, False), (32, False), (32, True)])
 def test_decode_matches_ref(
-    dtype: torch.dtype, group: int, sliding_window: int | None, partition_size: int | None, gen: torch.Generator
+    dtype: torch.dtype,
+    group: int,
+    sliding_window: int | None,
+    partition_size: int | None,
+    fused_reduce: bool,
+    gen: torch.Generator,
 ) -> None:
     cache, tables = paged_cache(DECODE_LENS, 16, NUM_KV_HEADS, HEAD_DIM, dtype, gen)
     seq_lens = torch.tensor(DECODE_LENS, dtype=torch.int32, device=DEVICE)
     query = _query(len(DECODE_LENS), NUM_KV_HEADS * group, dtype, gen)
     out = _paged_decode_attention(
-        query, cache, tables, seq_lens, 0.17, sliding_window, partition_size=partition_size, block_n=16
-    )
+        query, cache, tables, seq_lens, 0.17, sliding_window, partition_size=partition_size, block_n=16,
+        fused_reduce=fused_reduce,
+    )  # fmt: skip
     ref = paged_decode_attention_ref(query, cache, tables, seq_lens, 0.17, sliding_window)
     assert rel_err(out, ref) < tolerance(dtype), f"seed {gen.initial_seed()}"
+    if fused_reduce:  # every arrival counter is back at zero, so the next call (or graph replay) starts clean
+        from kernels.paged_attention import _COUNTERS
+
+        assert int(_COUNTERS[query.device].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 32, 64])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -78,9 +79,9 @@ def test_greedy_equals_hf_under_preemption(checkpoint: tuple[Path, list], async_
     assert llm.engine.kv.usage() == 0.0
 
 
-def test_smollm2_greedy_equals_hf() -> None:
+def test_smollm2_greedy_equals_hf(hf_smollm2: Any) -> None:
     """The default model (SmolLM2-135M-Instruct, a Q4_1 GGUF, dequantized) against transformers' GGUF load."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     import modelfiles
 
@@ -93,15 +94,11 @@ def test_smollm2_greedy_equals_hf() -> None:
         for c in chats
     ]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    hf = AutoModelForCausalLM.from_pretrained(
-        files.gguf_path.parent, gguf_file=files.gguf_path.name, dtype=torch.float32
-    ).eval()
     expected = []
     for ids in prompts:
         with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)
+            gen = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)
         expected.append(gen[0, len(ids) :].tolist())
-    del hf
     llm = LLM("", device="cpu", max_model_len=512)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=10))
     assert [o.outputs[0].token_ids for o in outs] == expected

@@ -109,9 +109,7 @@ def test_gguf_names_and_qk_unpermute() -> None:
 
 
 @pytest.mark.slow
-def test_default_gguf_matches_transformers_gguf_loader() -> None:
-    from transformers import AutoModelForCausalLM
-
+def test_default_gguf_matches_transformers_gguf_loader(hf_smollm2: Any) -> None:
     files = modelfiles.resolve(None)
     assert files.gguf_path is not None
     config = load_hf_config(files)
@@ -119,11 +117,8 @@ def test_default_gguf_matches_transformers_gguf_loader() -> None:
     ids = torch.tensor([1, 504, 3458, 282, 4649, 314, 1030, 30, 378, 8640, 28, 338], dtype=torch.long)
     got = _logits(ours, ids)
     del ours
-    hf = AutoModelForCausalLM.from_pretrained(
-        files.gguf_path.parent, gguf_file=files.gguf_path.name, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
     with torch.no_grad():
-        expected = hf(ids[None]).logits[0]
+        expected = hf_smollm2(ids[None]).logits[0]
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=0)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 

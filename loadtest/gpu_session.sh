@@ -13,7 +13,10 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 if [ "$stage" = 1 ]; then
-  python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/kernels/test_gpu.py 2>&1 | tail -15 | tee "$out/gpu_tests.txt"
+  # a failure is reported, not fatal: the timings below still tell which variant to fix
+  python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/kernels/test_gpu.py > "$out/gpu_tests.txt" 2>&1 \
+    || echo "GPU TESTS FAILED (see gpu_tests.txt)"
+  tail -15 "$out/gpu_tests.txt"
   python -m loadtest.kernels_bench --sweep --out "$out/kernels.json" 2>&1 | tail -40
   python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \
     --concurrency 1 2 4 8 16 32 64 128 256 512 --commit "$commit" --out "$out/sweep.json" 2>&1 | tail -5

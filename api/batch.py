@@ -14,7 +14,6 @@ from typing import Any
 
 from starlette.requests import Request
 
-from api.errors import ApiError
 from api.formatting import ResponseFormatter
 from api.relay import Subscription
 from api.service import CompletionService, PreparedRequest
@@ -63,7 +62,7 @@ async def collect_all(svc: CompletionService, sources: list[Source], request: Re
                 group.create_task(collect(svc, prep, sub, request)) if sub is not None else None
                 for prep, sub, _ in sources
             ]
-    except* ApiError as errors:
+    except* Exception as errors:  # the first failure as itself (an ApiError keeps its status, Redis its 503)
         raise errors.exceptions[0] from None
     results = []
     for task, (_, _, cached) in zip(tasks, sources, strict=True):

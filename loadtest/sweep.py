@@ -39,12 +39,14 @@ def run_level(engine: Engine, concurrency: int, prompt_len: int, output_len: int
     _sync(engine)
     start = time.perf_counter()
     all_started: float | None = None
-    decode_steps = 0
+    start_steps = decode_steps = 0
     while engine.has_unfinished_requests():
         engine.step(final_only=True)
         if all_started is not None:
             decode_steps += 1
-        elif not engine.scheduler.waiting and all(r.output_token_ids for r in engine.scheduler.running):
+            continue
+        start_steps += 1
+        if not engine.scheduler.waiting and all(r.output_token_ids for r in engine.scheduler.running):
             _sync(engine)
             all_started = time.perf_counter()
     _sync(engine)
@@ -54,6 +56,7 @@ def run_level(engine: Engine, concurrency: int, prompt_len: int, output_len: int
         "concurrency": concurrency,
         "elapsed_s": round(end - start, 4),
         "all_started_s": round(all_started - start, 4),
+        "start_steps": start_steps,  # steps until every request had its first token (prefill under the budget)
         "tpot_ms": round((end - all_started) / max(1, decode_steps) * 1e3, 3),
         "output_tok_s": round(concurrency * output_len / (end - start), 1),
         "preemptions": engine.scheduler.num_preemptions,

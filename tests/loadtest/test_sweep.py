@@ -32,6 +32,6 @@ def test_sweep_levels_and_plot(tmp_path: Path) -> None:
     for p in points:
         assert 0 < p["all_started_s"] < p["elapsed_s"] and p["tpot_ms"] > 0
         assert p["output_tok_s"] == pytest.approx(p["concurrency"] * 6 / p["elapsed_s"], rel=1e-2)
-    assert points[-1]["all_started_s"] > points[0]["all_started_s"]  # 80 prompt tokens need several steps
+    assert [p["start_steps"] for p in points] == [1, 2, 4]  # 10, 40, 80 prompt tokens under a 24-token budget
     png = plot_sweep(points, str(tmp_path / "sweep.png"), "tiny", floor_ms=1.0)
     assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

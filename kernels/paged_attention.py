@@ -71,6 +71,44 @@ def paged_decode_attention_ref(
 
 
 @triton.jit
+def _load_kv_tile(
+    k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh, stride_kb, stride_kt, stride_kh,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """K and V ``[BLOCK_N, D]`` of one KV head at positions ``pos``, gathered through the block table row.
+    MASKED: only positions where ``pos_ok`` are read; otherwise every position is known to be valid."""
+    if MASKED:
+        block_ids = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        kv_mask = pos_ok[:, None] & d_mask[None, :]
+    else:
+        block_ids = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
+        kv_mask = d_mask[None, :]
+    row_off = block_ids * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kvh * stride_kh  # [BLOCK_N]
+    k = tl.load(k_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, MAY_BE_EMPTY: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of scores ``s`` (log2 domain, -inf where hidden) and its values into the running max,
+    sum and output. MAY_BE_EMPTY: a row may have seen only hidden keys so far (its max is still -inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if MAY_BE_EMPTY:  # noqa: SIM108 - a constexpr branch, resolved when the kernel is compiled
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _merge_partitions(
     seq_len, base, out_row_ptr, part_out_ptr, part_stats_ptr, num_partitions,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr,
@@ -137,23 +175,11 @@ def _decode_partition_kernel(
     for start in range((kv_lo // BLOCK_N) * BLOCK_N, part_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = (pos < part_end) & (pos >= kv_lo)
-        block_ids = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < part_end, other=0).to(tl.int64)
-        row_off = block_ids * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kvh * stride_kh  # [BLOCK_N]
-        kv_mask = pos_ok[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh, stride_kb, stride_kt, stride_kh,
+                             BLOCK_SIZE, True, UPCAST)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
         s = tl.where(pos_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, True, DOT_PRECISION)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE_PARTITION:

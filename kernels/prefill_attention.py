@@ -7,7 +7,14 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import check_index, check_same_device, next_pow2, require_triton, tl, triton
-from kernels.paged_attention import _LOG2E, _check_attention_inputs, _dot_precision, _upcast
+from kernels.paged_attention import (
+    _LOG2E,
+    _check_attention_inputs,
+    _dot_precision,
+    _load_kv_tile,
+    _online_softmax_step,
+    _upcast,
+)
 
 
 def paged_prefill_attention_ref(
@@ -109,43 +116,21 @@ def _prefill_kernel(
         masked_start = (tl.minimum(context_len + q_tile_start, kv_hi) // BLOCK_N) * BLOCK_N
         for start in range(0, masked_start, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
-            block_ids = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
-            row_off = block_ids * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kvh * stride_kh  # [BLOCK_N]
-            k = tl.load(k_ptr + row_off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)  # [BLOCK_N, D]
-            v = tl.load(v_ptr + row_off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, pos, d, d_mask, kvh, stride_kb, stride_kt, stride_kh,
+                                 BLOCK_SIZE, False, UPCAST)  # fmt: skip
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N], all finite
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, False, DOT_PRECISION)
     for start in range(masked_start, kv_hi, BLOCK_N):  # the diagonal (and window edge): masked
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_hi
-        block_ids = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        row_off = block_ids * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kvh * stride_kh  # [BLOCK_N]
-        kv_mask = pos_ok[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh, stride_kb, stride_kt, stride_kh,
+                             BLOCK_SIZE, True, UPCAST)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
         if USE_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, True, DOT_PRECISION)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])

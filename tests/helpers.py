@@ -33,6 +33,17 @@ _MODEL_CLASSES = {
 }
 
 
+# Llama 3's rope scaling, with the original context shrunk to fit tiny test models
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
 def tiny_config(model_type: str = "llama", **overrides: Any) -> Any:
     """A float32 HF config of the given family with tiny shapes; ``overrides`` win."""
     import transformers
@@ -55,14 +66,7 @@ def tiny_config(model_type: str = "llama", **overrides: Any) -> Any:
     )
     if model_type == "llama3":
         model_type = "llama"
-        kwargs["rope_parameters"] = {
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        }
+        kwargs["rope_parameters"] = dict(LLAMA3_ROPE)
     kwargs.update(overrides)
     config = getattr(transformers, _CONFIG_CLASSES[model_type])(**kwargs)
     config.architectures = [_MODEL_CLASSES[model_type]]

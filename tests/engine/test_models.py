@@ -14,7 +14,14 @@ import modelfiles
 from engine.loader import load_hf_config, load_model
 from engine.models import build_model, model_class
 from engine.parallel import ParallelState
-from tests.helpers import allocate_kv_caches, build_tiny_model, load_hf_model, one_seq_metadata, tiny_config
+from tests.helpers import (
+    LLAMA3_ROPE,
+    allocate_kv_caches,
+    build_tiny_model,
+    load_hf_model,
+    one_seq_metadata,
+    tiny_config,
+)
 
 BLOCK_SIZE = 4  # small blocks so a 40-token prompt spans many, shuffled, blocks
 ATOL = 1e-4
@@ -113,14 +120,7 @@ ROPE_CASES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
     "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
-    "llama3": {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32,
-    },
+    "llama3": LLAMA3_ROPE,
     "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
 }
 

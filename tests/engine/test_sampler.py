@@ -157,7 +157,7 @@ def test_top_p_distribution() -> None:
     # smallest prefix with cumulative mass >= 0.7
     cumulative = probs.cumsum(0)
     keep = int((cumulative < 0.7).sum()) + 1
-    assert 1 < keep < len(LOGITS)
+    assert 1 < keep < len(LOGITS)  # guard on the fixture: the cut must keep some tokens and drop others
     counts = draw_counts(LOGITS, SamplingParams(temperature=1.0, top_p=0.7))
     probs[keep:] = 0
     assert_fits(counts, probs)

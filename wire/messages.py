@@ -37,6 +37,9 @@ class JobPayload:
     priority: int = 0
     events_ttl_s: int = 3600  # how long the events list and result stay readable (resume, /v1/jobs)
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent carrier
+    # the API process's channel for this job's events, batched with other jobs' per engine step; "" = the
+    # job's own channel (keys.stream_channel), which any API process can follow (/v1/jobs EventSource)
+    reply_channel: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from deploy.engine_args import add_engine_args, engine_config_from_args
+from engine.args import EngineArgs
 
 BENCHES = {
     "kernels": "loadtest.kernels_bench",
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=int, default=1, help="worker processes (one engine each)")
     _add_api_args(serve)
     _add_worker_args(serve)
-    add_engine_args(serve)
+    EngineArgs.add_cli_args(serve, with_model=False)  # --model is in _add_common
     api = sub.add_parser("api", help="the API tier only (no torch)")
     _add_common(api, "redis://127.0.0.1:6379/0")
     _add_api_args(api)
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="one engine worker on the queue")
     _add_common(worker, "redis://127.0.0.1:6379/0")
     _add_worker_args(worker)
-    add_engine_args(worker)
+    EngineArgs.add_cli_args(worker, with_model=False)
     bench = sub.add_parser(
         "bench", help="benchmarks: kernels | throughput | latency | suite | overhead | serve (-h after the name)"
     )
@@ -124,7 +124,7 @@ def run_worker_command(args: argparse.Namespace) -> int:
     from engine.worker import WorkerSettings, run_worker
 
     files = modelfiles.resolve(args.model or None, args.served_model_name)
-    config = engine_config_from_args(args, args.model)
+    config = EngineArgs.from_cli_args(args).create_engine_config()
     settings = WorkerSettings(
         redis_url=args.redis_url,
         metrics_port=args.metrics_port,

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 import modelfiles
-from deploy.engine_args import engine_argv
 from deploy.redis_server import RedisServer
+from engine.args import EngineArgs
 
 logger = logging.getLogger("pagedserve.launcher")
 
@@ -111,11 +111,10 @@ def _worker_argv(args: argparse.Namespace, redis_url: str, index: int) -> list[s
         str(args.job_lease_s),
         "--log-level",
         args.log_level,
-        *engine_argv(args),
+        *EngineArgs.from_cli_args(args).to_argv(),  # the engine flags that differ from the defaults, --model too
     )
-    for flag, value in (("--model", args.model), ("--served-model-name", args.served_model_name)):
-        if value:
-            argv += [flag, str(value)]
+    if args.served_model_name:
+        argv += ["--served-model-name", args.served_model_name]
     if args.metrics_port is not None:
         argv += ["--metrics-port", str(args.metrics_port + index)]
     return argv

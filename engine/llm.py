@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.args import EngineArgs
 from engine.engine import Engine
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -18,63 +19,14 @@ PromptType = str | dict[str, Any]
 class LLM:
     """``LLM(model=DIR).generate(prompts, params)`` runs every prompt as one continuous batch."""
 
-    def __init__(
-        self,
-        model: str = "",
-        *,
-        dtype: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        num_gpu_blocks_override: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.9,
-        swap_space: float = 0.0,
-        seed: int = 0,
-        enforce_eager: bool = False,
-        load_format: str = "auto",
-        device: str = "auto",
-        attention_backend: str = "auto",
-        scheduling_policy: str = "fcfs",
-        cpu_kv_cache_gib: float = 1.0,
-        skip_tokenizer_init: bool = False,
-        distributed_executor_backend: str = "auto",
-        async_scheduling: bool = False,
-    ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(
-                model=model,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                load_format=load_format,
-                seed=seed,
-                skip_tokenizer_init=skip_tokenizer_init,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                gpu_memory_utilization=gpu_memory_utilization,
-                num_gpu_blocks_override=num_gpu_blocks_override,
-                enable_prefix_caching=enable_prefix_caching,
-                swap_space_gib=swap_space,
-                cpu_kv_cache_gib=cpu_kv_cache_gib,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                policy=scheduling_policy,
-                enable_chunked_prefill=enable_chunked_prefill,
-            ),
-            parallel=ParallelConfig(
-                tensor_parallel_size=tensor_parallel_size, distributed_executor_backend=distributed_executor_backend
-            ),
-            device=device,
-            attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling,
-        )
+    def __init__(self, model: str = "", **kwargs: Any) -> None:
+        """``kwargs`` are ``EngineArgs`` fields (vLLM's names: ``max_num_seqs``, ``tensor_parallel_size``...);
+        an unknown one raises ``TypeError``, a bad value ``ValueError``, both before anything loads."""
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword argument(s): {', '.join(unknown)}")
+        config = EngineArgs(model=model, **kwargs).create_engine_config()
         self.engine = Engine(config)
 
     def get_tokenizer(self) -> Any:

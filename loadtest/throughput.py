@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.args import EngineArgs
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from loadtest.shapes import measure_copy_bandwidth, measure_matmul_tflops, num_params, shape_folder, weight_bytes
@@ -26,26 +26,23 @@ from loadtest.workloads import WORKLOADS, BenchRequest, make_workload
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
-    model = args.model or str(shape_folder(args.shape, max_position_embeddings=args.max_model_len))
-    config = EngineConfig(
-        model=ModelConfig(
-            model=model,
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            load_format="dummy" if not args.model else args.load_format,
-            skip_tokenizer_init=not args.model,
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=not args.no_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+    """The bench's own flags (its defaults differ from the server's) -> ``EngineArgs`` -> ``Engine``."""
+    engine_args = EngineArgs(
+        model=args.model or str(shape_folder(args.shape, max_position_embeddings=args.max_model_len)),
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        load_format="dummy" if not args.model else args.load_format,
+        skip_tokenizer_init=not args.model,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
         device=args.device,
         async_scheduling=args.async_scheduling,
     )
-    return Engine(config)
+    return Engine(engine_args.create_engine_config())
 
 
 def sync(engine: Engine) -> None:

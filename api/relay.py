@@ -1,6 +1,11 @@
 """Job events from Redis to the HTTP handlers: one pub/sub connection per API process, routing each job's
-channel to a local queue, and an iterator that turns the pub/sub stream into a gap-free, duplicate-free
+events to a local queue, and an iterator that turns the pub/sub stream into a gap-free, duplicate-free
 sequence by reading the job's events list (index == seq) whenever a seq is skipped or the channel is quiet.
+
+Jobs this process enqueued for its own OpenAI responses name its ``reply_channel``: workers publish one
+message per engine step there, holding the events of all such jobs, so no per-job subscription (and no
+round trip before enqueueing) is needed. Jobs that any API process may follow (/v1/jobs EventSource) use
+their own channel, subscribed on demand.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -17,17 +23,17 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from wire import keys
-from wire.messages import ErrorEvent, Event, decode_event
+from wire.messages import ChoiceDelta, DeltaEvent, ErrorEvent, Event, decode_event
+from wire.publisher import decode_batch
 
 logger = logging.getLogger(__name__)
-
-_CONTROL_CHANNEL = f"{keys.PREFIX}:relay"  # subscribed at start so the pub/sub connection always exists
 
 
 @dataclass(eq=False)  # hashed by identity: one per reader
 class Subscription:
     job_id: str
-    queue: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
+    own_channel: bool  # subscribed to the job's own channel (else it comes through the reply channel)
+    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
 
 
 class EventRelay:
@@ -38,13 +44,15 @@ class EventRelay:
         self._redis = redis
         self._pubsub: PubSub | None = None
         self._task: asyncio.Task[None] | None = None
-        self._subs: dict[bytes, set[Subscription]] = {}
+        self._subs: dict[str, set[Subscription]] = {}  # job id -> its readers in this process
         self._confirmed: dict[bytes, asyncio.Event] = {}
         self.idle_poll_s = idle_poll_s
+        self.reply_channel = f"{keys.PREFIX}:reply:{uuid.uuid4().hex}"
+        self.num_events = 0  # events routed (all jobs)
 
     async def start(self) -> None:
         self._pubsub = self._redis.pubsub()
-        await self._pubsub.subscribe(_CONTROL_CHANNEL)
+        await self._pubsub.subscribe(self.reply_channel)
         self._task = asyncio.create_task(self._reader(), name="event-relay")
 
     async def stop(self) -> None:
@@ -72,75 +80,117 @@ class EventRelay:
                 continue
             channel = msg["channel"]
             if msg["type"] == "message":
-                for sub in self._subs.get(channel, ()):
-                    sub.queue.put_nowait(msg["data"])
+                self._route(msg["data"])
             elif msg["type"] == "subscribe" and channel in self._confirmed:
                 self._confirmed[channel].set()
 
-    async def subscribe(self, job_id: str, timeout_s: float = 5.0) -> Subscription:
+    def _route(self, raw: bytes) -> None:
+        try:
+            items = decode_batch(raw)
+        except (ValueError, KeyError, TypeError) as exc:  # readers recover from the events lists
+            logger.warning("dropped a malformed event batch: %s", exc)
+            return
+        self.num_events += len(items)
+        for job_id, event in items:
+            for sub in self._subs.get(job_id, ()):
+                sub.queue.put_nowait(event)
+
+    async def subscribe(self, job_id: str, own_channel: bool = True, timeout_s: float = 5.0) -> Subscription:
+        """Start receiving a job's events. ``own_channel`` False: the job publishes to ``reply_channel``."""
         assert self._pubsub is not None, "EventRelay.start() first"
-        channel = keys.stream_channel(job_id).encode()
-        sub = Subscription(job_id)
-        subs = self._subs.setdefault(channel, set())
-        subs.add(sub)
-        if len(subs) == 1:
+        sub = Subscription(job_id, own_channel)
+        self._subs.setdefault(job_id, set()).add(sub)
+        if own_channel and not any(s.own_channel for s in self._subs[job_id] if s is not sub):
+            channel = keys.stream_channel(job_id).encode()
             confirmed = self._confirmed[channel] = asyncio.Event()
             try:
                 await self._pubsub.subscribe(channel)
                 await asyncio.wait_for(confirmed.wait(), timeout_s)
             except BaseException:
-                self._drop(channel, sub)
+                await self.unsubscribe(sub)
                 raise
             finally:
                 self._confirmed.pop(channel, None)
         return sub
 
-    def _drop(self, channel: bytes, sub: Subscription) -> bool:
-        subs = self._subs.get(channel)
-        if subs is None:
-            return False
-        subs.discard(sub)
-        if subs:
-            return False
-        del self._subs[channel]
-        return True
-
     async def unsubscribe(self, sub: Subscription) -> None:
-        channel = keys.stream_channel(sub.job_id).encode()
-        if self._drop(channel, sub) and self._pubsub is not None:
+        subs = self._subs.get(sub.job_id)
+        if subs is None or sub not in subs:
+            return
+        subs.discard(sub)
+        if not subs:
+            del self._subs[sub.job_id]
+        if sub.own_channel and not any(s.own_channel for s in subs) and self._pubsub is not None:
             with contextlib.suppress(RedisError, OSError):
-                await self._pubsub.unsubscribe(channel)
+                await self._pubsub.unsubscribe(keys.stream_channel(sub.job_id))
 
     async def read_events(self, job_id: str, from_seq: int) -> list[Event]:
         raw = await self._redis.lrange(keys.events_key(job_id), from_seq, -1)  # type: ignore[misc]
         return [decode_event(r) for r in raw]
 
     async def events(
-        self, sub: Subscription, from_seq: int = 0, timeout_s: float = 600.0, catch_up: bool = False
+        self,
+        sub: Subscription,
+        from_seq: int = 0,
+        timeout_s: float = 600.0,
+        catch_up: bool = False,
+        merge: bool = False,
     ) -> AsyncIterator[Event]:
-        """Events of the job from ``from_seq`` on, in order, each once, ending after the final or error event."""
+        """Events of the job from ``from_seq`` on, in order, each once, ending after the final or error event.
+        ``merge``: deltas that queued up while the reader was busy come out as one (a slow client gets fewer,
+        larger chunks instead of falling further behind); their seq is the last one's."""
         next_seq = from_seq
         deadline = time.monotonic() + timeout_s
         pending: list[Event] = await self.read_events(sub.job_id, next_seq) if catch_up else []
         while True:
+            ready: list[Event] = []
+            gap = False
             for ev in pending:
-                if ev.seq != next_seq:  # an older duplicate, or (never expected) a gap in the list itself
+                if ev.seq < next_seq:  # an older duplicate
                     continue
-                yield ev
+                if ev.seq > next_seq:  # missed some: the list has everything up to this one
+                    gap = True
+                    break
+                ready.append(ev)
                 next_seq += 1
                 if ev.kind != "delta":
-                    return
-            pending = []
+                    break
+            for out in merge_deltas(ready) if merge else ready:
+                yield out
+            if ready and ready[-1].kind != "delta":
+                return
+            if gap:
+                pending = await self.read_events(sub.job_id, next_seq)
+                continue
             try:
-                raw = await asyncio.wait_for(sub.queue.get(), self.idle_poll_s)
+                pending = [await asyncio.wait_for(sub.queue.get(), self.idle_poll_s)]
             except TimeoutError:
                 pending = await self.read_events(sub.job_id, next_seq)
                 if not pending and time.monotonic() > deadline:
                     yield ErrorEvent(next_seq, f"no result within {timeout_s:.0f} s", "timeout", "timeout", 504)
                     return
                 continue
-            ev = decode_event(raw)
-            if ev.seq == next_seq:
-                pending = [ev]
-            elif ev.seq > next_seq:  # missed some: the list has everything up to this one
-                pending = await self.read_events(sub.job_id, next_seq)
+            while merge and not sub.queue.empty():
+                pending.append(sub.queue.get_nowait())
+
+
+def merge_deltas(events: list[Event]) -> list[Event]:
+    """Consecutive delta events as one (per choice: text, token ids and logprobs joined); others as they are."""
+    merged: list[Event] = []
+    for ev in events:
+        last = merged[-1] if merged else None
+        if not isinstance(ev, DeltaEvent) or not isinstance(last, DeltaEvent):
+            merged.append(ev)
+            continue
+        choices = {c.index: c for c in last.choices}
+        for c in ev.choices:
+            prev = choices.get(c.index)
+            if prev is None:
+                choices[c.index] = c
+                continue
+            logprobs = (
+                None if prev.logprobs is None and c.logprobs is None else (prev.logprobs or []) + (c.logprobs or [])
+            )
+            choices[c.index] = ChoiceDelta(c.index, prev.text + c.text, prev.token_ids + c.token_ids, logprobs)
+        merged[-1] = DeltaEvent(ev.seq, list(choices.values()))
+    return merged

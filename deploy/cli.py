@@ -20,6 +20,7 @@ BENCHES = {
     "overhead": "loadtest.throughput",
     "sweep": "loadtest.throughput",
     "serve": "loadtest.serve_bench",
+    "stack": "loadtest.stack_bench",
 }
 
 
@@ -54,6 +55,12 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout-s", type=float, default=600.0, help="SIGTERM: time running jobs get to finish")
     g.add_argument(
         "--job-lease-s", type=float, default=10.0, help="a dead worker's jobs run again elsewhere after this long"
+    )
+    g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="stream an event every N tokens per request (the first at once); larger = fewer, bigger events",
     )
 
 
@@ -121,7 +128,8 @@ def run_api(args: argparse.Namespace) -> int:
 
 def run_worker_command(args: argparse.Namespace) -> int:
     import modelfiles
-    from engine.worker import WorkerSettings, run_worker
+    from worker.main import run_worker
+    from worker.settings import WorkerSettings
 
     files = modelfiles.resolve(args.model or None, args.served_model_name)
     config = EngineArgs.from_cli_args(args).create_engine_config()
@@ -130,13 +138,14 @@ def run_worker_command(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout_s,
         job_lease_s=args.job_lease_s,
+        stream_interval=args.stream_interval,
         **({"worker_id": args.worker_id} if args.worker_id else {}),
     )
     if getattr(args, "otel_exporter", "none") != "none":
         from api.tracing import setup_tracing
 
         setup_tracing(args.otel_exporter, "pagedserve-worker")
-    asyncio.run(run_worker(config, settings, files.name))
+    asyncio.run(run_worker(config, settings, files.name, args.log_level.upper()))
     return 0
 
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "AsyncEngine", "Engine", "EngineConfig", "RequestOutput", "CompletionOutput", "SamplingParams"]
+__all__ = ["LLM", "Engine", "EngineConfig", "RequestOutput", "CompletionOutput", "SamplingParams"]
 
 _WHERE = {
     "LLM": "engine.llm",
-    "AsyncEngine": "engine.async_engine",
     "Engine": "engine.engine",
     "EngineConfig": "engine.config",
     "RequestOutput": "engine.request",

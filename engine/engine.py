@@ -1,4 +1,7 @@
-"""The synchronous engine: add requests, call ``step()``, get ``RequestOutput``s back."""
+"""The synchronous engine: add requests, call ``step()``, get each sample's new tokens back (``SeqOutput``).
+
+Detokenization, stop strings and grouping are not here: ``engine.output_processor`` does them, in the
+offline ``LLM`` and in the worker front (which runs this engine in its own process, ``engine.core``)."""
 
 from __future__ import annotations
 
@@ -14,21 +17,16 @@ from transformers import AutoTokenizer, GenerationConfig
 import modelfiles
 from cache.kv import KVCacheManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core_messages import CoreStats, SeqOutput
 from engine.executor import Executor, make_executor
 from engine.inputs import StepInputs, TokenFill, build_step_inputs
 from engine.model_runner import effective_max_model_len
-from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from engine.request import Request, RequestStatus, validate_request
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PLACEHOLDER, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-def _resolved(token_ids: list[int]) -> list[int]:
-    """Output tokens without the slot reserved for the step still in flight."""
-    return token_ids[:-1] if token_ids and token_ids[-1] == PLACEHOLDER else list(token_ids)
 
 
 @dataclass
@@ -40,20 +38,8 @@ class _InFlight:
     token_ids: torch.Tensor  # [num_sampling_rows] on the device
 
 
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of KV blocks held by requests
-    prefix_cache_queries: int  # tokens looked up
-    prefix_cache_hits: int  # tokens found
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-
-
 class Engine:
-    """Scheduler + executor + sampler + detokenizer. ``step()`` is the whole loop body."""
+    """Scheduler + executor + sampler. ``step()`` is the whole loop body."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -75,7 +61,6 @@ class Engine:
         self.sampler = Sampler(self.executor.device)
         self.eos_token_ids = self._eos_token_ids()
         self._generators: dict[str, torch.Generator] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self._counter = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -103,21 +88,7 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` for anything that could never be served."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len}: "
-                "shorten the prompt (at least one token must be left to generate)"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
-            unknown = [t for t in ids if t >= self.vocab_size]
-            if unknown:
-                raise ValueError(f"unknown token ids in {name} {unknown}: the vocabulary has {self.vocab_size} tokens")
+        validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
 
     def add_request(
         self,
@@ -146,10 +117,6 @@ class Engine:
                 prompt=prompt,
                 waiting_for_fork=i > 0,
             )
-            if self.tokenizer is not None:
-                self._detok[request.request_id] = IncrementalDetokenizer(
-                    self.tokenizer, request.prompt_token_ids, params
-                )
             if params.needs_history:
                 self._num_history_requests += 1
             if params.seed is not None:
@@ -158,58 +125,60 @@ class Engine:
         self.prompt_tokens_total += len(prompt_token_ids)
         return group_id
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Abort a caller request: its KV blocks are freed now. Returns its final output, if it existed."""
-        if request_id not in self.scheduler.groups:
-            return None
-        self.scheduler.abort_group(request_id)
-        return self._group_output(request_id)
+    def abort_request(self, request_id: str, sample_indices: list[int] | None = None) -> list[SeqOutput]:
+        """Abort a caller request (or some of its samples): their KV blocks are freed now. Returns the final
+        outputs of the samples that were still running."""
+        group = self.scheduler.groups.get(request_id)
+        if group is None:
+            return []
+        chosen = [r for r in group if sample_indices is None or r.sample_index in sample_indices]
+        aborted = [r for r in chosen if not r.is_finished]
+        for r in aborted:
+            self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+        outputs = [self._seq_output(r) for r in aborted]
+        self._release_if_done(request_id)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._inflight is not None
 
     # ---- the loop body ----------------------------------------------------------------------------
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """Run one scheduled batch. ``final_only`` (offline use) skips building outputs of unfinished
-        requests, which costs a copy of every running request's tokens per step.
+    def step(self) -> list[SeqOutput]:
+        """Schedule, execute, update; the samples that advanced and what they got.
 
         With asynchronous scheduling the step launched here is only resolved by the next call: the host
         schedules and prepares step N+1 while the device runs step N, and step N's sampled ids reach
         step N+1's input on the device. Requests whose sampling needs the token history (penalties,
         logprobs) switch the engine back to synchronous steps while they run."""
-        overlap = self._can_overlap()
+        overlap = self.async_scheduling and self._num_history_requests == 0
         if self._inflight is not None and not overlap:
-            return self._resolve_inflight(final_only)
+            return self._resolve_inflight()
         out = self.scheduler.schedule()
-        if out.is_empty and self._inflight is None:
-            return []
-        launched: _InFlight | None = None
-        if not out.is_empty:
-            self.computed_tokens_total += out.num_tokens
-            inputs = build_step_inputs(out, self.kv.block_size)
-            logits = self.executor.execute_model(inputs, self._token_fill(out, inputs))
-            batch = self._sampling_batch(out)
-            if overlap:
-                token_ids = self.sampler.sample_ids(logits, batch) if len(batch) else logits.new_empty(0)
-                launched = _InFlight(out, self.scheduler.advance(out), token_ids)
-            else:
-                result = self.sampler(logits, batch) if len(batch) else SamplerOutput([], [])
-                rows = self.scheduler.advance(out)
-                changed = self.scheduler.resolve(out, rows, result.token_ids, result.logprobs)
-                return self._outputs(changed, final_only)
-        outputs = self._resolve_inflight(final_only) if self._inflight is not None else []
+        if out.is_empty:
+            return self._resolve_inflight() if self._inflight is not None else []
+        logits = self._execute(out)
+        batch = self._sampling_batch(out)
+        if not overlap:
+            result = self.sampler(logits, batch) if len(batch) else SamplerOutput([], [])
+            rows = self.scheduler.advance(out)
+            return self._outputs(self.scheduler.resolve(out, rows, result.token_ids, result.logprobs))
+        token_ids = self.sampler.sample_ids(logits, batch) if len(batch) else logits.new_empty(0)
+        launched = _InFlight(out, self.scheduler.advance(out), token_ids)
+        outputs = self._resolve_inflight() if self._inflight is not None else []
         self._inflight = launched
         return outputs
 
-    def _can_overlap(self) -> bool:
-        return self.async_scheduling and self._num_history_requests == 0
+    def _execute(self, out: SchedulerOutput) -> torch.Tensor:
+        self.computed_tokens_total += out.num_tokens
+        inputs = build_step_inputs(out, self.kv.block_size)
+        return self.executor.execute_model(inputs, self._token_fill(out, inputs))
 
-    def _resolve_inflight(self, final_only: bool) -> list[RequestOutput]:
+    def _resolve_inflight(self) -> list[SeqOutput]:
         inflight, self._inflight = self._inflight, None
         assert inflight is not None
         token_ids: list[int] = inflight.token_ids.tolist()  # waits for that step only
         changed = self.scheduler.resolve(inflight.out, inflight.rows, token_ids, [None] * len(token_ids))
-        return self._outputs(changed, final_only)
+        return self._outputs(changed)
 
     def _token_fill(self, out: SchedulerOutput, inputs: StepInputs) -> TokenFill | None:
         """Input positions whose token is still on the device (sampled by the step in flight)."""
@@ -238,71 +207,38 @@ class Engine:
             eos_token_ids=[r.eos_token_ids for r in rows],
         )
 
-    def _outputs(self, changed: list[Request], final_only: bool) -> list[RequestOutput]:
+    def _outputs(self, changed: list[Request]) -> list[SeqOutput]:
         self.generation_tokens_total += len(changed)
-        groups: dict[str, None] = {}
-        for request in changed:
-            self._detokenize(request)
-            if not final_only or request.is_finished:
-                groups[request.group_id] = None
-        outputs = []
-        for group_id in groups:
-            if final_only and not all(r.is_finished for r in self.scheduler.groups[group_id]):
-                continue
-            outputs.append(self._group_output(group_id))
+        outputs = [self._seq_output(r) for r in changed]
+        for group_id in {r.group_id for r in changed if r.is_finished}:
+            self._release_if_done(group_id)
         return outputs
 
-    def _detokenize(self, request: Request) -> None:
-        detok = self._detok.get(request.request_id)
-        if detok is None:
-            return
-        stop = detok.add_tokens(_resolved(request.output_token_ids)[-1:])
-        if stop is not None and not request.is_finished:
-            request.stop_reason = stop
-            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-        if request.is_finished:
-            detok.finish()
-
-    def _group_output(self, group_id: str) -> RequestOutput:
-        requests = self.scheduler.groups[group_id]
-        outputs = []
-        for r in requests:
-            want_lp = r.sampling_params.logprobs is not None
-            cumulative = (
-                sum(lp[t] for lp, t in zip(r.output_logprobs, r.output_token_ids, strict=False)) if want_lp else None
-            )
-            outputs.append(
-                CompletionOutput(
-                    index=r.sample_index,
-                    text=self._detok[r.request_id].output_text if r.request_id in self._detok else "",
-                    token_ids=_resolved(r.output_token_ids),
-                    cumulative_logprob=cumulative,
-                    logprobs=list(r.output_logprobs) if want_lp else None,
-                    finish_reason=r.status.finish_reason,
-                    stop_reason=r.stop_reason,
-                )
-            )
-        finished = all(r.is_finished for r in requests)
-        first = requests[0]
-        result = RequestOutput(
-            request_id=group_id,
-            prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
+    def _seq_output(self, r: Request) -> SeqOutput:
+        """The tokens ``r`` got since its last output (with async scheduling, minus the one in flight)."""
+        token_ids = r.output_token_ids
+        end = len(token_ids) - 1 if token_ids and token_ids[-1] == PLACEHOLDER else len(token_ids)
+        start, r.num_emitted_tokens = r.num_emitted_tokens, end
+        logprobs = r.output_logprobs[start:end] if r.sampling_params.logprobs is not None else None
+        stop = r.stop_reason if isinstance(r.stop_reason, int) else None
+        cached = r.num_cached_tokens if start == 0 else 0
+        return SeqOutput(
+            r.group_id, r.sample_index, token_ids[start:end], logprobs, r.status.finish_reason, stop, cached
         )
-        if finished:
-            for r in requests:
-                if r.sampling_params.needs_history:
-                    self._num_history_requests -= 1
-                self._detok.pop(r.request_id, None)
-                self._generators.pop(r.request_id, None)
-            self.scheduler.release_group(group_id)
-        return result
 
-    def stats(self) -> EngineStats:
+    def _release_if_done(self, group_id: str) -> None:
+        requests = self.scheduler.groups.get(group_id)
+        if requests is None or not all(r.is_finished for r in requests):
+            return
+        for r in requests:
+            if r.sampling_params.needs_history:
+                self._num_history_requests -= 1
+            self._generators.pop(r.request_id, None)
+        self.scheduler.release_group(group_id)
+
+    def stats(self) -> CoreStats:
         kv_stats = self.kv.stats
-        return EngineStats(
+        return CoreStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv.usage(),

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from engine.args import EngineArgs
 from engine.engine import Engine
+from engine.output_processor import OutputProcessor
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -28,6 +29,8 @@ class LLM:
             raise TypeError(f"LLM() got unexpected keyword argument(s): {', '.join(unknown)}")
         config = EngineArgs(model=model, **kwargs).create_engine_config()
         self.engine = Engine(config)
+
+    _processor: OutputProcessor | None = None
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -51,10 +54,14 @@ class LLM:
         encoded = [self._encode(item) for item in items]
         for (token_ids, _), p in zip(encoded, params, strict=True):
             self.engine.validate(token_ids, p)
+            if p.stop and self.engine.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init")
         ids = []
         for i, ((token_ids, text), p) in enumerate(zip(encoded, params, strict=True)):
             prio = priority[i] if priority is not None else 0
-            ids.append(self.engine.add_request(None, token_ids, p, prompt=text, priority=prio))
+            request_id = self.engine.add_request(None, token_ids, p, prompt=text, priority=prio)
+            self.processor.add(request_id, token_ids, p, prompt=text)
+            ids.append(request_id)
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -86,14 +93,28 @@ class LLM:
             return self._tokenize(item["prompt"]), item["prompt"]
         raise ValueError("a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids'")
 
+    @property
+    def processor(self) -> OutputProcessor:
+        """Text, stop strings and n > 1 grouping of the engine's per-step tokens."""
+        if self._processor is None:
+            self._processor = OutputProcessor(self.engine.tokenizer)
+        return self._processor
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; the outputs of the requests it finished (a stop string ends one here)."""
+        processor = self.processor
+        step = processor.process(self.engine.step())
+        for request_id, index in step.aborts:  # the core need not compute them any further
+            processor.process(self.engine.abort_request(request_id, [index]))
+        return [processor.pop(request_id) for request_id in step.finished]
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step(final_only=True):
-                if out.finished:
-                    results[out.request_id] = out
-                    bar.update(1)
+            for out in self.step():
+                results[out.request_id] = out
+                bar.update(1)
         bar.close()
         return [results[i] for i in ids]
 

@@ -37,6 +37,23 @@ _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, Requ
 TokenLogprobs = dict[int, float]
 
 
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """Raise ``ValueError`` for a request that could never be served (the core and the worker front both ask)."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if any(not isinstance(t, int) or t < 0 or t >= vocab_size for t in prompt_token_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_model_len}: "
+            "shorten the prompt (at least one token must be left to generate)"
+        )
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+        unknown = [t for t in ids if t >= vocab_size]
+        if unknown:
+            raise ValueError(f"unknown token ids in {name} {unknown}: the vocabulary has {vocab_size} tokens")
+
+
 @dataclass(eq=False)  # identity: requests sit in lists that are searched every step
 class Request:
     """One sequence being generated. For n > 1 each sample is its own Request sharing a ``group_id``."""
@@ -60,6 +77,8 @@ class Request:
     first_token_time: float | None = None
     waiting_for_fork: bool = False  # a sibling sample held back until the group's first sample prefilled
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache had when it was first admitted
+    num_emitted_tokens: int = 0  # output tokens already handed out in a SeqOutput
 
     def __post_init__(self) -> None:
         if not self.group_id:

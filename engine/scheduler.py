@@ -144,6 +144,8 @@ class Scheduler:
             if not request.block_ids:
                 computed_ids, num_hit = self.kv.get_computed_blocks(request)
                 request.num_computed_tokens = num_hit
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = num_hit
             num_new = request.num_tokens - request.num_computed_tokens
             fits = self.config.enable_chunked_prefill or num_new <= budget
             num_new = min(num_new, budget)

@@ -41,7 +41,7 @@ def run_level(engine: Engine, concurrency: int, prompt_len: int, output_len: int
     all_started: float | None = None
     start_steps = decode_steps = 0
     while engine.has_unfinished_requests():
-        engine.step(final_only=True)
+        engine.step()
         if all_started is not None:
             decode_steps += 1
             continue

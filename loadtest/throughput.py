@@ -60,7 +60,7 @@ def run_engine(engine: Engine, reqs: list[BenchRequest], tag: str) -> dict[str, 
     start = time.perf_counter()
     steps, first_token_s, occupancy = 0, None, []
     while engine.has_unfinished_requests():
-        engine.step(final_only=True)
+        engine.step()
         steps += 1
         if first_token_s is None and steps == 1:
             sync(engine)
@@ -183,13 +183,13 @@ def cprofile_decode(args: argparse.Namespace) -> dict[str, Any]:
         for i, r in enumerate(reqs):
             engine.add_request(f"cp{batch}-{i}", r.prompt_token_ids, SamplingParams(max_tokens=200, ignore_eos=True))
         for _ in range(20):
-            engine.step(final_only=True)
+            engine.step()
         sync(engine)
         prof = cProfile.Profile()
         start = time.perf_counter()
         prof.enable()
         for _ in range(50):
-            engine.step(final_only=True)
+            engine.step()
         sync(engine)
         prof.disable()
         res[f"b{batch}_step_ms"] = round((time.perf_counter() - start) / 50 * 1e3, 3)

@@ -1,37 +1,93 @@
-"""Writing one job's events: the worker's side of the seq protocol (also drives API tests without an engine).
+"""Writing job events: the worker's side of the seq protocol (also drives API tests without an engine).
 
-Each event is appended to the job's list (index == seq) and then published, in one MULTI/EXEC, so a
-subscriber that receives seq k can always read 0..k from the list.
+``EventBatch`` gathers the events of many jobs (a worker gathers one engine step's) and writes them in ONE
+pipeline: each event is appended to its job's list (index == seq) before the batch's publishes run, so a
+subscriber that receives seq k can always read 0..k from the list. Events bound for one channel go out as
+one message, a JSON array of ``[job_id, event]`` pairs (``decode_batch``): an API process gets one message
+per step for all its streams instead of one per stream.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
+
 from redis.asyncio import Redis
 
 from wire import keys
-from wire.messages import ChoiceDelta, DeltaEvent, ErrorEvent, Event, FinalEvent, JobResult, encode_event
+from wire.messages import (
+    ChoiceDelta,
+    DeltaEvent,
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    JobResult,
+    encode_event,
+    event_from_obj,
+)
+
+
+def decode_batch(raw: bytes | str) -> list[tuple[str, Event]]:
+    """A published batch message → its (job id, event) pairs."""
+    return [(str(job_id), event_from_obj(obj)) for job_id, obj in json.loads(raw)]
+
+
+@dataclass
+class EventBatch:
+    """Events of many jobs, written together by ``execute``."""
+
+    _writes: list[tuple[str, Event, str, int, str | None]] = field(default_factory=list)
+
+    def add(self, job_id: str, event: Event, ttl_s: int, channel: str | None) -> None:
+        """``channel`` None: stored, not published (a non-streaming job's deltas are not even stored)."""
+        self._writes.append((job_id, event, encode_event(event), ttl_s, channel))
+
+    def __len__(self) -> int:
+        return len(self._writes)
+
+    async def execute(self, redis: Redis) -> None:
+        if not self._writes:
+            return
+        pipe = redis.pipeline(transaction=False)  # one connection runs them in order: list before publish
+        published: dict[str, list[str]] = {}
+        for job_id, event, data, ttl_s, channel in self._writes:
+            events_key = keys.events_key(job_id)
+            pipe.rpush(events_key, data)
+            if event.seq == 0 or event.kind != "delta":
+                pipe.expire(events_key, ttl_s)
+            if isinstance(event, FinalEvent):
+                pipe.set(keys.result_key(job_id), data, ex=ttl_s)
+            if channel is not None:
+                published.setdefault(channel, []).append(f"[{json.dumps(job_id)},{data}]")
+        for channel, items in published.items():
+            pipe.publish(channel, "[" + ",".join(items) + "]")
+        self._writes = []
+        await pipe.execute()
 
 
 class JobEventWriter:
-    """Numbers and writes the events of one job. The worker running the job is its only writer."""
+    """Numbers and writes the events of one job, one at a time. The worker running the job is its only writer."""
 
-    def __init__(self, redis: Redis, job_id: str, ttl_s: int, publish_deltas: bool = True, next_seq: int = 0) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        job_id: str,
+        ttl_s: int,
+        publish_deltas: bool = True,
+        next_seq: int = 0,
+        channel: str = "",
+    ) -> None:
         self._redis = redis
         self.job_id = job_id
         self.ttl_s = ttl_s
         self.publish_deltas = publish_deltas
         self.next_seq = next_seq
+        self.channel = channel or keys.stream_channel(job_id)
 
     async def _write(self, event: Event, publish: bool = True) -> None:
-        data = encode_event(event)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.rpush(keys.events_key(self.job_id), data)
-            pipe.expire(keys.events_key(self.job_id), self.ttl_s)
-            if publish:
-                pipe.publish(keys.stream_channel(self.job_id), data)
-            if isinstance(event, FinalEvent):
-                pipe.set(keys.result_key(self.job_id), encode_event(event), ex=self.ttl_s)
-            await pipe.execute()
+        batch = EventBatch()
+        batch.add(self.job_id, event, self.ttl_s, self.channel if publish else None)
+        await batch.execute(self._redis)
         self.next_seq += 1
 
     async def delta(self, choices: list[ChoiceDelta], publish: bool = True) -> None:

@@ -29,8 +29,7 @@ async def test_lost_and_duplicated_deltas_are_recovered(api: ServerThread, redis
         return [c.choices[0].text async for c in stream if c.choices]
 
     texts, _ = await asyncio.gather(read(), worker.serve())
-    assert "".join(texts) == "abcde"
-    assert [t for t in texts if t] == ["a", "b", "c", "d", "e"]  # in order, once each
+    assert "".join(texts) == "abcde"  # in order, once each (deltas read back together may come merged)
 
 
 async def test_stream_and_non_stream_chat(api: ServerThread, redis_url: str) -> None:

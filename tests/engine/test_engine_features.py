@@ -3,14 +3,11 @@ bad input, the async front and chat."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.config import CacheConfig, EngineConfig, ModelConfig
 from tests.helpers import build_tiny_model
 
 
@@ -50,7 +47,8 @@ def test_n_samples_share_prompt_blocks_and_differ(llm: LLM) -> None:
     params = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True)
     prompt = list(range(100, 118))  # 18 tokens: 4 full blocks + a partial one
     engine.add_request("fork", prompt, params)
-    engine.step()  # the first sample prefills; the others fork from it
+    llm.processor.add("fork", prompt, params)
+    assert llm.step() == []  # the first sample prefills; the others fork from it
     group = engine.scheduler.groups["fork"]
     leader_blocks = group[0].block_ids
     for sibling in group[1:]:
@@ -58,11 +56,11 @@ def test_n_samples_share_prompt_blocks_and_differ(llm: LLM) -> None:
     assert [engine.kv.ref_count(b) for b in leader_blocks[:4]] == [4, 4, 4, 4]
     outputs = None
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in llm.step():
             outputs = out
     assert outputs is not None and outputs.finished
     samples = [tuple(o.token_ids) for o in outputs.outputs]
-    assert len(samples) == 4 and len(set(samples)) == 4
+    assert len(samples) == 4 and len(set(samples)) == 4 and all(len(t) == 8 for t in samples)
     assert engine.kv.usage() == 0.0
 
 
@@ -122,44 +120,6 @@ def test_logprobs_returned(llm: LLM) -> None:
         assert tok in lp and all(v <= 0.0 for v in lp.values())
 
 
-async def test_async_engine_streams_and_aborts(folder: Path) -> None:
-    config = EngineConfig(
-        model=ModelConfig(model=str(folder), max_model_len=200),
-        cache=CacheConfig(block_size=4, num_gpu_blocks_override=128),
-        device="cpu",
-    )
-    engine = AsyncEngine(config)
-    try:
-        with pytest.raises(ValueError):
-            async for _ in engine.generate("bad", [], SamplingParams()):
-                pass
-
-        async def collect(rid: str, n: int) -> list:
-            return [o async for o in engine.generate(rid, list(range(10, 10 + n)), greedy(5))]
-
-        results = await asyncio.gather(*(collect(f"r{i}", 3 + i) for i in range(4)))
-        for outs in results:
-            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) >= 1
-            lens = [len(o.outputs[0].token_ids) for o in outs]
-            assert lens == sorted(lens)
-        long = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
-        stream = engine.generate("long", list(range(10, 20)), long)
-        first = await stream.__anext__()
-        assert not first.finished
-        engine.abort("long")
-        last = first
-        async for out in stream:
-            last = out
-        assert last.finished and last.outputs[0].finish_reason == "abort"
-        for _ in range(50):
-            if engine.stats().kv_cache_usage == 0.0:
-                break
-            await asyncio.sleep(0.05)
-        assert engine.stats().kv_cache_usage == 0.0 and engine.stats().num_running == 0
-    finally:
-        await engine.shutdown()
-
-
 def test_async_scheduling_gives_the_same_outputs_as_sync(folder: Path) -> None:
     """One step in flight (tokens resolved a step late, stops applied a step late) changes nothing visible:
     stop ids, stop strings, min_tokens, seeded n>1 samples, max_tokens and aborts all match the sync engine."""
@@ -194,9 +154,8 @@ def test_async_abort_frees_blocks(folder: Path) -> None:
     engine.add_request("a", list(range(10, 30)), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    final = engine.abort_request("a")
-    assert final is not None and final.finished and final.outputs[0].finish_reason == "abort"
-    assert -1 not in final.outputs[0].token_ids
+    (final,) = engine.abort_request("a")
+    assert final.finish_reason == "abort" and -1 not in final.new_token_ids
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.kv.usage() == 0.0

@@ -5,15 +5,9 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from engine.failover import DivergedError, PriorAttempt
-from engine.request import CompletionOutput, RequestOutput
 from wire.messages import ChoiceDelta, ChoiceResult, JobResult
 from wire.publisher import JobEventWriter
-
-
-def _output(tokens: dict[int, list[int]], finished: bool = False) -> RequestOutput:
-    outs = [CompletionOutput(i, "", t, None, None, "length" if finished else None) for i, t in tokens.items()]
-    return RequestOutput("job", None, [1], outs, finished)
+from worker.failover import DivergedError, PriorAttempt
 
 
 async def test_prior_attempt_collects_what_was_sent(redis_url: str) -> None:
@@ -25,12 +19,16 @@ async def test_prior_attempt_collects_what_was_sent(redis_url: str) -> None:
     assert prior.num_events == 2 and not prior.finished and prior.sent_anything
     assert prior.tokens == {0: [5, 6, 7], 1: [9]}
     assert prior.sent() == {0: (5, 3), 1: (1, 1)}
-    prior.check(_output({0: [5, 6], 1: []}))  # a rerun still behind: fine
-    prior.check(_output({0: [5, 6, 7, 8], 1: [9, 3]}))  # caught up and beyond: fine
+    prior.check(0, 0, [5, 6], False)  # a rerun still behind: fine
+    prior.check(0, 2, [7, 8], False)  # caught up and beyond: fine
+    prior.check(1, 0, [9, 3], False)
+    prior.check(0, 3, [8], True)  # past what was sent: anything goes
     with pytest.raises(DivergedError):
-        prior.check(_output({0: [5, 4]}))
+        prior.check(0, 0, [5, 4], False)
     with pytest.raises(DivergedError):
-        prior.check(_output({0: [5, 6]}, finished=True))  # ended before reaching what was already sent
+        prior.check(0, 1, [6, 9], False)  # differs in a later step's tokens
+    with pytest.raises(DivergedError):
+        prior.check(0, 0, [5, 6], True)  # ended before reaching what was already sent
 
     await writer.final(JobResult("job", "m", [ChoiceResult(0, "Hello", [5, 6, 7], "length")], 1, 3))
     assert (await PriorAttempt.load(client, "job")).finished

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
-from engine.request import RequestOutput
 from wire import keys
 from wire.messages import DeltaEvent, decode_event
 
@@ -54,12 +53,12 @@ class PriorAttempt:
         """Per choice, (characters, tokens) already published: where the rerun's deltas start."""
         return {i: (self.chars.get(i, 0), len(t)) for i, t in self.tokens.items()}
 
-    def check(self, out: RequestOutput) -> None:
-        """Raise ``DivergedError`` if the rerun's tokens so far disagree with those already sent."""
-        for o in out.outputs:
-            before = self.tokens.get(o.index)
-            if not before:
-                continue
-            n = min(len(before), len(o.token_ids))
-            if list(o.token_ids[:n]) != before[:n] or (o.finished and len(o.token_ids) < len(before)):
-                raise DivergedError(f"choice {o.index} differs from what was streamed after token {n}")
+    def check(self, index: int, start: int, token_ids: list[int], finished: bool) -> None:
+        """Raise ``DivergedError`` if choice ``index``'s rerun tokens ``token_ids`` (from position ``start``)
+        disagree with those already sent, or it ended before reaching them."""
+        before = self.tokens.get(index)
+        if not before or start >= len(before) and not finished:
+            return
+        overlap = before[start : start + len(token_ids)]
+        if token_ids[: len(overlap)] != overlap or (finished and start + len(token_ids) < len(before)):
+            raise DivergedError(f"choice {index} differs from what was streamed after token {start}")

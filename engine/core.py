@@ -1,0 +1,166 @@
+"""The engine core process: scheduler + executor + model runner in a busy loop, no asyncio, no Redis, no text.
+
+It binds two ZMQ sockets: commands (``AddRequest``, ``AbortRequest``, ``Shutdown``) come in on a PULL socket,
+and one ``StepOutputs`` per step goes out on a PUSH socket (msgpack, ``engine.core_messages``). ZMQ queues the
+outputs, so a front that is slow to read never slows the steps. A malformed or oversized command is logged
+and dropped. The core exits when its parent (the worker front) dies, so no orphan holds the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import time
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.core_messages import (
+    MAX_COMMAND_BYTES,
+    AbortRequest,
+    AddRequest,
+    Command,
+    CoreFailed,
+    CoreReady,
+    RequestError,
+    SeqOutput,
+    Shutdown,
+    StepOutputs,
+    command_decoder,
+    output_encoder,
+)
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_PARENT_CHECK_S = 0.5
+
+
+def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies (a no-op elsewhere)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+class EngineCore:
+    """Runs one ``Engine`` for the process behind ``commands``/``outputs``."""
+
+    def __init__(self, engine: object, commands: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+        from engine.engine import Engine
+
+        assert isinstance(engine, Engine)
+        self.engine = engine
+        self.commands = commands
+        self.outputs = outputs
+        self.parent_pid = parent_pid
+        self._pending: list[SeqOutput] = []  # finals of aborted samples, sent with the next step
+        self._errors: list[RequestError] = []
+        self._stopping = False
+
+    def run(self) -> None:
+        """Until ``Shutdown``, SIGTERM or the parent's death: take commands, step, send the step's outputs."""
+        next_check = time.monotonic() + _PARENT_CHECK_S
+        while not self._stopping:
+            busy = self.engine.has_unfinished_requests() or self._pending or self._errors
+            if self.commands.poll(0 if busy else int(_PARENT_CHECK_S * 1000)):
+                self._take_commands()
+            if self.engine.has_unfinished_requests():
+                self._step()
+            elif self._pending or self._errors:
+                self._send([])
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + _PARENT_CHECK_S
+                if os.getppid() != self.parent_pid:
+                    logger.error("the worker front (pid %d) is gone: engine core exiting", self.parent_pid)
+                    return
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def _take_commands(self) -> None:
+        while True:
+            try:
+                frame = self.commands.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frame) > MAX_COMMAND_BYTES:
+                logger.error("dropped a %d-byte command (limit %d)", len(frame), MAX_COMMAND_BYTES)
+                continue
+            try:
+                command: Command = command_decoder.decode(frame.buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.error("dropped a malformed command: %s", exc)
+                continue
+            self._handle(command)
+
+    def _handle(self, command: Command) -> None:
+        if isinstance(command, AddRequest):
+            try:
+                params = SamplingParams.from_dict(command.params)
+                self.engine.add_request(command.request_id, command.prompt_token_ids, params, priority=command.priority)
+            except (ValueError, TypeError) as exc:
+                self._errors.append(RequestError(command.request_id, str(exc), "invalid"))
+        elif isinstance(command, AbortRequest):
+            self._pending += self.engine.abort_request(command.request_id, command.sample_indices)
+        elif isinstance(command, Shutdown):
+            self._stopping = True
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - a broken step must not leave callers hanging
+            logger.exception("engine step failed")
+            for request_id in list(self.engine.scheduler.groups):
+                self.engine.abort_request(request_id)
+                self._errors.append(RequestError(request_id, f"engine step failed: {exc}", "engine"))
+            outputs = []
+        self._send(outputs)
+
+    def _send(self, outputs: list[SeqOutput]) -> None:
+        if self._pending:
+            outputs, self._pending = self._pending + outputs, []
+        errors, self._errors = self._errors, []
+        message = StepOutputs(outputs, self.engine.stats(), errors)
+        self.outputs.send(output_encoder.encode(message), copy=False)
+
+
+def run_engine_core(config: EngineConfig, commands_addr: str, outputs_addr: str, log_level: str = "INFO") -> None:
+    """Entry point of the core process (``multiprocessing`` spawn target)."""
+    parent_pid = os.getppid()
+    die_with_parent()
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front, which shuts the core down
+    ctx = zmq.Context()
+    commands = ctx.socket(zmq.PULL)
+    commands.bind(commands_addr)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 2000)
+    outputs.bind(outputs_addr)
+    try:
+        from engine.engine import Engine
+
+        engine = Engine(config)
+    except Exception as exc:  # noqa: BLE001 - the front must hear why, not wait for a ready that never comes
+        logger.exception("engine failed to start")
+        outputs.send(output_encoder.encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
+        outputs.close()
+        ctx.term()
+        raise SystemExit(1) from exc
+    ready = CoreReady(
+        engine.max_model_len, engine.vocab_size, config.scheduler.max_num_seqs, list(engine.eos_token_ids)
+    )
+    outputs.send(output_encoder.encode(ready))
+    core = EngineCore(engine, commands, outputs, parent_pid)
+    signal.signal(signal.SIGTERM, lambda *_: core.stop())
+    try:
+        core.run()
+    finally:
+        engine.shutdown()
+        commands.close(linger=0)
+        outputs.close()
+        ctx.term()

@@ -1,0 +1,172 @@
+"""What every worker node does besides generating: heartbeats that renew its jobs' leases, the arq worker
+that takes jobs only while there is room, a graceful drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from arq.connections import ArqRedis
+from arq.worker import Worker, func
+
+from engine.core_messages import CoreStats
+from wire import keys
+from wire.messages import WorkerHeartbeat, dumps, loads
+from worker.metrics import WorkerMetrics
+from worker.settings import WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerNode:
+    """Liveness and job intake of one worker; subclasses give ``generate`` (the job), ``pump`` and stats."""
+
+    metrics: WorkerMetrics
+
+    def __init__(
+        self, settings: WorkerSettings, redis: ArqRedis, model_name: str, max_jobs: int, max_model_len: int
+    ) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.model_name = model_name
+        self.max_jobs = max_jobs
+        self.max_model_len = max_model_len
+        self.active: set[str] = set()
+        self.jobs_done = 0
+        self.draining = False
+        self._arq: Worker | None = None
+
+    async def generate(self, ctx: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def pump(self) -> None:
+        raise NotImplementedError
+
+    def core_stats(self) -> CoreStats:
+        raise NotImplementedError
+
+    # -- heartbeat ----------------------------------------------------------------------------------------
+    def heartbeat(self) -> WorkerHeartbeat:
+        s = self.core_stats()
+        return WorkerHeartbeat(
+            self.settings.worker_id,
+            self.model_name,
+            self.max_jobs,
+            self.max_model_len,
+            active_jobs=len(self.active),
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            prompt_tokens_total=s.prompt_tokens_total,
+            generation_tokens_total=s.generation_tokens_total,
+            jobs_done=self.jobs_done,
+            draining=self.draining,
+            time=time.time(),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+
+    async def beat(self) -> None:
+        hb = self.heartbeat()
+        self.metrics.update(hb)
+        ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(keys.worker_key(hb.worker_id), hb.to_json(), px=ttl_ms)
+            pipe.zadd(keys.WORKERS, {hb.worker_id: hb.time})
+            pipe.zremrangebyscore(keys.WORKERS, "-inf", hb.time - 3600)  # forget long-dead workers
+            lease_ms = int(self.settings.job_lease_s * 1000)
+            for job_id in list(self._arq.tasks if self._arq is not None else ()):  # renew our jobs' leases
+                pipe.pexpire(keys.ARQ_IN_PROGRESS_PREFIX + job_id, lease_ms)
+            await pipe.execute()
+
+    async def heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self.beat()
+            except Exception as exc:  # noqa: BLE001 - keep beating through Redis hiccups
+                logger.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def forget(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.redis.delete(keys.worker_key(self.settings.worker_id))
+            await self.redis.zrem(keys.WORKERS, self.settings.worker_id)
+
+    # -- running ----------------------------------------------------------------------------------------
+    def arq_worker(self) -> Worker:
+        # arq's own retry limit stays above ours so that the last attempt can still tell the client
+        tries = self.settings.max_attempts + 1
+        job = func(self.generate, name=keys.JOB_FUNCTION, max_tries=tries, timeout=self.settings.job_timeout_s)
+        worker = Worker(
+            functions=[job],
+            queue_name=keys.QUEUE,
+            redis_pool=self.redis,
+            max_jobs=self.max_jobs,
+            poll_delay=self.settings.poll_delay_s,
+            allow_abort_jobs=True,
+            handle_signals=False,
+            job_serializer=dumps,
+            job_deserializer=loads,
+            keep_result=60,
+            max_tries=tries,
+            log_results=False,
+        )
+        # arq marks a running job in progress for its whole timeout, so a dead worker's jobs would wait an
+        # hour; a short lease renewed by every heartbeat hands them to another worker within seconds
+        worker.in_progress_timeout_s = self.settings.job_lease_s
+        return worker
+
+    async def drain(self, worker: Worker, main: asyncio.Task[None]) -> None:
+        """Stop taking jobs, let the running ones finish (up to drain_timeout_s), then stop the worker."""
+        self.draining = True
+        worker.allow_pick_jobs = False
+        with contextlib.suppress(Exception):
+            await self.beat()
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        main.cancel()
+
+    async def serve(self) -> None:
+        """Run until SIGTERM/SIGINT (graceful) or a second signal (at once)."""
+        worker = self._arq = self.arq_worker()
+        main = asyncio.ensure_future(worker.async_run())
+        beats = asyncio.ensure_future(self.heartbeat_loop())
+        pump = asyncio.ensure_future(self.pump())
+        pump.add_done_callback(lambda t: t.cancelled() or main.cancel())  # a dead pump is a dead worker
+        loop = asyncio.get_running_loop()
+        drain_tasks: list[asyncio.Task[None]] = []
+
+        def on_signal(sig: signal.Signals) -> None:
+            if self.draining:
+                logger.warning("%s again: stopping now", sig.name)
+                main.cancel()
+                return
+            logger.info("%s: draining %d running jobs, taking no new ones", sig.name, len(self.active))
+            drain_tasks.append(asyncio.ensure_future(self.drain(worker, main)))
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        logger.info("worker %s: up to %d jobs from %s", self.settings.worker_id, self.max_jobs, keys.QUEUE)
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await main
+        finally:
+            beats.cancel()
+            for task in list(worker.tasks.values()):
+                task.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
+            pump.cancel()
+            await self.forget()
+        if pump.done() and not pump.cancelled() and pump.exception() is not None:
+            raise RuntimeError("the event pump failed") from pump.exception()

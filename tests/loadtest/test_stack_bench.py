@@ -1,0 +1,55 @@
+"""``pagedserve bench stack`` on CPU with the default model: the engine reference and the real stack
+(``pagedserve serve``: private redis-server, API, worker) both run every level to the last token, and a
+request that cannot be served is reported with its reason instead of being dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deploy.redis_server import free_port
+from loadtest.stack_bench import StreamJob, main, stream_one
+
+LEVELS = [1, 4]
+OUTPUT_LEN = 8
+
+
+def test_stack_bench_engine_and_stack_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # engine, worker, API and client share two cores
+    out = tmp_path / "stack.json"
+    argv = ["--device", "cpu", "--cpu-kv-cache-gib", "0.25", "--concurrency", *map(str, LEVELS)]
+    argv += ["--output-len", str(OUTPUT_LEN), "--client-procs", "1", "--commit", "test", "--out", str(out)]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["commit"] == "test" and res["stack"]["exit_status"] == 0, res["stack"]
+    assert res["stack"]["ready"]["model"] == "SmolLM2-135M-Instruct"
+    for side in ("engine", "stack"):
+        levels = res[side]["levels"]
+        assert [lv["concurrency"] for lv in levels] == LEVELS
+        for lv in levels:
+            assert lv["failed"] == 0 and lv["failures"] == [], lv["failures"]
+            assert lv["ok"] == lv["concurrency"] and lv["output_tokens"] == lv["concurrency"] * OUTPUT_LEN
+            assert lv["output_tok_s"] == pytest.approx(lv["output_tokens"] / lv["wall_s"], rel=0.02)
+            assert 0 < lv["ttft_p50_ms"] <= lv["wall_s"] * 1e3 and lv["tpot_p50_ms"] > 0 and lv["itl_p99_ms"] > 0
+    for e in res["engine"]["levels"]:  # the engine sees every token one step apart
+        assert e["arrivals_per_request"] == OUTPUT_LEN and e["mean_step_ms"] > 0
+    for row, e, s in zip(res["levels"], res["engine"]["levels"], res["stack"]["levels"], strict=True):
+        assert row["concurrency"] == e["concurrency"]
+        assert row["tok_s_ratio"] == pytest.approx(s["output_tok_s"] / e["output_tok_s"], abs=1e-3)
+        assert row["stack_itl_p99_over_step"] == pytest.approx(s["itl_p99_ms"] / e["mean_step_ms"], abs=1e-3)
+        assert row["engine_failed"] == row["stack_failed"] == 0
+    assert Path(res["stack"]["log"]).is_file()
+
+
+def test_a_failed_stream_is_reported_with_its_reason() -> None:
+    async def refused() -> str | None:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{free_port()}") as client:  # nothing listens
+            rec = await stream_one(client, StreamJob(0, 3, {"prompt": [1, 2], "max_tokens": OUTPUT_LEN}))
+        assert (rec.wave, rec.index, rec.num_tokens, rec.ttft_s) == (0, 3, 0, None)
+        return rec.reason
+
+    assert (asyncio.run(refused()) or "").startswith("ConnectError")

@@ -3,16 +3,14 @@ live workers' heartbeats (for /ready, queue depth and /metrics)."""
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from typing import Any
 
 from arq.connections import ArqRedis
 
 from api.errors import ApiError
 from wire import keys
-from wire.messages import JobPayload, WorkerHeartbeat
+from wire.messages import JobMeta, JobPayload, WorkerHeartbeat
 
 
 class JobQueue:
@@ -61,11 +59,11 @@ class JobQueue:
             headers={"Retry-After": str(retry_after)},
         )
 
-    async def enqueue(self, payload: JobPayload, meta: dict[str, Any]) -> None:
+    async def enqueue(self, payload: JobPayload, meta: JobMeta) -> None:
         """Store what /v1/jobs/{id}/events needs to format the job, then queue it. arq drops a job nobody took
         long after its deadline; the worker drops one that starts past it (with an error event)."""
         ttl = payload.events_ttl_s
-        await self._redis.set(keys.job_meta_key(payload.request_id), json.dumps(meta), ex=ttl)
+        await self._redis.set(keys.job_meta_key(payload.request_id), meta.to_json(), ex=ttl)
         job = await self._redis.enqueue_job(
             keys.JOB_FUNCTION,
             payload.to_dict(),
@@ -76,9 +74,10 @@ class JobQueue:
         if job is None:
             raise ApiError(409, f"a job with id {payload.request_id} already exists", code="duplicate_request_id")
 
-    async def job_meta(self, job_id: str) -> dict[str, Any] | None:
+    async def job_meta(self, job_id: str) -> JobMeta | None:
+        """The job's stored meta; None when unknown or expired."""
         raw = await self._redis.get(keys.job_meta_key(job_id))
-        return None if raw is None else dict(json.loads(raw))
+        return None if raw is None else JobMeta.from_json(raw)
 
     async def abort(self, job_id: str) -> None:
         """Ask the worker running (or about to run) this job to cancel it; it aborts the engine request."""

@@ -1,11 +1,15 @@
-"""OpenAI request schemas (pydantic) and their translation to the engine's sampling params (plain dict:
-``api`` never imports ``engine``; the keys are ``engine.sampling_params.SamplingParams`` fields)."""
+"""OpenAI request schemas (pydantic) and their translation to the job's sampling params
+(``wire.sampling.SamplingSpec``, the fields of ``engine.sampling_params.SamplingParams``: ``api`` never
+imports ``engine``)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from wire.messages import JobKind
+from wire.sampling import SamplingSpec, SamplingSpecError
 
 MAX_N = 16
 MAX_STOP_SEQUENCES = 16
@@ -68,48 +72,41 @@ class _SamplingFields(BaseModel):
         return None
 
     def stop_list(self) -> list[str]:
+        """The stop strings, at most ``MAX_STOP_SEQUENCES`` (``SamplingSpec`` refuses empty ones)."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
-            raise ValueError(f"stop must be at most {MAX_STOP_SEQUENCES} non-empty strings")
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise SamplingSpecError("stop", f"stop must be at most {MAX_STOP_SEQUENCES} strings, got {len(stops)}")
         return stops
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_dict(self, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
-        """Keys and defaults of ``SamplingParams`` (defaults as vLLM's OpenAI server applies them)."""
-        return {
-            "n": self.n,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": 0 if self.top_k in (None, -1) else self.top_k,
-            "min_p": self.min_p or 0.0,
-            "presence_penalty": self.presence_penalty or 0.0,
-            "frequency_penalty": self.frequency_penalty or 0.0,
-            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            "seed": self.seed,
-            "max_tokens": max_tokens,
-            "min_tokens": min(self.min_tokens, max_tokens),
-            "stop": self.stop_list(),
-            "stop_token_ids": list(self.stop_token_ids or []),
-            "ignore_eos": self.ignore_eos,
-            "logprobs": logprobs,
-            "skip_special_tokens": self.skip_special_tokens,
-            "include_stop_str_in_output": self.include_stop_str_in_output,
-            "logit_bias": self.logit_bias_ids(),
-        }
-
-    def logit_bias_ids(self) -> dict[int, float] | None:
-        if not self.logit_bias:
-            return None
-        try:
-            bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        except ValueError:
-            raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
-        if any(not -100.0 <= v <= 100.0 for v in bias.values()):
-            raise ValueError("logit_bias values must be in [-100, 100]")
-        return bias
+    def sampling_spec(self, max_tokens: int, logprobs: int | None) -> SamplingSpec:
+        """The job's sampling params, defaults as vLLM's OpenAI server applies them. Raises
+        ``SamplingSpecError`` (its ``param`` names the field) on a value out of range."""
+        return SamplingSpec.from_dict(
+            {
+                "n": self.n,
+                "temperature": 1.0 if self.temperature is None else self.temperature,
+                "top_p": 1.0 if self.top_p is None else self.top_p,
+                "top_k": 0 if self.top_k is None else self.top_k,
+                "min_p": self.min_p or 0.0,
+                "presence_penalty": self.presence_penalty or 0.0,
+                "frequency_penalty": self.frequency_penalty or 0.0,
+                "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                "seed": self.seed,
+                "max_tokens": max_tokens,
+                "min_tokens": min(self.min_tokens, max_tokens),
+                "stop": self.stop_list(),
+                "stop_token_ids": list(self.stop_token_ids or []),
+                "ignore_eos": self.ignore_eos,
+                "logprobs": logprobs,
+                "skip_special_tokens": self.skip_special_tokens,
+                "include_stop_str_in_output": self.include_stop_str_in_output,
+                "logit_bias": self.logit_bias or None,  # str keys (JSON's): the spec reads them as token ids
+            }
+        )
 
 
 class CompletionRequest(_SamplingFields):
@@ -182,4 +179,4 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-Kind = Literal["completion", "chat"]
+Kind = JobKind  # "completion" | "chat"

@@ -23,7 +23,7 @@ from api.service import CompletionService, PreparedRequest
 from api.streams import collect, formatter_for, job_event_stream, openai_stream
 from api.tracing import tracer
 from wire import keys
-from wire.messages import FinalEvent, encode_event
+from wire.messages import FinalEvent, JobMeta, encode_event
 
 router = APIRouter()
 M = TypeVar("M", bound=BaseModel)
@@ -200,7 +200,7 @@ async def create_job(request: Request) -> dict[str, Any]:
         ttl = svc.settings.events_ttl_s
         redis = request.app.state.redis
         async with redis.pipeline(transaction=True) as pipe:
-            pipe.set(keys.job_meta_key(prep.request_id), json.dumps(prep.meta()), ex=ttl)
+            pipe.set(keys.job_meta_key(prep.request_id), prep.meta().to_json(), ex=ttl)
             pipe.rpush(keys.events_key(prep.request_id), encode_event(FinalEvent(0, cached)))
             pipe.expire(keys.events_key(prep.request_id), ttl)
             await pipe.execute()
@@ -213,7 +213,7 @@ async def create_job(request: Request) -> dict[str, Any]:
     }
 
 
-async def _job_meta(request: Request, job_id: str) -> dict[str, Any]:
+async def _job_meta(request: Request, job_id: str) -> JobMeta:
     meta = await _svc(request).queue.job_meta(job_id)
     if meta is None:
         raise ApiError(404, f"no job {job_id} (unknown or expired)", "not_found_error", "job_id", "job_not_found")
@@ -238,11 +238,9 @@ async def job_status(request: Request, job_id: str) -> dict[str, Any]:
     events = await _svc(request).relay.read_events(job_id, -1)
     last = events[-1] if events else None
     status = "queued" if last is None else {"delta": "running", "final": "completed", "error": "failed"}[last.kind]
-    body: dict[str, Any] = {"id": job_id, "object": "job", "status": status, "model": meta["model"]}
+    body: dict[str, Any] = {"id": job_id, "object": "job", "status": status, "model": meta.model}
     if isinstance(last, FinalEvent):
-        fmt = ResponseFormatter(
-            meta["kind"], job_id, meta["model"], meta["created"], _svc(request).tokenizer, meta.get("echo")
-        )
+        fmt = ResponseFormatter(meta.kind, job_id, meta.model, meta.created, _svc(request).tokenizer, meta.echo)
         body["result"] = fmt.response(last.result)
     return body
 

@@ -20,7 +20,8 @@ from api.settings import ApiSettings
 from api.tokenizer import PromptTokenizer
 from api.tracing import current_context_carrier
 from cache.responses import ResponseCache, is_cacheable
-from wire.messages import JobPayload, JobResult
+from wire.messages import JobMeta, JobPayload, JobResult
+from wire.sampling import SamplingSpec, SamplingSpecError
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class PreparedRequest:
     request_id: str
     model: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]
+    params: SamplingSpec
     stream: bool
     include_usage: bool = False
     priority: int = 0
@@ -46,18 +47,11 @@ class PreparedRequest:
 
     @property
     def n(self) -> int:
-        return int(self.params["n"])
+        return self.params.n
 
-    def meta(self) -> dict[str, Any]:
+    def meta(self) -> JobMeta:
         """What /v1/jobs/{id}/events needs to format this job's events."""
-        return {
-            "kind": self.kind,
-            "model": self.model,
-            "created": self.created,
-            "n": self.n,
-            "include_usage": self.include_usage,
-            "echo": self.echo,
-        }
+        return JobMeta(self.kind, self.model, self.created, self.n, self.include_usage, self.echo)
 
 
 class CompletionService:
@@ -167,10 +161,10 @@ class CompletionService:
             raise bad_request(refused[1], refused[0], "unsupported_parameter")
         max_tokens = self._max_tokens(requested_max, len(ids))
         try:
-            params = req.sampling_dict(max_tokens, logprobs)
-        except ValueError as exc:
-            raise bad_request(str(exc), "logit_bias" if "logit_bias" in str(exc) else None) from exc
-        if any(not 0 <= t < self.tokenizer.vocab_size for t in params["logit_bias"] or ()):
+            params = req.sampling_spec(max_tokens, logprobs)  # checks every range that needs no tokenizer
+        except SamplingSpecError as exc:
+            raise bad_request(str(exc), exc.param) from exc
+        if any(t >= self.tokenizer.vocab_size for t in params.logit_bias or ()):
             raise bad_request(f"logit_bias token ids must be in [0, {self.tokenizer.vocab_size})", "logit_bias")
         prep = PreparedRequest(
             kind,

@@ -16,7 +16,7 @@ from api.errors import ApiError, error_body
 from api.formatting import ResponseFormatter
 from api.relay import Subscription
 from api.service import CompletionService, PreparedRequest
-from wire.messages import ErrorEvent, Event, FinalEvent, JobResult
+from wire.messages import ErrorEvent, Event, FinalEvent, JobMeta, JobResult
 
 DONE = "[DONE]"
 
@@ -154,12 +154,12 @@ def _event_chunks(fmt: ResponseFormatter, ev: Event, n: int, include_usage: bool
 
 
 async def job_event_stream(
-    svc: CompletionService, job_id: str, meta: dict[str, Any], sub: Subscription, last_event_id: str | None
+    svc: CompletionService, job_id: str, meta: JobMeta, sub: Subscription, last_event_id: str | None
 ) -> AsyncIterator[ServerSentEvent]:
     """EventSource stream of a job. Each SSE id is ``<seq>.<chunk>``; on resume, events up to Last-Event-ID are
     replayed into the formatter silently so the rest is sent exactly once. Leaving does not abort the job."""
-    fmt = ResponseFormatter(meta["kind"], job_id, meta["model"], meta["created"], svc.tokenizer, meta.get("echo"))
-    n, include_usage = int(meta["n"]), bool(meta["include_usage"])
+    fmt = ResponseFormatter(meta.kind, job_id, meta.model, meta.created, svc.tokenizer, meta.echo)
+    n, include_usage = meta.n, meta.include_usage
     last_seq, last_chunk = parse_last_event_id(last_event_id)
     try:
         history = await svc.relay.read_events(job_id, 0)

@@ -1,8 +1,8 @@
 """Exact-match response cache in Redis for deterministic requests (greedy, or seeded; n == 1).
 
 Keyed by a canonical hash of (model, prompt token ids, sampling params): the same request always hashes the
-same, whatever key order or float spelling the client used. Entries carry a TTL. Stdlib + redis only; the
-caller passes the key prefix so the key names stay in one module (``wire.keys``).
+same, whatever key order or float spelling the client used. Entries carry a TTL. Stdlib, redis and ``wire``
+(itself stdlib only); the caller passes the key prefix so the key names stay in one module (``wire.keys``).
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from wire.sampling import SamplingSpec
+
 # params that never change the generated tokens (they only shape the response) stay out of the key
 _IGNORED_PARAMS = frozenset({"user", "stream", "stream_options"})
 
 
-def is_cacheable(params: dict[str, Any]) -> bool:
+def is_cacheable(params: SamplingSpec) -> bool:
     """Greedy or seeded, one sample: the same request yields the same answer."""
-    deterministic = float(params.get("temperature", 1.0)) == 0.0 or params.get("seed") is not None
-    return deterministic and int(params.get("n", 1)) == 1
+    deterministic = params.temperature == 0.0 or params.seed is not None
+    return deterministic and params.n == 1
 
 
 def canonical_digest(model: str, prompt_token_ids: list[int], params: dict[str, Any]) -> str:
@@ -54,8 +56,10 @@ class ResponseCache:
         self.ttl_s = ttl_s
         self.counters = CacheCounters()  # this process's hits/misses
 
-    def key(self, model: str, prompt_token_ids: list[int], params: dict[str, Any]) -> str:
-        return self._prefix + canonical_digest(model, prompt_token_ids, params)
+    def key(self, model: str, prompt_token_ids: list[int], params: SamplingSpec) -> str:
+        """Every field of ``params`` counts (``to_dict``: int ``logit_bias`` keys, so they sort as numbers and
+        the digest is the one the former plain-dict params gave)."""
+        return self._prefix + canonical_digest(model, prompt_token_ids, params.to_dict())
 
     async def get(self, key: str) -> dict[str, Any] | None:
         raw = await self._redis.get(key)

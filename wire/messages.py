@@ -9,8 +9,10 @@ from the next seq it expects: never a hole, and duplicates are dropped by seq.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, get_args
+
+from wire.sampling import SamplingSpec, check_fields
 
 
 def dumps(obj: Any) -> bytes:
@@ -25,12 +27,12 @@ def loads(data: bytes | str) -> Any:
 
 @dataclass
 class JobPayload:
-    """One generation job: the tokenized prompt and the sampling params (``SamplingParams.to_dict()`` keys)."""
+    """One generation job: the tokenized prompt and its sampling params, checked when the API built them."""
 
     request_id: str
     model: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]
+    params: SamplingSpec
     enqueue_time: float  # unix s
     deadline: float  # unix s; a job not started by then is dropped with an error event, not generated late
     stream: bool = True  # False: only the final event is published
@@ -42,11 +44,48 @@ class JobPayload:
     reply_channel: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-safe form (the arq job's argument)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["prompt_token_ids"] = list(self.prompt_token_ids)
+        data["params"] = self.params.to_dict()
+        data["trace_context"] = dict(self.trace_context)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobPayload:
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+        """Inverse of ``to_dict``. Raises ``ValueError`` on unknown or missing keys (here or in ``params``)
+        and on sampling params out of range: a payload from another version is refused, not half-read."""
+        check_fields(cls, data)
+        return cls(**{**data, "params": SamplingSpec.from_dict(data["params"])})
+
+
+JobKind = Literal["completion", "chat"]
+
+
+@dataclass
+class JobMeta:
+    """What /v1/jobs/{id}/events needs to format a job's events, stored by the API next to them (JSON)."""
+
+    kind: JobKind  # which OpenAI response shape: /v1/completions or /v1/chat/completions
+    model: str
+    created: int  # unix s, the responses' ``created``
+    n: int  # samples (choices) per prompt
+    include_usage: bool  # stream_options.include_usage: a usage chunk before [DONE]
+    echo: str | None = None  # completions with echo: the prompt text, sent before the generated text
+
+    def __post_init__(self) -> None:
+        if self.kind not in get_args(JobKind):
+            raise ValueError(f"JobMeta kind must be one of {get_args(JobKind)}, got {self.kind!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> JobMeta:
+        """Raises ``ValueError`` on unknown or missing keys."""
+        data = json.loads(raw)
+        check_fields(cls, data)
+        return cls(**data)
 
 
 @dataclass
@@ -162,7 +201,11 @@ def encode_event(event: Event) -> str:
 
 
 def decode_event(raw: bytes | str) -> Event:
-    data = json.loads(raw)
+    return event_from_obj(json.loads(raw))
+
+
+def event_from_obj(data: dict[str, Any]) -> Event:
+    """An event from its decoded JSON object (a step's batch message carries many)."""
     kind = data.get("kind")
     if kind == "delta":
         choices = [

@@ -103,7 +103,7 @@ class ScriptedWorker:
         client = aioredis.Redis.from_url(self.redis_url)
         writer = JobEventWriter(client, payload.request_id, 60, publish_deltas=payload.stream)
         try:
-            n = int(payload.params["n"])
+            n = payload.params.n
             for i, piece in enumerate(self.pieces):
                 seq = writer.next_seq
                 choices = [ChoiceDelta(k, piece, [100 + i]) for k in range(n)]

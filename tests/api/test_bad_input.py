@@ -48,6 +48,9 @@ BAD_JSON: list[tuple[str, str, Any, int]] = [
     ("logit_bias id out of vocab", COMP, {"model": MODEL, "prompt": "a", "logit_bias": {"99999999": -100}}, 400),
     ("logit_bias key not an id", COMP, {"model": MODEL, "prompt": "a", "logit_bias": {"blue": 5}}, 400),
     ("logit_bias value too big", COMP, {"model": MODEL, "prompt": "a", "logit_bias": {"5": 500}}, 400),
+    ("logit_bias negative id", COMP, {"model": MODEL, "prompt": "a", "logit_bias": {"-3": 5}}, 400),
+    ("negative stop_token_ids", COMP, {"model": MODEL, "prompt": "a", "stop_token_ids": [-1]}, 400),
+    ("too many stops", COMP, {"model": MODEL, "prompt": "a", "stop": ["x"] * 17}, 400),
     ("json mode", CHAT, {"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}}, 400),
     (
         "tools",
@@ -123,6 +126,19 @@ def test_unsupported_feature_names_its_parameter(api: ServerThread, redis_url: s
     _check_error(resp, 400)
     assert resp.json()["error"]["param"] == "response_format"
     assert resp.json()["error"]["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [({"stop_token_ids": [-1]}, "stop_token_ids"), ({"logit_bias": {"x": 1}}, "logit_bias"), ({"stop": [""]}, "stop")],
+)
+def test_sampling_error_names_its_parameter(
+    api: ServerThread, redis_url: str, extra: dict[str, Any], param: str
+) -> None:
+    """SamplingSpec's range checks run in the API: a 400 naming the field, before anything is queued."""
+    resp = httpx.post(api.url + COMP, json={"model": MODEL, "prompt": "a", **extra}, timeout=10)
+    _check_error(resp, 400)
+    assert resp.json()["error"]["param"] == param
 
 
 def test_tokenize_detokenize_and_model_card(api: ServerThread, redis_url: str) -> None:

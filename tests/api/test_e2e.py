@@ -24,6 +24,7 @@ from deploy.redis_server import RedisServer
 from tests.api.conftest import MODEL, ServerThread, start_api
 from wire import keys
 from wire.messages import ErrorEvent, JobPayload, WorkerHeartbeat, decode_event
+from wire.sampling import SamplingSpec
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -222,7 +223,8 @@ async def test_job_past_queue_deadline_is_dropped(stack: tuple[ServerThread, lis
     api, _ = stack
     pool = await connect_redis(api.settings.redis_url)
     now = time.time()
-    payload = JobPayload("late-job", MODEL, [1, 2, 3], {"max_tokens": 4, "temperature": 0.0}, now - 10, now - 5)
+    params = SamplingSpec(max_tokens=4, temperature=0.0)
+    payload = JobPayload("late-job", MODEL, [1, 2, 3], params, now - 10, now - 5)
     await pool.enqueue_job(keys.JOB_FUNCTION, payload.to_dict(), _job_id=payload.request_id, _queue_name=keys.QUEUE)
     deadline = time.monotonic() + 10
     while not (raw := await pool.lrange(keys.events_key("late-job"), 0, -1)):  # type: ignore[misc]

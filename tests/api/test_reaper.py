@@ -14,11 +14,12 @@ from deploy.redis_server import RedisServer
 from tests.api.conftest import MODEL, start_api
 from wire import keys
 from wire.messages import ErrorEvent, JobPayload, decode_event
+from wire.sampling import SamplingSpec
 
 
 async def _enqueue(pool, job_id: str, age_s: float) -> None:  # type: ignore[no-untyped-def]
     now = time.time()
-    payload = JobPayload(job_id, MODEL, [1, 2], {"max_tokens": 2}, now - age_s, now - age_s + 1)
+    payload = JobPayload(job_id, MODEL, [1, 2], SamplingSpec(max_tokens=2), now - age_s, now - age_s + 1)
     await pool.enqueue_job(keys.JOB_FUNCTION, payload.to_dict(), _job_id=job_id, _queue_name=keys.QUEUE)
     await pool.zadd(keys.QUEUE, {job_id: int((now - age_s) * 1000)})  # as if enqueued age_s ago
 

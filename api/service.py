@@ -225,11 +225,14 @@ class CompletionService:
         await self.queue.enqueue(payload, prep.meta())
 
     async def submit(self, prep: PreparedRequest) -> Subscription:
-        """Subscribe to the job's channel, then enqueue it: no event can be published before we listen."""
+        """Listen for the job's events, then enqueue it: no event can be published before we listen. They come
+        through this process's reply channel, batched per engine step with its other jobs' events."""
         await self._check_room()
-        sub = await self.relay.subscribe(prep.request_id)
+        sub = await self.relay.subscribe(prep.request_id, own_channel=False)
         try:
-            await self.queue.enqueue(self.payload(prep), prep.meta())
+            payload = self.payload(prep)
+            payload.reply_channel = self.relay.reply_channel
+            await self.queue.enqueue(payload, prep.meta())
         except BaseException:
             await self.relay.unsubscribe(sub)
             raise

@@ -94,7 +94,7 @@ async def job_chunks(
             return
         assert sub is not None
         last = None
-        async for ev in svc.relay.events(sub, timeout_s=svc.settings.request_timeout_s):
+        async for ev in svc.relay.events(sub, timeout_s=svc.settings.request_timeout_s, merge=True):
             now = time.monotonic()
             if ev.kind == "delta":
                 svc.metrics.ttft.observe(now - prep.arrival) if last is None else svc.metrics.itl.observe(now - last)

@@ -101,9 +101,9 @@ _WRITE_SHA = hashlib.sha1(_WRITE_SCRIPT.encode()).hexdigest()
 async def _run_script(redis: Redis, args: list[str | int]) -> None:
     """EVALSHA (the script text is sent only when this Redis has not seen it yet)."""
     try:
-        await redis.evalsha(_WRITE_SHA, 0, *args)  # type: ignore[misc]
+        await redis.evalsha(_WRITE_SHA, 0, *args)  # type: ignore[misc, arg-type]
     except NoScriptError:
-        await redis.eval(_WRITE_SCRIPT, 0, *args)  # type: ignore[misc]
+        await redis.eval(_WRITE_SCRIPT, 0, *args)  # type: ignore[misc, arg-type]
 
 
 class JobEventWriter:

@@ -48,9 +48,8 @@ _LOST_MID_STREAM = (
 
 
 def sampling_params(payload: JobPayload) -> SamplingParams:
-    """The engine's params from the job's (the wire's typed spec, or a plain dict from an older API)."""
-    spec: Any = payload.params
-    return SamplingParams.from_dict(spec if isinstance(spec, dict) else spec.to_dict())
+    """The engine's params from the job's (checked once by the wire's ``SamplingSpec``, again by the engine)."""
+    return SamplingParams.from_dict(payload.params.to_dict())
 
 
 class GenerationWorker(WorkerNode):

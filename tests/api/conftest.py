@@ -4,6 +4,7 @@ that answers jobs from the real Redis queue (for API tests that do not need the 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -101,7 +102,9 @@ class ScriptedWorker:
 
     async def answer(self, payload: JobPayload, finish_reason: str = "stop") -> JobResult:
         client = aioredis.Redis.from_url(self.redis_url)
-        writer = JobEventWriter(client, payload.request_id, 60, publish_deltas=payload.stream)
+        writer = JobEventWriter(
+            client, payload.request_id, 60, publish_deltas=payload.stream, channel=payload.reply_channel
+        )
         try:
             n = payload.params.n
             for i, piece in enumerate(self.pieces):
@@ -110,7 +113,8 @@ class ScriptedWorker:
                 await writer.delta(choices, publish=seq not in self.unpublished)
                 if seq in self.duplicated:
                     raw = await client.lindex(keys.events_key(payload.request_id), seq)
-                    await client.publish(keys.stream_channel(payload.request_id), raw or b"")
+                    batch = json.dumps([[payload.request_id, json.loads(raw or b"{}")]])
+                    await client.publish(writer.channel, batch)
             text = "".join(self.pieces)
             ids = [100 + i for i in range(len(self.pieces))]
             result = JobResult(

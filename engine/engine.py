@@ -5,6 +5,7 @@ offline ``LLM`` and in the worker front (which runs this engine in its own proce
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -24,7 +25,7 @@ from engine.model_runner import effective_max_model_len
 from engine.request import Request, RequestStatus, validate_request
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import PLACEHOLDER, Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class _InFlight:
     """A launched step whose sampled ids are still on the device."""
 
     out: SchedulerOutput
-    rows: list[tuple[Request, int]]
+    rows: list[Request]  # the request of each sampling row
     token_ids: torch.Tensor  # [num_sampling_rows] on the device
 
 
@@ -181,16 +182,16 @@ class Engine:
         return self._outputs(changed)
 
     def _token_fill(self, out: SchedulerOutput, inputs: StepInputs) -> TokenFill | None:
-        """Input positions whose token is still on the device (sampled by the step in flight)."""
+        """Input positions whose token is still on the device (sampled by the step in flight). A request with
+        a placeholder decodes exactly that token, so it is the last input of its chunk."""
         if self._inflight is None:
             return None
-        row_of = {r.request_id: i for i, (r, _) in enumerate(self._inflight.rows)}
+        row_of = {r.request_id: i for i, r in enumerate(self._inflight.rows)}
         dst: list[int] = []
         src: list[int] = []
         ends = inputs.query_start_loc.tolist()[1:]
         for chunk, end in zip(out.chunks, ends, strict=True):
-            outputs = chunk.request.output_token_ids
-            if outputs and outputs[-1] == PLACEHOLDER:
+            if chunk.request.num_output_placeholders:
                 dst.append(end - 1)
                 src.append(row_of[chunk.request.request_id])
         if not dst:
@@ -200,7 +201,7 @@ class Engine:
     def _sampling_batch(self, out: SchedulerOutput) -> SamplingBatch:
         rows = [c.request for c in out.chunks if c.samples]
         return SamplingBatch(
-            params=[r.sampling_params for r in rows],
+            params=[_params_counting_placeholders(r) for r in rows],
             prompt_token_ids=[r.prompt_token_ids for r in rows],
             output_token_ids=[r.output_token_ids for r in rows],
             generators=[self._generators.get(r.request_id) for r in rows],
@@ -215,9 +216,9 @@ class Engine:
         return outputs
 
     def _seq_output(self, r: Request) -> SeqOutput:
-        """The tokens ``r`` got since its last output (with async scheduling, minus the one in flight)."""
+        """The tokens ``r`` got since its last output (known ones only: the one in flight is not in the list)."""
         token_ids = r.output_token_ids
-        end = len(token_ids) - 1 if token_ids and token_ids[-1] == PLACEHOLDER else len(token_ids)
+        end = len(token_ids)
         start, r.num_emitted_tokens = r.num_emitted_tokens, end
         logprobs = r.output_logprobs[start:end] if r.sampling_params.logprobs is not None else None
         stop = r.stop_reason if isinstance(r.stop_reason, int) else None
@@ -251,3 +252,13 @@ class Engine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _params_counting_placeholders(r: Request) -> SamplingParams:
+    """``r``'s params for the sampler, which applies min_tokens by ``len(output_token_ids)``: that list lacks
+    the token still on the device, so while min_tokens is not yet reached the bound is lowered by the
+    placeholders (a copy; only in those first steps)."""
+    params = r.sampling_params
+    if r.num_output_placeholders and params.min_tokens > len(r.output_token_ids):
+        return dataclasses.replace(params, min_tokens=params.min_tokens - r.num_output_placeholders)
+    return params

@@ -44,6 +44,11 @@ class TokenFill:
     src: torch.Tensor  # [k] int64: rows of ``tokens``
 
 
+# Host-side stand-in for an input token that is known only on the device (``TokenFill`` overwrites it before
+# the forward pass). Any valid id works; no request ever holds it.
+_IN_FLIGHT_INPUT = 0
+
+
 def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
     input_ids: list[int] = []
     positions: list[int] = []
@@ -66,6 +71,11 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
         else:
             input_ids.extend(request.prompt_token_ids[start:])
             input_ids.extend(request.output_token_ids[: end - num_prompt])
+        # Asynchronous scheduling: the chunk may end on the token of the step in flight, which the output
+        # slices above do not have (the request holds a count for it, no id).
+        num_missing = end - num_prompt - len(request.output_token_ids)
+        if num_missing > 0:
+            input_ids.extend([_IN_FLIGHT_INPUT] * num_missing)
         blocks = request.block_ids
         if end - start == 1:
             positions.append(start)

@@ -69,7 +69,11 @@ class Request:
     prompt: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # sampled and known on the host: real ids only
+    # Output tokens sampled by a step still running on the device (asynchronous scheduling): they count
+    # towards the length (scheduling, max_tokens) but their ids are not known yet, so they are not in
+    # ``output_token_ids``. One per step in flight: 1, or 2 between launching a step and resolving the last.
+    num_output_placeholders: int = 0
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)  # owned by cache.kv.KVCacheManager
@@ -90,14 +94,17 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        """Output tokens sampled so far, the ones still on the device included (length limits count them)."""
+        return len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt + output length, placeholders included: what the next chunk is scheduled against."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:
+        """The known token ids (no placeholders): what the prefix cache hashes."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property

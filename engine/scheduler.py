@@ -18,8 +18,6 @@ from cache.kv import KVCacheManager
 from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus
 
-PLACEHOLDER = -1  # an output token sampled by a step still running on the device
-
 
 @dataclass
 class ScheduledChunk:
@@ -91,8 +89,7 @@ class Scheduler:
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        if request.output_token_ids and request.output_token_ids[-1] == PLACEHOLDER:
-            request.output_token_ids.pop()  # the token of a step in flight: dropped with the request
+        request.num_output_placeholders = 0  # the token of a step in flight: dropped with the request
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -182,57 +179,62 @@ class Scheduler:
     # ---- after the model ran ----------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: Mapping[str, tuple[int, dict[int, float] | None]]) -> list[Request]:
         """Synchronous form: ``advance`` then ``resolve`` with the sampled tokens. ``sampled`` maps request
-        id -> (token id, logprobs) for chunks that sampled. Returns the requests that got a new token."""
+        id -> (token id, logprobs) for every chunk that sampled. Returns the requests that got a new token."""
         rows = self.advance(out)
-        results = [sampled.get(r.request_id, (PLACEHOLDER, None)) for r, _ in rows]
+        # A row whose request finished meanwhile gets no token: resolve skips it without reading the id.
+        results = [(0, None) if r.is_finished else sampled[r.request_id] for r in rows]
         return self.resolve(out, rows, [t for t, _ in results], [lp for _, lp in results])
 
-    def advance(self, out: SchedulerOutput) -> list[tuple[Request, int]]:
+    def advance(self, out: SchedulerOutput) -> list[Request]:
         """Once the step is launched: count its tokens as computed and give every sampling chunk an output
-        slot holding ``PLACEHOLDER`` until ``resolve``. Returns (request, output index) per sampling row, in
-        chunk order (the order of the sampler's rows); aborted requests keep their row."""
-        rows: list[tuple[Request, int]] = []
+        placeholder (``num_output_placeholders``) until ``resolve`` has its id. Returns the request of each
+        sampling row, in chunk order (the order of the sampler's rows); aborted requests keep their row."""
+        rows: list[Request] = []
         for chunk in out.chunks:
             request = chunk.request
             samples = chunk.samples
             if request.is_finished:  # aborted while the step was built
                 if samples:
-                    rows.append((request, -1))
+                    rows.append(request)
                 continue
             request.num_computed_tokens += chunk.num_new_tokens
             if samples:
                 if request.num_output_tokens == 0:
                     self._fork_siblings(request)
-                request.output_token_ids.append(PLACEHOLDER)
-                rows.append((request, request.num_output_tokens - 1))
+                request.num_output_placeholders += 1
+                rows.append(request)
         return rows
 
     def resolve(
         self,
         out: SchedulerOutput,
-        rows: list[tuple[Request, int]],
+        rows: list[Request],
         token_ids: list[int],
         logprobs: list[dict[int, float] | None],
     ) -> list[Request]:
-        """Fill in the sampled tokens of a step, register newly full blocks in the prefix cache, apply the
-        token-level stop rules and free finished requests. With asynchronous scheduling the next step has
-        already been scheduled: a request that stops here drops the token that step is computing."""
+        """Turn the placeholders of a step into its sampled tokens, register newly full blocks in the prefix
+        cache, apply the token-level stop rules and free finished requests. With asynchronous scheduling the
+        next step has already been scheduled: a request that stops here drops the token that step is
+        computing (``finish`` clears its placeholder)."""
         changed: list[Request] = []
-        for (request, index), token_id, lp in zip(rows, token_ids, logprobs, strict=True):
-            if request.is_finished or token_id == PLACEHOLDER:
+        for request, token_id, lp in zip(rows, token_ids, logprobs, strict=True):
+            if request.is_finished:  # aborted (or stopped) while the step ran: its placeholder is gone
                 continue
-            request.output_token_ids[index] = token_id
+            # Steps resolve in launch order, so this step's token is the oldest placeholder: the next slot.
+            request.num_output_placeholders -= 1
+            request.output_token_ids.append(token_id)
             if lp is not None:
                 request.output_logprobs.append(lp)
+        # After the ids are in: the computed tokens (this step's, and the next step's input, which is this
+        # step's token) are all known now, so the hashed blocks hold real ids only.
         for chunk in out.chunks:
             if chunk.request.status == RequestStatus.RUNNING:
                 self.kv.cache_full_blocks(chunk.request)
-        for (request, index), token_id in zip(rows, token_ids, strict=True):
-            if request.is_finished or token_id == PLACEHOLDER:
+        for request, token_id in zip(rows, token_ids, strict=True):
+            if request.is_finished:
                 continue
-            status = self._stop_status(request, token_id, index + 1)
+            status = self._stop_status(request, token_id, len(request.output_token_ids))
             if status is not None:
-                del request.output_token_ids[index + 1 :]
                 self.finish(request, status)
             changed.append(request)
         return changed
@@ -249,7 +251,7 @@ class Scheduler:
             self._enqueue(sibling, front=True)
 
     def _stop_status(self, request: Request, token_id: int, num_output: int) -> RequestStatus | None:
-        """Stop rules for the ``num_output``-th output token (later slots may already be reserved)."""
+        """Stop rules for the ``num_output``-th output token (a later step's placeholder may follow it)."""
         params = request.sampling_params
         if num_output >= params.min_tokens:  # the sampler masks stop ids before that
             if not params.ignore_eos and token_id in request.eos_token_ids:
@@ -264,7 +266,8 @@ class Scheduler:
         return None
 
     def _is_done(self, request: Request) -> bool:
-        """Already at its length limit, waiting for ``resolve`` to finish it (asynchronous scheduling)."""
+        """Already at its length limit, waiting for ``resolve`` to finish it (asynchronous scheduling): the
+        counts include the placeholder, so no step is scheduled past max_tokens / max_model_len."""
         max_tokens = request.sampling_params.max_tokens
         full = max_tokens is not None and request.num_output_tokens >= max_tokens
         return full or request.num_tokens >= self.max_model_len

@@ -153,7 +153,7 @@ def build_engine(args: argparse.Namespace) -> Any:
 
 
 def _num_resolved(token_ids: list[int]) -> int:
-    return len(token_ids) - (1 if token_ids and token_ids[-1] < 0 else 0)  # a placeholder of a step in flight
+    return len(token_ids)  # resolved ids only: a step in flight is Request.num_output_placeholders
 
 
 def engine_wave(engine: Any, prompts: list[list[int]], output_len: int, wave: int) -> tuple[list[Record], float, int]:

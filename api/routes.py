@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
@@ -61,10 +62,29 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return data
 
 
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
 def _sse(content: Any) -> EventSourceResponse:
-    return EventSourceResponse(
-        content, sep="\n", ping=15, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
+    """EventSource streams (/v1/jobs): ids for Last-Event-ID and a ping every 15 s for browsers and proxies."""
+    return EventSourceResponse(content, sep="\n", ping=15, headers=_SSE_HEADERS)
+
+
+def _openai_sse(payloads: AsyncIterator[str]) -> StreamingResponse:
+    """OpenAI streams: ``data: <chunk>`` lines only (as OpenAI and vLLM send them). Plain Starlette streaming
+    costs far less per event than sse-starlette's per-send cancel scope and encoding, and the client's
+    disconnect still cancels the stream (and so aborts the job)."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for payload in payloads:
+                yield b"data: " + payload.encode() + b"\n\n"
+        finally:
+            aclose = getattr(payloads, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
 async def _serve(request: Request, prep: PreparedRequest) -> Response:
@@ -85,11 +105,11 @@ async def _serve_traced(request: Request, prep: PreparedRequest) -> Response:
     cached = await svc.cached(prep)
     if cached is not None:
         if prep.stream:
-            return _sse(openai_stream(svc, prep, None, cached))
+            return _openai_sse(openai_stream(svc, prep, None, cached))
         return JSONResponse(formatter_for(svc, prep).response(cached))
     sub = await svc.submit(prep)
     if prep.stream:
-        return _sse(openai_stream(svc, prep, sub))
+        return _openai_sse(openai_stream(svc, prep, sub))
     result = await collect(svc, prep, sub, request)
     return JSONResponse(formatter_for(svc, prep).response(result))
 
@@ -102,7 +122,7 @@ async def _serve_batch(request: Request, preps: list[PreparedRequest]) -> Respon
     ):
         sources = await start_all(svc, preps)
         if preps[0].stream:
-            return _sse(batch_stream(svc, batch_id, sources, preps[0].include_usage))
+            return _openai_sse(batch_stream(svc, batch_id, sources, preps[0].include_usage))
         results = await collect_all(svc, sources, request)
         return JSONResponse(response_body(svc, batch_id, sources, results))
 

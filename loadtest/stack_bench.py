@@ -280,8 +280,10 @@ async def _client_loop(conn: Connection, base_url: str) -> None:
     loop = asyncio.get_running_loop()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(None, connect=60.0)  # a stream at high concurrency may wait long for its next token
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
-        while (jobs := await loop.run_in_executor(None, conn.recv)) is not None:
+    while (jobs := await loop.run_in_executor(None, conn.recv)) is not None:
+        # a fresh client per wave: a keep-alive connection left idle since the last wave may be closed by the
+        # server (uvicorn's 5 s keep-alive timeout) just as it is reused, which fails that request (ReadError)
+        async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
             conn.send(await asyncio.gather(*(stream_one(client, job) for job in jobs)))
 
 

@@ -46,7 +46,7 @@ def run_level(engine: Engine, concurrency: int, prompt_len: int, output_len: int
             decode_steps += 1
             continue
         start_steps += 1
-        if not engine.scheduler.waiting and all(r.output_token_ids for r in engine.scheduler.running):
+        if not engine.scheduler.waiting and all(r.num_output_tokens for r in engine.scheduler.running):
             _sync(engine)
             all_started = time.perf_counter()
     _sync(engine)

@@ -18,6 +18,7 @@ from arq.worker import Worker, func
 from engine.core_messages import CoreStats
 from wire import keys
 from wire.messages import WorkerHeartbeat, dumps, loads
+from worker.intake import BatchClaimWorker
 from worker.metrics import WorkerMetrics
 from worker.settings import WorkerSettings
 
@@ -106,7 +107,7 @@ class WorkerNode:
         # arq's own retry limit stays above ours so that the last attempt can still tell the client
         tries = self.settings.max_attempts + 1
         job = func(self.generate, name=keys.JOB_FUNCTION, max_tries=tries, timeout=self.settings.job_timeout_s)
-        worker = Worker(
+        worker = BatchClaimWorker(
             functions=[job],
             queue_name=keys.QUEUE,
             redis_pool=self.redis,

@@ -1,0 +1,59 @@
+"""arq's worker, with the jobs of one poll claimed in one round trip.
+
+arq claims each job it polls with WATCH, EXISTS, ZSCORE and MULTI/EXEC: four sequential round trips per job,
+run one job after another, so a burst of 512 requests took the worker front most of a second to start (on
+the H200 the stack's TTFT p50 at 256 streams was 1.2 s against the engine's 0.1 s). ``BatchClaimWorker``
+makes the same checks and the same in-progress mark for every polled job inside one Lua script (atomic, as
+the WATCH transaction was), then starts the claimed jobs exactly as arq does. Pinned to arq 0.28's
+``start_jobs`` contract: the semaphore and ``job_counter`` bookkeeping and ``run_job`` are arq's own.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from arq.constants import in_progress_key_prefix
+from arq.worker import Worker
+
+# KEYS: the queue; ARGV: in-progress ttl ms, now ms, in-progress prefix, job ids. Returns [id, score, ...] of
+# the jobs claimed: not in progress elsewhere, still queued, due.
+_CLAIM_SCRIPT = """
+local claimed = {}
+local ttl, now, prefix = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+for i = 4, #ARGV do
+  local id = ARGV[i]
+  local score = redis.call('ZSCORE', KEYS[1], id)
+  if score and tonumber(score) <= now and redis.call('EXISTS', prefix .. id) == 0 then
+    redis.call('PSETEX', prefix .. id, ttl, '1')
+    claimed[#claimed + 1] = id
+    claimed[#claimed + 1] = score
+  end
+end
+return claimed
+"""
+
+
+class BatchClaimWorker(Worker):
+    """``Worker`` whose ``start_jobs`` claims a whole poll's jobs in one script call."""
+
+    _claim: Any = None
+
+    async def start_jobs(self, job_ids: list[bytes]) -> None:
+        room = self.max_jobs - self.job_counter
+        if room <= 0 or not job_ids:
+            return
+        candidates = [j.decode() for j in job_ids[:room]]
+        now_ms = int(time.time() * 1000)
+        ttl_ms = int(self.in_progress_timeout_s * 1000)
+        if self._claim is None:
+            self._claim = self.pool.register_script(_CLAIM_SCRIPT)  # EVALSHA, the text only when missing
+        args = [ttl_ms, now_ms, in_progress_key_prefix, *candidates]
+        reply = await self._claim(keys=[self.queue_name], args=args)
+        for k in range(0, len(reply), 2):
+            await self.sem.acquire()
+            self.job_counter += 1
+            job_id, score = reply[k].decode(), int(float(reply[k + 1]))
+            task = self.loop.create_task(self.run_job(job_id, score))
+            task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
+            self.tasks[job_id] = task

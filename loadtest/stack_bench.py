@@ -17,11 +17,8 @@ stack between SSE chunks, which may carry several tokens), the engine's mean dec
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import math
-import multiprocessing as mp
 import os
 import random
 import shlex
@@ -32,41 +29,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from datetime import date
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 import modelfiles
+from loadtest.stack_profile import StackProfiler
+from loadtest.stream_client import ClientPool, Record, StreamJob, finish_record
 
 WARMUP_OUTPUT_LEN = 8
-
-
-@dataclass
-class Record:
-    """One request's outcome, measured the same way on both sides; ``reason`` is None when it succeeded."""
-
-    wave: int
-    index: int
-    reason: str | None = None
-    num_tokens: int = 0
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    gaps_s: list[float] = field(default_factory=list)  # between token (engine) or chunk (stack) arrivals
-    start_s: float = 0.0
-    end_s: float = 0.0
-
-
-@dataclass
-class StreamJob:
-    """One streaming request a client process sends."""
-
-    wave: int
-    index: int
-    body: dict[str, Any]
 
 
 def make_prompts(vocab_size: int, level: int, wave: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -78,20 +51,6 @@ def make_prompts(vocab_size: int, level: int, wave: int, prompt_len: int, seed: 
 def model_vocab_size(model: str) -> int:
     folder = modelfiles.resolve(model or None).folder
     return int(json.loads((folder / "config.json").read_text())["vocab_size"])
-
-
-def finish_record(rec: Record, times_s: list[float], output_len: int) -> Record:
-    """TTFT, TPOT and gaps from the arrival times of tokens (or chunks); a wrong count is a failure."""
-    if times_s:
-        rec.ttft_s = times_s[0] - rec.start_s
-        rec.gaps_s = [b - a for a, b in zip(times_s, times_s[1:], strict=False)]
-        if rec.num_tokens > 1:
-            rec.tpot_s = (times_s[-1] - times_s[0]) / (rec.num_tokens - 1)
-    if rec.reason is None and not times_s:
-        rec.reason = "no token arrived"
-    if rec.reason is None and rec.num_tokens != output_len:
-        rec.reason = f"got {rec.num_tokens} tokens, expected {output_len}"
-    return rec
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -219,115 +178,6 @@ def run_engine_only(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-# ---- the client: processes that each own a share of a wave's streams -------------------------------------
-class SSEReader:
-    """Parses ``data:`` lines as bytes arrive: arrival times of chunks with text, usage, errors, [DONE]."""
-
-    def __init__(self) -> None:
-        self.buf = b""
-        self.times_s: list[float] = []
-        self.num_tokens: int | None = None
-        self.error: str | None = None
-        self.done = False
-
-    def feed(self, data: bytes, now: float) -> None:
-        *lines, self.buf = (self.buf + data).split(b"\n")
-        for line in lines:
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                self.done = True
-                continue
-            chunk = json.loads(payload)
-            if "error" in chunk:
-                self.error = f"error event: {json.dumps(chunk['error'])[:500]}"
-            if chunk.get("usage"):
-                self.num_tokens = int(chunk["usage"]["completion_tokens"])
-            if any(c.get("text") for c in chunk.get("choices") or ()):
-                self.times_s.append(now)
-
-    def reason(self) -> str | None:
-        if self.error:
-            return self.error
-        if not self.done:
-            return "stream ended without [DONE]"
-        return "no usage chunk" if self.num_tokens is None else None
-
-
-async def _send(client: httpx.AsyncClient, job: StreamJob, sse: SSEReader) -> str | None:
-    async with client.stream("POST", "/v1/completions", json=job.body) as resp:
-        if resp.status_code != 200:
-            return f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:500]}"
-        async for data in resp.aiter_raw():
-            sse.feed(data, time.perf_counter())
-    return sse.reason()
-
-
-async def stream_one(client: httpx.AsyncClient, job: StreamJob) -> Record:
-    """One streaming request; any failure (status, error event, missing [DONE], exception) is its reason."""
-    rec, sse = Record(job.wave, job.index, start_s=time.perf_counter()), SSEReader()
-    try:
-        rec.reason = await _send(client, job, sse)
-    except Exception as exc:  # noqa: BLE001 - every failure is reported with its request, never raised
-        rec.reason = f"{type(exc).__name__}: {exc}"[:500]
-    rec.end_s = time.perf_counter()
-    rec.num_tokens = sse.num_tokens or 0
-    return finish_record(rec, sse.times_s, job.body["max_tokens"])
-
-
-async def _client_loop(conn: Connection, base_url: str) -> None:
-    loop = asyncio.get_running_loop()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(None, connect=60.0)  # a stream at high concurrency may wait long for its next token
-    while (jobs := await loop.run_in_executor(None, conn.recv)) is not None:
-        # a fresh client per wave: a keep-alive connection left idle since the last wave may be closed by the
-        # server (uvicorn's 5 s keep-alive timeout) just as it is reused, which fails that request (ReadError)
-        async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
-            conn.send(await asyncio.gather(*(stream_one(client, job) for job in jobs)))
-
-
-def _client_process(conn: Connection, base_url: str) -> None:
-    try:
-        import uvloop
-
-        factory: Any = uvloop.new_event_loop
-    except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(_client_loop(conn, base_url))
-
-
-class ClientPool:
-    """``num_procs`` processes, each an asyncio client sending its share of every wave at once."""
-
-    def __init__(self, num_procs: int, base_url: str) -> None:
-        ctx = mp.get_context("spawn")
-        self.conns: list[Connection] = []
-        self.procs: list[Any] = []
-        for _ in range(num_procs):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_client_process, args=(theirs, base_url), daemon=True)
-            proc.start()
-            self.conns.append(ours)
-            self.procs.append(proc)
-
-    def run(self, jobs: list[StreamJob]) -> list[Record]:
-        n = len(self.conns)
-        for i, conn in enumerate(self.conns):
-            conn.send(jobs[i::n])
-        return sorted((r for conn in self.conns for r in conn.recv()), key=lambda r: r.index)
-
-    def close(self) -> None:
-        for conn in self.conns:
-            with contextlib.suppress(OSError):  # a client that died already
-                conn.send(None)
-        for proc in self.procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.terminate()
-
-
 def _body(model: str, prompt: list[int], output_len: int) -> dict[str, Any]:
     return {
         "model": model,
@@ -340,8 +190,10 @@ def _body(model: str, prompt: list[int], output_len: int) -> dict[str, Any]:
     }
 
 
-def stack_levels(pool: ClientPool, args: argparse.Namespace, model: str, vocab_size: int) -> list[dict[str, Any]]:
-    """The warm-up, then every level's waves through the pool."""
+def stack_levels(
+    pool: ClientPool, args: argparse.Namespace, model: str, vocab_size: int, profiler: StackProfiler | None = None
+) -> list[dict[str, Any]]:
+    """The warm-up, then every level's waves through the pool (profiled from --profile-from streams on)."""
     for level in sorted({min(args.concurrency), max(args.concurrency)}):
         prompts = make_prompts(vocab_size, level, -1, args.prompt_len, args.seed)
         pool.run([StreamJob(-1, i, _body(model, p, WARMUP_OUTPUT_LEN)) for i, p in enumerate(prompts)])
@@ -349,11 +201,16 @@ def stack_levels(pool: ClientPool, args: argparse.Namespace, model: str, vocab_s
     for level in args.concurrency:
         records: list[Record] = []
         walls = []
+        profiling = profiler is not None and level >= args.profile_from
+        if profiling:
+            profiler.start(str(level))  # type: ignore[union-attr]
         for wave in range(args.waves):
             prompts = make_prompts(vocab_size, level, wave, args.prompt_len, args.seed)
             recs = pool.run([StreamJob(wave, i, _body(model, p, args.output_len)) for i, p in enumerate(prompts)])
             walls.append(max(r.end_s for r in recs) - min(r.start_s for r in recs))
             records += recs
+        if profiling:
+            print("\n".join(profiler.stop()), flush=True)  # type: ignore[union-attr]
         summary = summarize(level, records, walls)
         print(json.dumps({"stack": {k: v for k, v in summary.items() if k != "failures"}}), flush=True)
         levels.append(summary)
@@ -427,8 +284,9 @@ def run_stack(args: argparse.Namespace, vocab_size: int, log: Path) -> dict[str,
         res["ready"] = wait_ready(proc, base_url, args.ready_timeout_s, log, name)
         res["start_s"] = round(time.perf_counter() - t0, 1)
         pool = ClientPool(args.client_procs, base_url)
+        profiler = StackProfiler(proc.pid, Path(args.profile_dir)) if args.profile_dir else None
         try:
-            res["levels"] = stack_levels(pool, args, res["ready"]["model"], vocab_size)
+            res["levels"] = stack_levels(pool, args, res["ready"]["model"], vocab_size, profiler)
         finally:
             pool.close()
     finally:
@@ -498,6 +356,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--async-scheduling", action="store_true")
+    p.add_argument("--profile-dir", default=None, help="py-spy the stack's processes during levels, to here")
+    p.add_argument("--profile-from", type=int, default=256, help="profile the levels of this many streams and more")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--commit", default=None, help="git commit to record (when .git is not at hand)")
     p.add_argument("--engine-only", action="store_true", help="internal: the engine side only, JSON to --out")

@@ -10,6 +10,8 @@ PREFIX = "pagedserve"
 # arq sorted set of job ids (score = enqueue time in ms). arq keeps a job in it until the job finishes,
 # so ZCARD = queued + running.
 QUEUE = f"{PREFIX}:queue"
+# pub/sub channel the API pokes after each enqueue, so an idle worker starts the job now instead of at its next poll
+JOBS_CHANNEL = f"{PREFIX}:jobs"
 # the single job function the workers register
 JOB_FUNCTION = "generate"
 

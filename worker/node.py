@@ -103,7 +103,7 @@ class WorkerNode:
             await self.redis.zrem(keys.WORKERS, self.settings.worker_id)
 
     # -- running ----------------------------------------------------------------------------------------
-    def arq_worker(self) -> Worker:
+    def arq_worker(self) -> BatchClaimWorker:
         # arq's own retry limit stays above ours so that the last attempt can still tell the client
         tries = self.settings.max_attempts + 1
         job = func(self.generate, name=keys.JOB_FUNCTION, max_tries=tries, timeout=self.settings.job_timeout_s)
@@ -124,7 +124,27 @@ class WorkerNode:
         # arq marks a running job in progress for its whole timeout, so a dead worker's jobs would wait an
         # hour; a short lease renewed by every heartbeat hands them to another worker within seconds
         worker.in_progress_timeout_s = self.settings.job_lease_s
+        worker.idle_poll_s = self.settings.poll_delay_s
+        worker.poll_delay_s = 0.0  # the wait is in BatchClaimWorker._poll_iteration (a wake-up ends it early)
         return worker
+
+    async def wake_on_enqueue(self, worker: BatchClaimWorker) -> None:
+        """Poll the queue as soon as the API announces a job (polling still catches anything missed)."""
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(keys.JOBS_CHANNEL)
+                async for message in pubsub.listen():
+                    if message["type"] == "message":
+                        worker.wake()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the poll goes on meanwhile
+                logger.warning("job wake-up subscription lost (%s); retrying", exc)
+                await asyncio.sleep(1.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
 
     async def drain(self, worker: Worker, main: asyncio.Task[None]) -> None:
         """Stop taking jobs, let the running ones finish (up to drain_timeout_s), then stop the worker."""
@@ -142,6 +162,7 @@ class WorkerNode:
         worker = self._arq = self.arq_worker()
         main = asyncio.ensure_future(worker.async_run())
         beats = asyncio.ensure_future(self.heartbeat_loop())
+        wakes = asyncio.ensure_future(self.wake_on_enqueue(worker))
         pump = asyncio.ensure_future(self.pump())
         pump.add_done_callback(lambda t: t.cancelled() or main.cancel())  # a dead pump is a dead worker
         loop = asyncio.get_running_loop()
@@ -163,6 +184,7 @@ class WorkerNode:
                 await main
         finally:
             beats.cancel()
+            wakes.cancel()
             for task in list(worker.tasks.values()):
                 task.cancel()
             with contextlib.suppress(Exception, asyncio.CancelledError):

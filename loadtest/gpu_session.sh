@@ -30,7 +30,7 @@ elif [ "$stage" = 3 ]; then
   for api in ${API_WORKERS:-1}; do  # e.g. API_WORKERS="1 4": one run per API process count
     python -m loadtest.stack_bench --shape 8b --max-model-len 4096 --max-num-seqs 512 --concurrency 1 64 256 512 \
       --output-len 256 --api-workers "$api" --commit "$commit" --out "$out/stack-api$api.json" \
-      ${tok[@]+"${tok[@]}"} 2>&1 | tail -12
+      ${PROFILE_DIR:+--profile-dir "$PROFILE_DIR"} ${tok[@]+"${tok[@]}"} 2>&1 | grep -v '^{'  # PROFILE_DIR: py-spy
   done
 else
   python -m loadtest.throughput suite --shape 8b --baseline hf --max-model-len 4096 --max-num-seqs 512 \

@@ -15,6 +15,9 @@ from typing import Any, Literal, get_args
 from wire.sampling import SamplingSpec, check_fields
 
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps with options builds one per call
+
+
 def dumps(obj: Any) -> bytes:
     """arq ``job_serializer``: compact JSON; anything exotic (an exception arq stores) becomes its str."""
     return json.dumps(obj, separators=(",", ":"), default=str).encode()
@@ -197,7 +200,7 @@ def encode_event(event: Event) -> str:
         data = {"kind": "final", "seq": event.seq, "result": event.result.to_json()}
     else:
         data = asdict(event)
-    return json.dumps(data, separators=(",", ":"))
+    return _COMPACT.encode(data)
 
 
 def decode_event(raw: bytes | str) -> Event:

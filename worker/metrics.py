@@ -27,7 +27,6 @@ class WorkerMetrics:
         }
         self._last = {name: 0 for name in self.totals}
         self.ttft = Histogram("pagedserve:time_to_first_token_seconds", "Enqueue to first token.")
-        self.itl = Histogram("pagedserve:inter_token_latency_seconds", "Between output deltas.")
         self.e2e = Histogram("pagedserve:e2e_request_latency_seconds", "Enqueue to finish.")
         self.queue_time = Histogram("pagedserve:request_queue_time_seconds", "Time waiting in the Redis queue.")
         self.jobs = Counter("pagedserve:worker_jobs", "Jobs by outcome.", ["outcome"])

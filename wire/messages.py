@@ -14,8 +14,8 @@ from typing import Any, Literal, get_args
 
 from wire.sampling import SamplingSpec, check_fields
 
-
 _COMPACT = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps with options builds one per call
+_encode_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # the C string encoder
 
 
 def dumps(obj: Any) -> bytes:
@@ -189,7 +189,20 @@ class ErrorEvent:
 Event = DeltaEvent | FinalEvent | ErrorEvent
 
 
+def _encode_delta(event: DeltaEvent) -> str:
+    """A delta without logprobs, spelled out (the hot path: one per stream per engine step); the same JSON
+    as the generic encoder gives (tested)."""
+    parts = [
+        f'{{"index":{c.index},"text":{_encode_str(c.text)},"token_ids":[{",".join(map(str, c.token_ids))}],'
+        '"logprobs":null}'
+        for c in event.choices
+    ]
+    return f'{{"kind":"delta","seq":{event.seq},"choices":[{",".join(parts)}]}}'
+
+
 def encode_event(event: Event) -> str:
+    if isinstance(event, DeltaEvent) and all(c.logprobs is None for c in event.choices):
+        return _encode_delta(event)
     if isinstance(event, DeltaEvent):
         choices = [
             {"index": c.index, "text": c.text, "token_ids": c.token_ids, "logprobs": _logprobs_to_json(c.logprobs)}

@@ -28,6 +28,8 @@ from wire.messages import (
     event_from_obj,
 )
 
+_quoted = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # a JSON string literal, in C
+
 
 def decode_batch(raw: bytes | str) -> list[tuple[str, Event]]:
     """A published batch message → its (job id, event) pairs."""
@@ -49,39 +51,43 @@ class EventBatch:
 
     async def execute(self, redis: Redis) -> None:
         """One round trip: a Lua script appends every event to its list, sets TTLs and results, then publishes.
-        The writes travel as one JSON argument (Redis' Lua has cjson): packing three arguments per event was
-        the writer's top cost at 512 streams."""
+        Keys and TTLs travel as one JSON argument (Redis' Lua has cjson), each event as one plain argument:
+        packing three arguments per event was the writer's top cost at 512 streams."""
         if not self._writes:
             return
         appends: list[list[str | int]] = []
         results: list[list[str | int]] = []
+        events: list[str] = []
         published: dict[str, list[str]] = {}
         for job_id, event, data, ttl_s, channel in self._writes:
             expire = ttl_s if event.seq == 0 or event.kind != "delta" else 0
-            appends.append([keys.events_key(job_id), data, expire])
+            appends.append([keys.events_key(job_id), expire])
+            events.append(data)
             if isinstance(event, FinalEvent):
-                results.append([keys.result_key(job_id), data, ttl_s])
+                results.append([keys.result_key(job_id), len(events), ttl_s])
             if channel is not None:
-                published.setdefault(channel, []).append(f"[{json.dumps(job_id)},{data}]")
-        args: list[str] = [json.dumps(appends), json.dumps(results)]
+                published.setdefault(channel, []).append(f"[{_quoted(job_id)},{data}]")
+        args: list[str] = [json.dumps(appends), json.dumps(results), str(len(events)), *events]
         for channel, items in published.items():
             args += [channel, "[" + ",".join(items) + "]"]
         self._writes = []
         await _run_script(redis, args)
 
 
-# ARGV: [[events key, event, ttl or 0], ...], [[result key, event, ttl], ...], then (channel, message) pairs.
-# Lists are appended before anything is published, so a subscriber that gets seq k can read 0..k.
+# ARGV: [[events key, ttl or 0], ...], [[result key, event's ARGV offset, ttl], ...], n, the n events, then
+# (channel, message) pairs. Lists are appended before anything is published, so a subscriber that gets seq k
+# can read 0..k. (Keys and TTLs go as JSON; the events as plain arguments, so they are not escaped twice.)
 _WRITE_SCRIPT = """
 local appends = cjson.decode(ARGV[1])
-for _, w in ipairs(appends) do
-  redis.call('RPUSH', w[1], w[2])
-  if w[3] > 0 then redis.call('EXPIRE', w[1], w[3]) end
+local first = 4
+for i, w in ipairs(appends) do
+  redis.call('RPUSH', w[1], ARGV[first + i - 1])
+  if w[2] > 0 then redis.call('EXPIRE', w[1], w[2]) end
 end
 for _, r in ipairs(cjson.decode(ARGV[2])) do
-  redis.call('SET', r[1], r[2], 'EX', r[3])
+  redis.call('SET', r[1], ARGV[first + r[2] - 1], 'EX', r[3])
 end
-for i = 3, #ARGV, 2 do
+for i = first + tonumber(ARGV[3]), #ARGV, 2 do
   redis.call('PUBLISH', ARGV[i], ARGV[i + 1])
 end
 return #appends

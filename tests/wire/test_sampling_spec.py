@@ -170,3 +170,19 @@ def test_job_meta_round_trip_and_strictness() -> None:
         JobMeta.from_json('{"kind": "chat", "model": "m", "created": 1, "n": 1}')
     with pytest.raises(ValueError, match="kind"):
         JobMeta("embedding", "m", 1, 1, False)  # type: ignore[arg-type]
+
+
+def test_fast_delta_encoding_is_the_generic_json() -> None:
+    import json
+
+    from wire.messages import ChoiceDelta, DeltaEvent, decode_event, encode_event
+
+    event = DeltaEvent(7, [ChoiceDelta(0, 'a "q" \\ é\n☃', [1, 22, 333]), ChoiceDelta(2, "", [])])
+    fast = encode_event(event)
+    generic = json.dumps(
+        {"kind": "delta", "seq": 7, "choices": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                                                  "logprobs": None} for c in event.choices]},
+        separators=(",", ":"),
+    )  # fmt: skip
+    assert json.loads(fast) == json.loads(generic)
+    assert decode_event(fast) == event

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from deploy.redis_server import free_port
-from loadtest.stack_bench import StreamJob, main, stream_one
+from loadtest.stack_bench import main
+from loadtest.stream_client import StreamJob, stream_one
 
 LEVELS = [1, 4]
 OUTPUT_LEN = 8

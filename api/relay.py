@@ -162,35 +162,51 @@ class EventRelay:
             if gap:
                 pending = await self.read_events(sub.job_id, next_seq)
                 continue
-            try:
-                pending = [await asyncio.wait_for(sub.queue.get(), self.idle_poll_s)]
-            except TimeoutError:
-                pending = await self.read_events(sub.job_id, next_seq)
-                if not pending and time.monotonic() > deadline:
-                    yield ErrorEvent(next_seq, f"no result within {timeout_s:.0f} s", "timeout", "timeout", 504)
-                    return
-                continue
-            while merge and not sub.queue.empty():
-                pending.append(sub.queue.get_nowait())
+            queue, pending = sub.queue, []
+            if queue.empty():  # wait (asyncio.timeout: no task per wait, as wait_for would create)
+                try:
+                    async with asyncio.timeout(self.idle_poll_s):
+                        pending.append(await queue.get())
+                except TimeoutError:
+                    pending = await self.read_events(sub.job_id, next_seq)
+                    if not pending and time.monotonic() > deadline:
+                        yield ErrorEvent(next_seq, f"no result within {timeout_s:.0f} s", "timeout", "timeout", 504)
+                        return
+                    continue
+            while not queue.empty():  # all that queued up: merged, or yielded one by one
+                pending.append(queue.get_nowait())
 
 
 def merge_deltas(events: list[Event]) -> list[Event]:
     """Consecutive delta events as one (per choice: text, token ids and logprobs joined); others as they are."""
     merged: list[Event] = []
+    run: list[DeltaEvent] = []
     for ev in events:
-        last = merged[-1] if merged else None
-        if not isinstance(ev, DeltaEvent) or not isinstance(last, DeltaEvent):
-            merged.append(ev)
+        if isinstance(ev, DeltaEvent):
+            run.append(ev)
             continue
-        choices = {c.index: c for c in last.choices}
-        for c in ev.choices:
-            prev = choices.get(c.index)
-            if prev is None:
-                choices[c.index] = c
-                continue
-            logprobs = (
-                None if prev.logprobs is None and c.logprobs is None else (prev.logprobs or []) + (c.logprobs or [])
-            )
-            choices[c.index] = ChoiceDelta(c.index, prev.text + c.text, prev.token_ids + c.token_ids, logprobs)
-        merged[-1] = DeltaEvent(ev.seq, list(choices.values()))
+        if run:
+            merged.append(_join(run))
+            run = []
+        merged.append(ev)
+    if run:
+        merged.append(_join(run))
     return merged
+
+
+def _join(run: list[DeltaEvent]) -> DeltaEvent:
+    """One delta for several: each choice's pieces joined once (linear in the backlog, not quadratic)."""
+    if len(run) == 1:
+        return run[0]
+    pieces: dict[int, list[ChoiceDelta]] = {}
+    for ev in run:
+        for c in ev.choices:
+            pieces.setdefault(c.index, []).append(c)
+    choices = []
+    for index, cs in pieces.items():
+        if len(cs) == 1:
+            choices.append(cs[0])
+            continue
+        logprobs = None if all(c.logprobs is None for c in cs) else [lp for c in cs for lp in c.logprobs or ()]
+        choices.append(ChoiceDelta(index, "".join(c.text for c in cs), [t for c in cs for t in c.token_ids], logprobs))
+    return DeltaEvent(run[-1].seq, choices)

@@ -21,6 +21,7 @@ BENCHES = {
     "sweep": "loadtest.throughput",
     "serve": "loadtest.serve_bench",
     "stack": "loadtest.stack_bench",
+    "relay": "loadtest.relay_bench",
 }
 
 

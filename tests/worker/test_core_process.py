@@ -18,7 +18,7 @@ import zmq
 
 from engine import LLM, SamplingParams
 from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.core_messages import MAX_COMMAND_BYTES, StepOutputs
+from engine.core_messages import MAX_COMMAND_BYTES, AddRequest, StepOutputs, command_encoder
 from tests.helpers import build_tiny_model
 from wire import keys
 from worker.core_client import CoreClient
@@ -66,7 +66,8 @@ async def test_core_serves_and_shrugs_off_bad_commands(folder: Path, capfd: pyte
         rogue.send(b"\x93\xa3not a command")  # msgpack of the wrong shape
         rogue.send(b"\xff\xfe garbage")  # not msgpack at all
         rogue.send(b"\x00" * (MAX_COMMAND_BYTES + 1))
-        core.add("r1", prompt, greedy.to_dict(), 0)
+        # on the same socket, so it arrives after the bad ones (two sockets' messages may interleave)
+        rogue.send(command_encoder.encode(AddRequest("r1", prompt, greedy.to_dict(), 0)))
         tokens, finish, messages = await _collect(core, "r1")
         assert tokens == expected and finish == "length"
         assert all(m.errors == [] for m in messages)

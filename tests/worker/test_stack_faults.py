@@ -129,7 +129,8 @@ def test_256_concurrent_seeded_streams_equal_their_non_streamed_answers(
         ]  # fmt: skip
 
         async def run() -> tuple[list[Any], list[Any]]:
-            limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+            # idle connections expire before uvicorn's 5 s keep-alive closes them (reusing one it is closing fails)
+            limits = httpx.Limits(max_connections=300, max_keepalive_connections=300, keepalive_expiry=1.0)
             async with httpx.AsyncClient(base_url=api.url, limits=limits, timeout=300) as client:
                 streamed = await asyncio.gather(*(_stream(client, b) for b in bodies))
                 whole = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))

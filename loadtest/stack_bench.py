@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 
 import modelfiles
+from engine.args import EngineArgs
 from loadtest.stack_profile import StackProfiler
 from loadtest.stream_client import ClientPool, Record, StreamJob, finish_record
 
@@ -88,27 +89,29 @@ def summarize(level: int, records: list[Record], walls_s: list[float]) -> dict[s
 
 
 # ---- the engine alone (run in a subprocess: python -m loadtest.stack_bench --engine-only ...) ----------------
-def build_engine(args: argparse.Namespace) -> Any:
-    """The engine with the flags the stack's worker gets (as loadtest.throughput.build_engine builds it)."""
-    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from engine.engine import Engine
-
-    config = EngineConfig(
-        model=ModelConfig(
-            model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, load_format=args.load_format
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            cpu_kv_cache_gib=args.cpu_kv_cache_gib,
-            enable_prefix_caching=args.enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+def engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The one engine configuration both sides get: the reference builds it, the stack's worker gets its argv."""
+    return EngineArgs(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        load_format=args.load_format,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_kv_cache_gib=args.cpu_kv_cache_gib,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         device=args.device,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
     )
-    return Engine(config)
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    from engine.engine import Engine
+
+    return Engine(engine_args(args).create_engine_config())
 
 
 def _num_resolved(token_ids: list[int]) -> int:
@@ -218,18 +221,6 @@ def stack_levels(
 
 
 # ---- the stack: pagedserve serve as a subprocess ----------------------------------------------------------
-def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The engine flags of ``pagedserve serve`` (vLLM's names), the same values the reference engine gets."""
-    flags = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--block-size", str(args.block_size)]
-    flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--load-format", args.load_format]
-    flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization), "--device", args.device]
-    flags += ["--cpu-kv-cache-gib", str(args.cpu_kv_cache_gib)]
-    flags += ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
-    flags += [] if args.enable_prefix_caching else ["--no-enable-prefix-caching"]
-    flags += ["--enforce-eager"] if args.enforce_eager else []
-    return flags + (["--async-scheduling"] if args.async_scheduling else [])
-
-
 def _tail(path: Path, num_chars: int = 4000) -> str:
     return path.read_text(errors="replace")[-num_chars:] if path.exists() else ""
 
@@ -271,8 +262,7 @@ def run_stack(args: argparse.Namespace, vocab_size: int, log: Path) -> dict[str,
 
     port = free_port()
     argv = [sys.executable, "-m", "deploy.cli", "serve", "--port", str(port), "--log-level", args.log_level]
-    argv += ["--api-workers", str(args.api_workers), "--drain-timeout-s", "30", *engine_flags(args)]
-    argv += ["--model", args.model] if args.model else []
+    argv += ["--api-workers", str(args.api_workers), "--drain-timeout-s", "30", *engine_args(args).to_argv()]
     argv += shlex.split(args.serve_args)
     res: dict[str, Any] = {"command": " ".join(["python", *argv[1:]]), "log": str(log)}
     t0 = time.perf_counter()

@@ -3,6 +3,7 @@ that takes jobs only while there is room, a graceful drain on SIGTERM."""
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -25,7 +26,7 @@ from worker.settings import WorkerSettings
 logger = logging.getLogger(__name__)
 
 
-class WorkerNode:
+class WorkerNode(abc.ABC):
     """Liveness and job intake of one worker; subclasses give ``generate`` (the job), ``pump`` and stats."""
 
     metrics: WorkerMetrics
@@ -43,14 +44,17 @@ class WorkerNode:
         self.draining = False
         self._arq: Worker | None = None
 
+    @abc.abstractmethod
     async def generate(self, ctx: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError
+        """The arq job function."""
 
+    @abc.abstractmethod
     async def pump(self) -> None:
-        raise NotImplementedError
+        """Runs for the worker's life beside arq (the engine's outputs to Redis)."""
 
+    @abc.abstractmethod
     def core_stats(self) -> CoreStats:
-        raise NotImplementedError
+        """The engine's latest stats, for the heartbeat."""
 
     # -- heartbeat ----------------------------------------------------------------------------------------
     def heartbeat(self) -> WorkerHeartbeat:

@@ -31,14 +31,16 @@ LEASE_S = 3.0
 MAX_TOKENS = 48
 
 
-def _start_worker(redis_url: str, worker_id: str) -> subprocess.Popen[bytes]:
+def start_worker(redis_url: str, worker_id: str, *extra: str) -> subprocess.Popen[bytes]:
+    """``pagedserve worker`` on the CPU with the default model (``extra`` flags win), short job lease."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-m", "deploy.cli", "worker", "--redis-url", redis_url, "--device", "cpu"]
     argv += ["--max-num-seqs", "8", "--worker-id", worker_id, "--job-lease-s", str(LEASE_S)]
-    return subprocess.Popen([*argv, "--log-level", "warning"], env=env, cwd=ROOT)
+    return subprocess.Popen([*argv, "--log-level", "warning", *extra], env=env, cwd=ROOT)
 
 
-def _wait_ready(api: ServerThread, workers: int, proc: subprocess.Popen[bytes]) -> None:
+def wait_ready(api: ServerThread, workers: int, proc: subprocess.Popen[bytes]) -> None:
+    """Until /ready counts ``workers`` live workers (``proc`` must stay up meanwhile)."""
     deadline = time.monotonic() + 180
     while httpx.get(api.url + "/ready").json().get("workers") != workers:
         assert proc.poll() is None, "the worker died at start"
@@ -88,10 +90,10 @@ def test_killed_worker_jobs_are_continued_rerun_or_failed_clearly(api: ServerThr
     base = {"model": MODEL, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     greedy = {**base, "prompt": "Tell me a story about a dragon.", "temperature": 0.0}
     sampled = {**base, "prompt": "Write a poem about the sea.", "temperature": 1.0}
-    worker_a = _start_worker(redis_url, "failover-a")
+    worker_a = start_worker(redis_url, "failover-a")
     worker_b: subprocess.Popen[bytes] | None = None
     try:
-        _wait_ready(api, 1, worker_a)
+        wait_ready(api, 1, worker_a)
         greedy_stream = StreamReader(api.url, {**greedy, "stream": True, "stream_options": {"include_usage": True}})
         sampled_stream = StreamReader(api.url, {**sampled, "stream": True})
         non_stream: dict[str, Any] = {}
@@ -108,7 +110,7 @@ def test_killed_worker_jobs_are_continued_rerun_or_failed_clearly(api: ServerThr
         worker_a.kill()
         worker_a.wait()
         killed_at = time.monotonic()
-        worker_b = _start_worker(redis_url, "failover-b")
+        worker_b = start_worker(redis_url, "failover-b")
         for name, t in (("greedy stream", greedy_stream), ("sampled stream", sampled_stream), ("post", poster)):
             t.join(150)
             assert not t.is_alive(), f"the {name} hangs after its worker died"

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,27 +23,11 @@ import pytest
 
 from deploy.redis_server import RedisServer
 from tests.api.conftest import MODEL, ServerThread, start_api
-from tests.api.test_failover import StreamReader
+from tests.api.test_failover import StreamReader, start_worker, wait_ready
 from tests.helpers import build_tiny_model
 from worker.front import EXIT_CORE_DIED
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _start_worker(redis_url: str, worker_id: str, *extra: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, "-m", "deploy.cli", "worker", "--redis-url", redis_url, "--device", "cpu"]
-    argv += ["--worker-id", worker_id, "--job-lease-s", "3", "--log-level", "warning", *extra]
-    return subprocess.Popen(argv, env=env, cwd=ROOT)
-
-
-def _wait_workers(api: ServerThread, count: int, procs: list[subprocess.Popen[bytes]]) -> None:
-    deadline = time.monotonic() + 180
-    while httpx.get(api.url + "/ready").json().get("workers") != count:
-        assert all(p.poll() is None for p in procs), "a worker died at start"
-        assert time.monotonic() < deadline, "the workers did not become ready"
-        time.sleep(0.2)
 
 
 @pytest.fixture
@@ -60,10 +42,10 @@ def test_killed_engine_core_takes_its_worker_down_and_streams_continue_elsewhere
 ) -> None:
     prompts = ["Tell me a story about a dragon.", "Describe a city at night.", "Explain how rain forms."]
     bodies = [{"model": MODEL, "prompt": p, "max_tokens": 48, "ignore_eos": True, "temperature": 0.0} for p in prompts]
-    worker_a = _start_worker(redis_url, "core-dies-a", "--max-num-seqs", "8")
+    worker_a = start_worker(redis_url, "core-dies-a")
     worker_b: subprocess.Popen[bytes] | None = None
     try:
-        _wait_workers(api, 1, [worker_a])
+        wait_ready(api, 1, worker_a)
         readers = [StreamReader(api.url, {**b, "stream": True}) for b in bodies]
         for r in readers:
             r.start()
@@ -74,7 +56,7 @@ def test_killed_engine_core_takes_its_worker_down_and_streams_continue_elsewhere
         killed_at = time.monotonic()
         assert worker_a.wait(10) == EXIT_CORE_DIED
         assert time.monotonic() - killed_at < 2.0, "the front took too long to notice its engine core died"
-        worker_b = _start_worker(redis_url, "core-dies-b", "--max-num-seqs", "8")
+        worker_b = start_worker(redis_url, "core-dies-b")
         for r in readers:
             r.join(150)
             assert not r.is_alive(), "a stream hangs after its engine core died"
@@ -118,9 +100,9 @@ def test_256_concurrent_seeded_streams_equal_their_non_streamed_answers(
 ) -> None:
     folder = build_tiny_model(tmp_path / "tiny", "llama", seed=11)
     api = start_api(redis_server, model=str(folder), response_cache=False, max_queue_depth=4096)
-    worker = _start_worker(redis_url, "many-streams", "--model", str(folder), "--max-num-seqs", "256")
+    worker = start_worker(redis_url, "many-streams", "--model", str(folder), "--max-num-seqs", "256")
     try:
-        _wait_workers(api, 1, [worker])
+        wait_ready(api, 1, worker)
         max_tokens = 24
         bodies = [
             {"model": folder.name, "prompt": f"stream {i}:", "max_tokens": max_tokens, "temperature": 1.0,

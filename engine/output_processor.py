@@ -18,7 +18,7 @@ from engine.request import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ChoiceUpdate:
     """What one of a request's samples got in one step."""
 
@@ -88,7 +88,7 @@ class OutputProcessor:
 
     def process(self, outputs: list[SeqOutput]) -> ProcessedStep:
         step = ProcessedStep()
-        touched: dict[str, None] = {}
+        ended: dict[str, None] = {}  # requests a sample of which ended in this step
         for out in outputs:
             state = self._requests.get(out.request_id)
             if state is None or out.index >= len(state.samples):
@@ -99,38 +99,52 @@ class OutputProcessor:
             if out.num_cached_tokens and out.index == 0:
                 state.num_cached_tokens = out.num_cached_tokens
             update = self._advance(out, sample)
-            if update.finish_reason is not None and out.finish_reason is None:
-                step.aborts.append((out.request_id, out.index))
+            if update.finish_reason is not None:
+                ended[out.request_id] = None
+                if out.finish_reason is None:
+                    step.aborts.append((out.request_id, out.index))
             step.updates.append(update)
-            touched[out.request_id] = None
-        step.finished = [rid for rid in touched if all(s.finish_reason for s in self._requests[rid].samples)]
+        step.finished = [rid for rid in ended if all(s.finish_reason for s in self._requests[rid].samples)]
         return step
 
     @staticmethod
     def _advance(out: SeqOutput, sample: _Sample) -> ChoiceUpdate:
-        """Take the sample's new tokens one at a time (a stop string may end it at any of them)."""
-        new_ids: list[int] = []
-        for k, token_id in enumerate(out.new_token_ids):
-            new_ids.append(token_id)
+        """Take the sample's new tokens (one at a time if a stop string may end it at any of them)."""
+        detok = sample.detok
+        if detok is not None and detok.stop_strings:
+            new_ids = OutputProcessor._add_watching_stops(out, sample, detok)
+        else:  # the hot path: no stop strings, so every token is taken
+            new_ids = out.new_token_ids
+            if detok is not None:
+                detok.add_tokens(new_ids)
             if sample.logprobs is not None and out.new_logprobs is not None:
-                sample.logprobs.append(out.new_logprobs[k])
-            stop = sample.detok.add_tokens([token_id]) if sample.detok is not None else None
-            if stop is not None:
-                last = k == len(out.new_token_ids) - 1
-                if last and out.finish_reason is not None:  # the core ended it at this token anyway: its reason
-                    break
-                sample.finish_reason, sample.stop_reason = "stop", stop
-                break
+                sample.logprobs.extend(out.new_logprobs)
         sample.token_ids.extend(new_ids)
         if sample.finish_reason is None and out.finish_reason is not None:
             sample.finish(out.finish_reason, out.stop_reason)
-        text = sample.detok.take_new_text() if sample.detok is not None else ""
+        text = detok.take_new_text() if detok is not None else ""
         logprobs = None
         if sample.logprobs is not None:
             logprobs = sample.logprobs[len(sample.logprobs) - len(new_ids) :] if new_ids else []
         return ChoiceUpdate(
             out.request_id, out.index, text, new_ids, logprobs, sample.finish_reason, sample.stop_reason
         )
+
+    @staticmethod
+    def _add_watching_stops(out: SeqOutput, sample: _Sample, detok: IncrementalDetokenizer) -> list[int]:
+        """The new tokens up to and including the one that completes a stop string (which ends the sample)."""
+        new_ids: list[int] = []
+        for k, token_id in enumerate(out.new_token_ids):
+            new_ids.append(token_id)
+            if sample.logprobs is not None and out.new_logprobs is not None:
+                sample.logprobs.append(out.new_logprobs[k])
+            stop = detok.add_tokens([token_id])
+            if stop is not None:
+                last = k == len(out.new_token_ids) - 1
+                if not (last and out.finish_reason is not None):  # else the core ended it here anyway: its reason
+                    sample.finish_reason, sample.stop_reason = "stop", stop
+                break
+        return new_ids
 
     def output(self, request_id: str) -> RequestOutput:
         """The request's cumulative output (text and tokens so far; ``finished`` once every sample ended)."""

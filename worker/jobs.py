@@ -67,14 +67,20 @@ class ActiveJob:
 
     def take(self, update: ChoiceUpdate) -> None:
         """Add one sample's new output; raises ``DivergedError`` if a rerun contradicts what was sent."""
-        c = self.choices.setdefault(update.index, _Choice())
-        self.prior.check(update.index, c.num_tokens, update.token_ids, update.finish_reason is not None)
-        skip_tokens = max(0, c.sent_tokens - c.num_tokens)
-        new_ids = update.token_ids[skip_tokens:]
+        c = self.choices.get(update.index)
+        if c is None:
+            c = self.choices[update.index] = _Choice()
+        if self.prior.tokens or self.prior.chars:  # a rerun: check it, and skip what the client already has
+            self.prior.check(update.index, c.num_tokens, update.token_ids, update.finish_reason is not None)
+            skip_tokens = max(0, c.sent_tokens - c.num_tokens)
+            new_ids = update.token_ids[skip_tokens:]
+            new_text = update.text[max(0, c.sent_chars - c.num_chars) :]
+        else:
+            skip_tokens, new_ids, new_text = 0, update.token_ids, update.text
         c.token_ids += new_ids
         if update.logprobs is not None:
             c.logprobs += update.logprobs[skip_tokens:]
-        c.text += update.text[max(0, c.sent_chars - c.num_chars) :]
+        c.text += new_text
         c.num_tokens += len(update.token_ids)
         c.num_chars += len(update.text)
         self.num_unflushed_tokens += len(new_ids)
@@ -90,7 +96,7 @@ class ActiveJob:
     def delta(self) -> DeltaEvent | None:
         """The pending deltas as the next event (None if there is nothing new); numbers it."""
         deltas = []
-        for index in sorted(self.choices):
+        for index in sorted(self.choices) if len(self.choices) > 1 else self.choices:
             c = self.choices[index]
             if not c.text and not c.token_ids:
                 continue

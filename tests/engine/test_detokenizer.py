@@ -7,6 +7,7 @@ import random
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+import engine.detokenizer
 import modelfiles
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
@@ -16,6 +17,14 @@ from engine.sampling_params import SamplingParams
 def tokenizer() -> PreTrainedTokenizerBase:
     files = modelfiles.resolve(None)
     return AutoTokenizer.from_pretrained(files.folder)
+
+
+@pytest.fixture(autouse=True, params=["decode_stream", "window"])
+def decoding(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on both paths: the tokenizers library's DecodeStream, and the Python window fallback."""
+    if request.param == "window":
+        monkeypatch.setattr(engine.detokenizer, "DecodeStream", None)
+    return str(request.param)
 
 
 def stream(
@@ -165,10 +174,11 @@ def test_finish_releases_held_tail(tokenizer: PreTrainedTokenizerBase) -> None:
     assert detok.output_text == "header ##" and detok.stop_reason is None
 
 
-def test_work_per_call_is_bounded(tokenizer: PreTrainedTokenizerBase) -> None:
+def test_work_per_call_is_bounded(tokenizer: PreTrainedTokenizerBase, decoding: str) -> None:
     """Each call decodes a small window, not the whole output so far."""
     decoded_lengths: list[int] = []
     detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    assert (detok._stream is not None) == (decoding == "decode_stream")
     real_decode = detok._decode
 
     def counting_decode(token_ids: list[int]) -> str:
@@ -179,5 +189,6 @@ def test_work_per_call_is_bounded(tokenizer: PreTrainedTokenizerBase) -> None:
     text = "word " * 400
     for token in tokenizer.encode(text):
         detok.add_tokens([token])
+        decoded_lengths.append(detok._read_offset - detok._prefix_offset)  # the window the stream tracks
     assert max(decoded_lengths) <= 3
     assert detok.output_text == tokenizer.decode(tokenizer.encode(text))

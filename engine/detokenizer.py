@@ -22,12 +22,8 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
-
-try:
-    from tokenizers.decoders import DecodeStream
-except ImportError:  # tokenizers < 0.21
-    DecodeStream = None
 
 from engine.sampling_params import SamplingParams
 
@@ -35,6 +31,7 @@ from engine.sampling_params import SamplingParams
 # a sentencepiece or byte-level decoder to see that the first output token is not at text start.
 _NUM_PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+USE_DECODE_STREAM = True  # False: the window decodes in Python (what a slow tokenizer gets; tests check both)
 
 
 class IncrementalDetokenizer:
@@ -62,7 +59,7 @@ class IncrementalDetokenizer:
         self._num_visible_chars = 0  # _text[:this] is output_text
         self._num_taken_chars = 0  # for take_new_text()
         self._stream: Any = None
-        if self._backend is not None and DecodeStream is not None:
+        if self._backend is not None and USE_DECODE_STREAM:
             self._stream = DecodeStream(context, skip_special_tokens=self.skip_special_tokens)
 
     @property

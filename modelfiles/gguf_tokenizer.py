@@ -1,0 +1,179 @@
+"""A GGUF's tokenizer rebuilt with the ``tokenizers`` library, without torch.
+
+A GGUF has no ``tokenizer.json``: it stores the vocabulary, merges, token types and special token ids as
+metadata under llama.cpp's key names. This builds the same fast tokenizer that transformers' GGUF reader
+builds (byte-level BPE: GPT-2, SmolLM, Llama 3, Qwen2...), which the tests check token for token, but
+transformers' reader imports torch and API nodes have none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+# llama.cpp's token types (tokenizer.ggml.token_type)
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# transformers' GPT-2 class makes this its default BOS/EOS/UNK and so a special token
+GPT2_DEFAULT_SPECIAL = "<|endoftext|>"
+# Tokenizer models (tokenizer.ggml.model) this module builds; others go through transformers (with torch).
+SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> the split regex its merges were learned with (llama.cpp's names). Any other name
+# ("smollm", "gpt-2", "default", ...) gets byte-level's own GPT-2 regex.
+PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(
+        ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"],
+        _LLAMA3_SPLIT,
+    ),
+    **dict.fromkeys(["dbrx", "smaug-bpe"], _LLAMA3_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], _GPT4O_SPLIT),
+}
+
+_SPECIAL_TOKEN_IDS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+
+
+@dataclass(frozen=True)
+class GgufTokenizer:
+    """The fast tokenizer and the ``tokenizer_config`` entries (special tokens, chat template, BOS/EOS flags)."""
+
+    tokenizer: Tokenizer
+    config: dict[str, Any]
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, in which byte-level vocabularies are spelled."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def tokenizer_model(metadata: dict[str, Any]) -> str | None:
+    model = metadata.get("tokenizer.ggml.model")
+    return str(model) if model is not None else None
+
+
+def build_gguf_tokenizer(metadata: dict[str, Any]) -> GgufTokenizer:
+    """The tokenizer a GGUF's metadata describes (``metadata``: every key with its full value)."""
+    model = tokenizer_model(metadata)
+    if model not in SUPPORTED_TOKENIZER_MODELS:
+        raise ValueError(
+            f"GGUF tokenizer model {model!r} is not supported here (supported: {SUPPORTED_TOKENIZER_MODELS})"
+        )
+    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+    token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or ())
+    tokenizer = _byte_level_bpe(tokens, metadata)
+    _add_special_tokens(tokenizer, tokens, token_types)
+    split = PRE_TOKENIZER_SPLITS.get(str(metadata.get("tokenizer.ggml.pre")))
+    if split is not None:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    return GgufTokenizer(tokenizer, tokenizer_config(metadata, tokens))
+
+
+def tokenizer_config(metadata: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
+    """Special tokens by text (None where the file names none), the chat template and BOS/EOS flags."""
+    config: dict[str, Any] = {}
+    if "tokenizer.chat_template" in metadata:
+        config["chat_template"] = str(metadata["tokenizer.chat_template"])
+    for flag in ("add_bos_token", "add_eos_token"):
+        if f"tokenizer.ggml.{flag}" in metadata:
+            config[flag] = bool(metadata[f"tokenizer.ggml.{flag}"])
+    for name, key in _SPECIAL_TOKEN_IDS.items():
+        token_id = metadata.get(key)
+        config[name] = tokens[int(token_id)] if token_id is not None else None
+    return config
+
+
+def _byte_level_bpe(tokens: list[str], metadata: dict[str, Any]) -> Tokenizer:
+    """Byte-level BPE. A token the file spells outside the byte alphabet (llama.cpp writes some added tokens
+    as plain text) is respelled byte by byte, so that it is found."""
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {
+        token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
+        for index, token in enumerate(tokens)
+    }
+    if "tokenizer.ggml.merges" not in metadata:
+        raise ValueError("this byte-level GGUF has no tokenizer.ggml.merges")
+    merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=merges,
+        dropout=None,
+        continuing_subword_prefix="",
+        end_of_word_suffix="",
+        fuse_unk=False,
+    )
+    tokenizer = Tokenizer(bpe)
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _add_special_tokens(tokenizer: Tokenizer, tokens: list[str], token_types: list[int]) -> None:
+    """Control tokens (``<|im_end|>``) become special added tokens, user-defined ones (``<think>``) plain added
+    tokens, so that both stay whole. A control token spelled outside the byte alphabet is a llama.cpp mislabel:
+    adding it would grow the vocabulary past the model's, so it is skipped (as transformers does)."""
+    alphabet = set(bytes_to_unicode().values())
+    control = [
+        AddedToken(token, normalized=False, special=True)
+        for token, token_type in zip(tokens, token_types, strict=False)
+        if token_type == TOKEN_TYPE_CONTROL and set(token) <= alphabet
+    ]
+    if control:
+        tokenizer.add_special_tokens(control)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    # transformers registers GPT-2's default special token too: where the vocabulary has it, it is kept whole
+    # here as well; where it has not, transformers appends it past the model's vocabulary (an id with no
+    # embedding), which is not copied.
+    if GPT2_DEFAULT_SPECIAL in vocab and GPT2_DEFAULT_SPECIAL not in {t.content for t in control}:
+        tokenizer.add_special_tokens([AddedToken(GPT2_DEFAULT_SPECIAL, normalized=False, special=True)])
+    user_defined = [
+        AddedToken(token, normalized=False, special=False)
+        for token, token_type in zip(tokens, token_types, strict=False)
+        if token_type == TOKEN_TYPE_USER_DEFINED and token in vocab
+    ]
+    if user_defined:
+        tokenizer.add_tokens(user_defined)

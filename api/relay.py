@@ -6,6 +6,11 @@ Jobs this process enqueued for its own OpenAI responses name its ``reply_channel
 message per engine step there, holding the events of all such jobs, so no per-job subscription (and no
 round trip before enqueueing) is needed. Jobs that any API process may follow (/v1/jobs EventSource) use
 their own channel, subscribed on demand.
+
+Redis outages: the pub/sub connection reconnects (and resubscribes) with a backoff, and readers read the
+events lists as usual once Redis answers again. A reader that cannot read them for ``outage_s`` ends with a
+``redis_unavailable`` error event, and one whose job Redis came back without (or whose events it lost) with
+``job_lost``: a stream is never cut silently, nor left waiting for events that will not come.
 """
 
 from __future__ import annotations
@@ -40,13 +45,15 @@ class EventRelay:
     """Owns the process's pub/sub connection. ``subscribe`` returns once Redis confirmed the subscription,
     so a job enqueued afterwards cannot publish before we listen."""
 
-    def __init__(self, redis: Redis, idle_poll_s: float = 1.0) -> None:
+    def __init__(self, redis: Redis, idle_poll_s: float = 1.0, outage_s: float = 30.0) -> None:
         self._redis = redis
         self._pubsub: PubSub | None = None
         self._task: asyncio.Task[None] | None = None
         self._subs: dict[str, set[Subscription]] = {}  # job id -> its readers in this process
         self._confirmed: dict[bytes, asyncio.Event] = {}
         self.idle_poll_s = idle_poll_s
+        self.outage_s = outage_s  # a reader gives up after Redis has not answered it this long
+        self.num_outages = 0  # times the pub/sub connection was lost: readers then check that their job survived
         self.reply_channel = f"{keys.PREFIX}:reply:{uuid.uuid4().hex}"
         self.num_events = 0  # events routed (all jobs)
 
@@ -66,6 +73,7 @@ class EventRelay:
 
     async def _reader(self) -> None:
         assert self._pubsub is not None
+        delay = 0.0
         while True:
             try:
                 msg = await self._pubsub.get_message(timeout=1.0)
@@ -73,9 +81,15 @@ class EventRelay:
                 raise
             except (RedisError, OSError) as exc:
                 # readers fall back to polling the events lists until the connection is back
-                logger.warning("pub/sub connection lost (%s); retrying", exc)
-                await asyncio.sleep(0.5)
+                if delay == 0.0:
+                    self.num_outages += 1
+                    logger.warning("pub/sub connection lost (%s); reconnecting", exc)
+                delay = min(2.0, max(0.05, 2 * delay))
+                await asyncio.sleep(delay)
                 continue
+            if delay:
+                logger.warning("pub/sub connection back")
+                delay = 0.0
             if msg is None:
                 continue
             channel = msg["channel"]
@@ -128,6 +142,30 @@ class EventRelay:
         raw = await self._redis.lrange(keys.events_key(job_id), from_seq, -1)  # type: ignore[misc]
         return [decode_event(r) for r in raw]
 
+    async def _read_or_error(self, job_id: str, from_seq: int, check_job: bool = False) -> list[Event]:
+        """``read_events``, retried with a backoff while Redis does not answer; an error event (numbered
+        ``from_seq``) instead when it stays away ``outage_s``, or comes back without the job."""
+        failed_at: float | None = None
+        delay = 0.05
+        while True:
+            try:
+                events = await self.read_events(job_id, from_seq)
+                if (failed_at is not None or check_job) and not events and not await self._job_exists(job_id):
+                    return [_lost(from_seq, "Redis restarted without it")]
+                return events
+            except (RedisError, OSError) as exc:
+                now = time.monotonic()
+                failed_at = failed_at or now
+                if now - failed_at >= self.outage_s:
+                    message = f"the job queue (Redis) has been unavailable for {self.outage_s:.0f} s ({exc}); retry"
+                    return [ErrorEvent(from_seq, message, "service_unavailable", "redis_unavailable", 503)]
+                await asyncio.sleep(delay)
+                delay = min(1.0, 2 * delay)
+
+    async def _job_exists(self, job_id: str) -> bool:
+        """Queued or running (arq's job key) or with events: anything else was lost with Redis' data."""
+        return bool(await self._redis.exists(keys.ARQ_JOB_PREFIX + job_id, keys.events_key(job_id)))
+
     async def events(
         self,
         sub: Subscription,
@@ -141,7 +179,8 @@ class EventRelay:
         larger chunks instead of falling further behind); their seq is the last one's."""
         next_seq = from_seq
         deadline = time.monotonic() + timeout_s
-        pending: list[Event] = await self.read_events(sub.job_id, next_seq) if catch_up else []
+        pending: list[Event] = await self._read_or_error(sub.job_id, next_seq) if catch_up else []
+        num_outages = self.num_outages
         while True:
             ready: list[Event] = []
             gap = False
@@ -160,7 +199,9 @@ class EventRelay:
             if ready and ready[-1].kind != "delta":
                 return
             if gap:
-                pending = await self.read_events(sub.job_id, next_seq)
+                pending = await self._read_or_error(sub.job_id, next_seq)
+                if not any(ev.seq == next_seq for ev in pending):  # the list is written first: it was lost
+                    pending = [_lost(next_seq, "Redis lost some of its events")]
                 continue
             queue, pending = sub.queue, []
             if queue.empty():  # wait (asyncio.timeout: no task per wait, as wait_for would create)
@@ -168,13 +209,18 @@ class EventRelay:
                     async with asyncio.timeout(self.idle_poll_s):
                         pending.append(await queue.get())
                 except TimeoutError:
-                    pending = await self.read_events(sub.job_id, next_seq)
+                    check_job, num_outages = num_outages != self.num_outages, self.num_outages
+                    pending = await self._read_or_error(sub.job_id, next_seq, check_job)
                     if not pending and time.monotonic() > deadline:
                         yield ErrorEvent(next_seq, f"no result within {timeout_s:.0f} s", "timeout", "timeout", 504)
                         return
                     continue
             while not queue.empty():  # all that queued up: merged, or yielded one by one
                 pending.append(queue.get_nowait())
+
+
+def _lost(seq: int, why: str) -> ErrorEvent:
+    return ErrorEvent(seq, f"the request was lost ({why}); retry it", "server_error", "job_lost", 503)
 
 
 def merge_deltas(events: list[Event]) -> list[Event]:

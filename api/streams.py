@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import RedisError
 from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 
@@ -19,6 +22,8 @@ from api.service import CompletionService, PreparedRequest
 from wire.messages import ErrorEvent, Event, FinalEvent, JobMeta, JobResult
 
 DONE = "[DONE]"
+REDIS_DOWN_MESSAGE = "the job queue (Redis) failed under this request; its outcome is unknown: retry it"
+logger = logging.getLogger(__name__)
 
 
 def _dumps(body: dict[str, Any]) -> str:
@@ -74,17 +79,23 @@ async def collect(svc: CompletionService, prep: PreparedRequest, sub: Subscripti
         raise _error_from_event(ev)
     assert isinstance(ev, FinalEvent)
     _observe_final(svc, prep, ev.result)
-    await svc.remember(prep, ev.result)
+    await _remember(svc, prep, ev.result)
     return ev.result
+
+
+@dataclass
+class _Progress:
+    finished: bool  # the job's final or error event arrived (else the job is aborted when the stream stops)
 
 
 async def job_chunks(
     svc: CompletionService, prep: PreparedRequest, sub: Subscription | None, cached: JobResult | None = None
 ) -> AsyncGenerator[dict[str, Any], None]:
-    """The chunk bodies of one job's OpenAI stream (an error body last if it fails); a job not finished when
-    the consumer stops is aborted."""
+    """The chunk bodies of one job's OpenAI stream, an error body last if it fails (also when Redis fails
+    under it, or anything else: a stream never just stops); a job not finished when the consumer stops is
+    aborted."""
     fmt = formatter_for(svc, prep)
-    finished = sub is None
+    state = _Progress(finished=sub is None)
     try:
         for chunk in fmt.start_chunks(prep.n):
             yield chunk
@@ -93,27 +104,50 @@ async def job_chunks(
                 yield chunk
             return
         assert sub is not None
-        last = None
-        async for ev in svc.relay.events(sub, timeout_s=svc.settings.request_timeout_s, merge=True):
-            now = time.monotonic()
-            if ev.kind == "delta":
-                svc.metrics.ttft.observe(now - prep.arrival) if last is None else svc.metrics.itl.observe(now - last)
-                last = now
-                for chunk in fmt.delta_chunks(ev):
-                    yield chunk
-            elif isinstance(ev, FinalEvent):
-                finished = True
-                _observe_final(svc, prep, ev.result)
-                await svc.remember(prep, ev.result)
-                for chunk in fmt.final_chunks(ev, prep.include_usage):
-                    yield chunk
-            elif isinstance(ev, ErrorEvent):
-                finished = True
-                svc.metrics.errors.labels(str(ev.status)).inc()
-                yield error_body(ev.message, ev.type, code=ev.code)
+        async for chunk in _relayed_chunks(svc, prep, sub, fmt, state):
+            yield chunk
+    except (RedisError, OSError) as exc:
+        logger.warning("stream %s: Redis failed under it (%s)", prep.request_id, exc)
+        svc.metrics.errors.labels("503").inc()
+        yield error_body(REDIS_DOWN_MESSAGE, "service_unavailable", code="redis_unavailable")
+    except Exception:
+        logger.exception("stream %s failed", prep.request_id)
+        svc.metrics.errors.labels("500").inc()
+        yield error_body("internal server error", "server_error")
     finally:
         if sub is not None:
-            svc.spawn(svc.release(sub, abort=not finished))
+            svc.spawn(svc.release(sub, abort=not state.finished))
+
+
+async def _relayed_chunks(
+    svc: CompletionService, prep: PreparedRequest, sub: Subscription, fmt: ResponseFormatter, state: _Progress
+) -> AsyncGenerator[dict[str, Any], None]:
+    last = None
+    async for ev in svc.relay.events(sub, timeout_s=svc.settings.request_timeout_s, merge=True):
+        now = time.monotonic()
+        if ev.kind == "delta":
+            svc.metrics.ttft.observe(now - prep.arrival) if last is None else svc.metrics.itl.observe(now - last)
+            last = now
+            for chunk in fmt.delta_chunks(ev):
+                yield chunk
+        elif isinstance(ev, FinalEvent):
+            state.finished = True
+            _observe_final(svc, prep, ev.result)
+            await _remember(svc, prep, ev.result)
+            for chunk in fmt.final_chunks(ev, prep.include_usage):
+                yield chunk
+        elif isinstance(ev, ErrorEvent):
+            state.finished = True
+            svc.metrics.errors.labels(str(ev.status)).inc()
+            yield error_body(ev.message, ev.type, code=ev.code)
+
+
+async def _remember(svc: CompletionService, prep: PreparedRequest, result: JobResult) -> None:
+    """Cache the answer, if Redis takes it: the client gets its answer either way."""
+    try:
+        await svc.remember(prep, result)
+    except (RedisError, OSError) as exc:
+        logger.warning("could not cache %s: %s", prep.request_id, exc)
 
 
 async def openai_stream(
@@ -157,25 +191,37 @@ async def job_event_stream(
     svc: CompletionService, job_id: str, meta: JobMeta, sub: Subscription, last_event_id: str | None
 ) -> AsyncIterator[ServerSentEvent]:
     """EventSource stream of a job. Each SSE id is ``<seq>.<chunk>``; on resume, events up to Last-Event-ID are
-    replayed into the formatter silently so the rest is sent exactly once. Leaving does not abort the job."""
-    fmt = ResponseFormatter(meta.kind, job_id, meta.model, meta.created, svc.tokenizer, meta.echo)
-    n, include_usage = meta.n, meta.include_usage
-    last_seq, last_chunk = parse_last_event_id(last_event_id)
+    replayed into the formatter silently so the rest is sent exactly once. Leaving does not abort the job. If
+    Redis fails under it, an error event (no id: resuming later may still work) and ``[DONE]`` end it."""
     try:
-        history = await svc.relay.read_events(job_id, 0)
-        replay = [ev for ev in history if ev.seq <= last_seq]
-        for ev in replay:
-            chunks = _event_chunks(fmt, ev, n, include_usage)
-            if ev.seq == last_seq:
-                for j, data in enumerate(chunks[last_chunk + 1 :], start=last_chunk + 1):
-                    yield ServerSentEvent(data, id=f"{ev.seq}.{j}")
-            if ev.kind != "delta":
-                yield ServerSentEvent(DONE)
-                return
-        events = svc.relay.events(sub, from_seq=last_seq + 1, timeout_s=svc.settings.request_timeout_s, catch_up=True)
-        async for ev in events:
-            for j, data in enumerate(_event_chunks(fmt, ev, n, include_usage)):
-                yield ServerSentEvent(data, id=f"{ev.seq}.{j}")
+        async for event in _job_events(svc, job_id, meta, sub, last_event_id):
+            yield event
+    except (RedisError, OSError) as exc:
+        logger.warning("job events %s: Redis failed under the stream (%s)", job_id, exc)
+        yield ServerSentEvent(_dumps(error_body(REDIS_DOWN_MESSAGE, "service_unavailable", code="redis_unavailable")))
         yield ServerSentEvent(DONE)
     finally:
         svc.spawn(svc.relay.unsubscribe(sub))
+
+
+async def _job_events(
+    svc: CompletionService, job_id: str, meta: JobMeta, sub: Subscription, last_event_id: str | None
+) -> AsyncIterator[ServerSentEvent]:
+    fmt = ResponseFormatter(meta.kind, job_id, meta.model, meta.created, svc.tokenizer, meta.echo)
+    n, include_usage = meta.n, meta.include_usage
+    last_seq, last_chunk = parse_last_event_id(last_event_id)
+    history = await svc.relay.read_events(job_id, 0)
+    replay = [ev for ev in history if ev.seq <= last_seq]
+    for ev in replay:
+        chunks = _event_chunks(fmt, ev, n, include_usage)
+        if ev.seq == last_seq:
+            for j, data in enumerate(chunks[last_chunk + 1 :], start=last_chunk + 1):
+                yield ServerSentEvent(data, id=f"{ev.seq}.{j}")
+        if ev.kind != "delta":
+            yield ServerSentEvent(DONE)
+            return
+    events = svc.relay.events(sub, from_seq=last_seq + 1, timeout_s=svc.settings.request_timeout_s, catch_up=True)
+    async for ev in events:
+        for j, data in enumerate(_event_chunks(fmt, ev, n, include_usage)):
+            yield ServerSentEvent(data, id=f"{ev.seq}.{j}")
+    yield ServerSentEvent(DONE)

@@ -45,6 +45,13 @@ def _add_api_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout-s", type=float, default=600.0)
     g.add_argument("--response-cache", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--response-cache-ttl-s", type=int, default=3600)
+    g.add_argument("--shared-response-cache", action="store_true", help="one response cache for all API keys")
+    g.add_argument(
+        "--queue-without-workers-s",
+        type=float,
+        default=0.0,
+        help="with no live worker, still queue requests this long (0: 503 at once; inf: always queue)",
+    )
     g.add_argument("--max-body-bytes", type=int, default=1 << 20)
     g.add_argument("--otel-exporter", default="none", help="none | console | otlp")
 
@@ -71,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="Redis (private unless --redis-url), the API and worker(s), supervised")
     _add_common(serve, None)
     serve.add_argument("--workers", type=int, default=1, help="worker processes (one engine each)")
+    serve.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="a process (worker, API, private Redis) that dies is restarted; more exits than this within "
+        "--restart-window-s and serve stops everything and exits non-zero",
+    )
+    serve.add_argument("--restart-window-s", type=float, default=300.0, help="see --max-restarts")
     _add_api_args(serve)
     _add_worker_args(serve)
     EngineArgs.add_cli_args(serve, with_model=False)  # --model is in _add_common
@@ -105,6 +120,8 @@ def api_env(args: argparse.Namespace) -> dict[str, str]:
         "request_timeout_s": args.request_timeout_s,
         "response_cache": args.response_cache,
         "response_cache_ttl_s": args.response_cache_ttl_s,
+        "shared_response_cache": args.shared_response_cache,
+        "queue_without_workers_s": args.queue_without_workers_s,
         "max_body_bytes": args.max_body_bytes,
         "otel_exporter": args.otel_exporter,
     }

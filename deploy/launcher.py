@@ -1,56 +1,28 @@
 """``pagedserve serve``: one machine, three kinds of process — a private redis-server (unless --redis-url),
-the API (uvicorn) and N engine workers — started, watched and stopped together (Ctrl-C / SIGTERM)."""
+the API (uvicorn) and N engine workers — started and stopped together (Ctrl-C / SIGTERM), and supervised:
+one that dies is restarted with a backoff while the rest go on serving (``deploy.supervisor``).
+
+The private Redis keeps an append-only file, so a restarted one still has the queue and the jobs' events;
+the API and the workers reconnect to it on their own."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from types import FrameType
 
 import modelfiles
 from deploy.redis_server import RedisServer
+from deploy.supervisor import GaveUpError, RestartPolicy, Supervisor, popen_in_own_group
 from engine.args import EngineArgs
 
 logger = logging.getLogger("pagedserve.launcher")
-
-
-@dataclass
-class Supervisor:
-    """Child processes by name; if one dies the others are stopped too (a half-up server is worse than none)."""
-
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    stopping: bool = False
-
-    def start(self, name: str, argv: list[str]) -> None:
-        logger.info("starting %s", name)
-        # own process group: a terminal Ctrl-C reaches only the launcher, which forwards one SIGTERM
-        self.procs[name] = subprocess.Popen(argv, start_new_session=True)
-
-    def failed(self) -> str | None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                return f"{name} exited with status {proc.returncode}"
-        return None
-
-    def stop(self, timeout_s: float) -> None:
-        """SIGTERM all (workers finish running jobs), then SIGKILL whatever is left after ``timeout_s``."""
-        self.stopping = True
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for name, proc in self.procs.items():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in time: killing it", name)
-                proc.kill()
-                proc.wait()
 
 
 def _cli(*args: str) -> list[str]:
@@ -122,17 +94,37 @@ def _worker_argv(args: argparse.Namespace, redis_url: str, index: int) -> list[s
     return argv
 
 
+def _redis_spawner(redis: RedisServer) -> Callable[[], subprocess.Popen[bytes]]:
+    def spawn() -> subprocess.Popen[bytes]:
+        redis.start()  # waits until it answers (after replaying its append-only file)
+        assert redis.proc is not None
+        return redis.proc
+
+    return spawn
+
+
+def _start_all(sup: Supervisor, args: argparse.Namespace, redis: RedisServer | None) -> str:
+    """Redis (tier 0: stopped last, the workers drain through it), the workers, the API; returns Redis' URL."""
+    if redis is not None:
+        sup.add("redis", _redis_spawner(redis), tier=0)
+        logger.info("private redis-server on %s (append-only file in its folder)", redis.url)
+    redis_url = args.redis_url or (redis.url if redis else "")
+    for i in range(args.workers):
+        argv = _worker_argv(args, redis_url, i)
+        sup.add(f"worker-{i}", functools.partial(popen_in_own_group, argv))
+    sup.add("api", functools.partial(popen_in_own_group, _api_argv(args, redis_url)))
+    return redis_url
+
+
 def serve(args: argparse.Namespace) -> int:
     if args.workers < 0:
         raise ValueError(f"--workers must be >= 0, got {args.workers}")
+    policy = RestartPolicy(args.max_restarts, args.restart_window_s)
     # resolve once up front: a GGUF's tokenizer/config folder is written here, before API and workers read it
     files = modelfiles.resolve(args.model or None, args.served_model_name)
     logger.info("model %s from %s", files.name, files.gguf_path or files.folder)
-    redis = None if args.redis_url else RedisServer().start()
-    redis_url = args.redis_url or (redis.url if redis else "")
-    if redis is not None:
-        logger.info("private redis-server on %s", redis_url)
-    sup = Supervisor()
+    redis = None if args.redis_url else RedisServer(appendonly=True)
+    sup = Supervisor(policy)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         if sup.stopping:
@@ -144,17 +136,14 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     status = 0
     try:
-        for i in range(args.workers):
-            sup.start(f"worker-{i}", _worker_argv(args, redis_url, i))
-        sup.start("api", _api_argv(args, redis_url))
+        _start_all(sup, args, redis)
         logger.info("OpenAI API on http://%s:%d/v1 (Ctrl-C stops everything)", args.host, args.port)
         while not sup.stopping:
-            failure = sup.failed()
-            if failure:
-                logger.error("%s: stopping the rest", failure)
-                status = 1
-                break
+            sup.check()
             time.sleep(0.2)
+    except GaveUpError as exc:
+        logger.error("%s: giving up, stopping everything", exc)
+        status = 1
     finally:
         sup.stop(timeout_s=args.drain_timeout_s)
         if redis is not None:

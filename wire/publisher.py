@@ -70,8 +70,8 @@ class EventBatch:
         args: list[str] = [json.dumps(appends), json.dumps(results), str(len(events)), *events]
         for channel, items in published.items():
             args += [channel, "[" + ",".join(items) + "]"]
-        self._writes = []
         await _run_script(redis, args)
+        self._writes = []  # only once written: a batch whose write failed can be executed again
 
 
 # ARGV: [[events key, ttl or 0], ...], [[result key, event's ARGV offset, ttl], ...], n, the n events, then

@@ -169,7 +169,7 @@ class GenerationWorker(WorkerNode):
             for job in touched.values():
                 self._flush(job, batch, ended, now)
             try:
-                await batch.execute(self.redis)
+                await self.write_events(batch)  # waits through a Redis outage
             except Exception as exc:  # noqa: BLE001 - the jobs' coroutines report it to arq
                 logger.exception("writing %d events failed", len(batch))
                 for job, _ in ended:

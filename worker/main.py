@@ -6,8 +6,9 @@ import asyncio
 import logging
 from typing import Any
 
-from arq.connections import RedisSettings, create_pool
+from arq.connections import ArqRedis, RedisSettings, create_pool
 from prometheus_client import start_http_server
+from redis.exceptions import RedisError
 
 import modelfiles
 from engine.config import EngineConfig
@@ -15,6 +16,7 @@ from wire import keys
 from wire.messages import dumps, loads
 from worker.core_client import CoreClient
 from worker.front import GenerationWorker
+from worker.node import REDIS_DOWN
 from worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,26 @@ def load_tokenizer(config: EngineConfig) -> Any:
     return AutoTokenizer.from_pretrained(modelfiles.resolve(config.model.model).folder)
 
 
+async def connect(redis_url: str, max_delay_s: float = 5.0) -> ArqRedis:
+    """The worker's Redis pool, waiting as long as it takes (backing off) for Redis to answer: a worker that
+    starts while Redis is restarting waits for it instead of exiting."""
+    settings = RedisSettings.from_dsn(redis_url)
+    settings.conn_retries = 0  # the retries are this loop's (arq's own sleep a fixed second, then give up)
+    delay = 0.5
+    while True:
+        try:
+            return await create_pool(
+                settings,
+                job_serializer=dumps,
+                job_deserializer=loads,
+                default_queue_name=keys.QUEUE,
+            )
+        except (*REDIS_DOWN, RedisError) as exc:
+            logger.warning("Redis at %s does not answer (%s): trying again in %.1f s", redis_url, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(max_delay_s, 2 * delay)
+
+
 async def run_worker(
     engine_config: EngineConfig, settings: WorkerSettings, model_name: str = "", log_level: str = "INFO"
 ) -> None:
@@ -38,12 +60,7 @@ async def run_worker(
     core = CoreClient(engine_config, log_level)
     starting = asyncio.ensure_future(core.start())
     tokenizer = await asyncio.to_thread(load_tokenizer, engine_config)
-    redis = await create_pool(
-        RedisSettings.from_dsn(settings.redis_url),
-        job_serializer=dumps,
-        job_deserializer=loads,
-        default_queue_name=keys.QUEUE,
-    )
+    redis = await connect(settings.redis_url)
     try:
         await starting
         worker = GenerationWorker(core, settings, redis, model_name, tokenizer)

@@ -1,5 +1,10 @@
 """What every worker node does besides generating: heartbeats that renew its jobs' leases, the arq worker
-that takes jobs only while there is room, a graceful drain on SIGTERM."""
+that takes jobs only while there is room, a graceful drain on SIGTERM, and riding through a Redis outage.
+
+Redis outage: arq's loop and the heartbeats wait for Redis to answer again (running jobs go on generating,
+their events wait in ``write_events``), then carry on where they were. The one limit is the jobs' lease: once
+no heartbeat has renewed it for ``job_lease_s``, another worker may take the jobs as soon as Redis is back,
+so a worker still holding jobs then exits at once (``EXIT_REDIS_LOST``), writing nothing more for them."""
 
 from __future__ import annotations
 
@@ -15,15 +20,22 @@ from typing import Any
 
 from arq.connections import ArqRedis
 from arq.worker import Worker, func
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from engine.core_messages import CoreStats
 from wire import keys
 from wire.messages import WorkerHeartbeat, dumps, loads
+from wire.publisher import EventBatch
 from worker.intake import BatchClaimWorker
 from worker.metrics import WorkerMetrics
 from worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
+
+EXIT_REDIS_LOST = 4
+# what an unreachable or restarting Redis raises (a LOADING reply is a ConnectionError too)
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class WorkerNode(abc.ABC):
@@ -43,6 +55,7 @@ class WorkerNode(abc.ABC):
         self.jobs_done = 0
         self.draining = False
         self._arq: Worker | None = None
+        self.lease_renewed_at = time.monotonic()  # the last heartbeat that reached Redis
 
     @abc.abstractmethod
     async def generate(self, ctx: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
@@ -94,12 +107,62 @@ class WorkerNode(abc.ABC):
             await pipe.execute()
 
     async def heartbeat_loop(self) -> None:
+        failing = False
         while True:
             try:
                 await self.beat()
+                self.lease_renewed_at = time.monotonic()
+                if failing:
+                    logger.warning("heartbeat: Redis is back")
+                failing = False
+            except REDIS_DOWN as exc:
+                if not failing:
+                    logger.warning(
+                        "heartbeat failed (%s): retrying every %.1f s", exc, self.settings.heartbeat_interval_s
+                    )
+                failing = True
+                self.fence()
             except Exception as exc:  # noqa: BLE001 - keep beating through Redis hiccups
                 logger.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    def fence(self) -> None:
+        """Exit if running jobs have been out of lease too long: they may already be another worker's."""
+        lost_s = time.monotonic() - self.lease_renewed_at
+        if not self.active or lost_s < self.settings.job_lease_s:
+            return
+        logger.error(
+            "no heartbeat reached Redis for %.1f s (the jobs' lease is %.1f s): exiting so that the %d running "
+            "jobs run again elsewhere",
+            lost_s,
+            self.settings.job_lease_s,
+            len(self.active),
+        )
+        logging.shutdown()
+        os._exit(EXIT_REDIS_LOST)
+
+    async def wait_for_redis(self, max_delay_s: float = 1.0) -> None:
+        """Until Redis answers a PING (backing off up to ``max_delay_s`` between tries)."""
+        delay = 0.05
+        while True:
+            try:
+                await self.redis.ping()
+                return
+            except REDIS_DOWN:
+                self.fence()
+                await asyncio.sleep(delay)
+                delay = min(max_delay_s, 2 * delay)
+
+    async def write_events(self, batch: EventBatch) -> None:
+        """Write one batch of job events, waiting through a Redis outage (nothing is dropped or reordered:
+        the pump takes no new core outputs meanwhile, they queue in the core's socket)."""
+        while True:
+            try:
+                await batch.execute(self.redis)
+                return
+            except REDIS_DOWN as exc:
+                logger.warning("writing %d events failed (%s): retrying when Redis answers", len(batch), exc)
+                await self.wait_for_redis()
 
     async def forget(self) -> None:
         with contextlib.suppress(Exception):
@@ -161,10 +224,21 @@ class WorkerNode(abc.ABC):
             await asyncio.sleep(0.1)
         main.cancel()
 
+    async def run_arq(self, worker: Worker) -> None:
+        """arq's loop, started again after a Redis outage (the jobs it runs are tasks of their own: they go on)."""
+        while True:
+            try:
+                await worker.async_run()
+                return
+            except REDIS_DOWN as exc:
+                logger.warning("lost Redis (%s): taking jobs again once it answers", exc)
+                await self.wait_for_redis()
+                logger.warning("Redis answers again: taking jobs")
+
     async def serve(self) -> None:
         """Run until SIGTERM/SIGINT (graceful) or a second signal (at once)."""
         worker = self._arq = self.arq_worker()
-        main = asyncio.ensure_future(worker.async_run())
+        main = asyncio.ensure_future(self.run_arq(worker))
         beats = asyncio.ensure_future(self.heartbeat_loop())
         wakes = asyncio.ensure_future(self.wake_on_enqueue(worker))
         pump = asyncio.ensure_future(self.pump())

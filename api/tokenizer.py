@@ -1,40 +1,43 @@
-"""Prompt tokenization for the API tier with the ``tokenizers`` library and the model's jinja2 chat template
-(``transformers.AutoTokenizer`` would import torch, which API nodes do not have)."""
+"""Prompt tokenization for the API tier: token ids with the ``tokenizers`` library (tokenizer.json as it is),
+chat templates through transformers' own ``apply_chat_template`` (the same Jinja environment HF renders
+with: loop controls, ``raise_exception``, ``strftime_now``...). Neither imports torch, which API nodes lack."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
+# apply_chat_template's own parameters and the template's ``messages``: a request's chat_template_kwargs may
+# not set them (``tokenize`` would return ids instead of text, ``chat_template`` would swap the model's
+# template for the client's, ``messages`` would clash with the call)
+RESERVED_TEMPLATE_KWARGS = (
+    frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+    - {"self", "conversation", "kwargs"}
+) | {"messages"}
 
 
 class PromptTokenizer:
-    """Encodes prompts and chat conversations for one model folder (tokenizer.json + tokenizer_config.json)."""
+    """Encodes prompts and chat conversations for one model folder (tokenizer.json + tokenizer_config.json).
+    ``chat_template``: a Jinja template that replaces the model's own."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, chat_template: str | None = None) -> None:
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise ValueError(f"{folder} has no tokenizer.json (the API tier needs a fast tokenizer)")
         self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        config = _read_json(folder / "tokenizer_config.json")
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.eos_token = _token_text(config.get("eos_token"))
-        template = _read_template(folder, config)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-        self._template = env.from_string(template) if template else None
+        # the template's side: special tokens and the template (tokenizer_config.json, chat_template.jinja)
+        self._hf = PreTrainedTokenizerFast.from_pretrained(folder)
+        if chat_template is not None:
+            self._hf.chat_template = chat_template
+        self.bos_token: str = self._hf.bos_token or ""
+        self.eos_token: str = self._hf.eos_token or ""
         model_config = _read_json(folder / "config.json")
         self.model_max_len: int | None = model_config.get("max_position_embeddings")
         self._token_text_cache: dict[int, str] = {}
@@ -43,7 +46,7 @@ class PromptTokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        return self._template is not None
+        return bool(self._hf.chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._encode_cached(text, add_special_tokens))
@@ -52,23 +55,27 @@ class PromptTokenizer:
         return tuple(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, /, **kwargs: Any
     ) -> str:
-        if self._template is None:
+        """The conversation as the model's template writes it; ``kwargs`` are template variables. Raises
+        ``ValueError`` for a conversation the template rejects."""
+        if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                **kwargs,
+            text = self._hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
             )
         except TemplateError as exc:
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected text")
+        return text
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, /, **kwargs: Any
     ) -> list[int]:
         # the template writes the special tokens itself; adding them again would double the BOS
         return self.encode(
@@ -98,20 +105,3 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
     data: dict[str, Any] = json.loads(path.read_text())
     return data
-
-
-def _token_text(value: Any) -> str:
-    if isinstance(value, dict):
-        return str(value.get("content", ""))
-    return str(value or "")
-
-
-def _read_template(folder: Path, config: dict[str, Any]) -> str | None:
-    jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text()
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: take the default one
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
-    return template if isinstance(template, str) else None

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 import modelfiles
 from api.auth import Authenticator
-from api.errors import install_error_handlers
+from api.errors import CatchAll, install_error_handlers
 from api.jobs import JobQueue
 from api.metrics import ApiMetrics
 from api.middleware import BodySizeLimit
@@ -28,6 +28,7 @@ from api.service import CompletionService
 from api.settings import ApiSettings
 from api.tokenizer import PromptTokenizer
 from api.tracing import setup_tracing
+from api.validation import install_openapi
 from cache.responses import ResponseCache
 from wire import keys
 from wire.messages import dumps, loads
@@ -85,6 +86,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.state.settings = settings
     install_error_handlers(app)
     app.include_router(router)
+    install_openapi(app)
+    app.add_middleware(CatchAll)  # first added = innermost: just outside the routes' exception handlers
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware

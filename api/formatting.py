@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from api.protocol import Kind
@@ -19,6 +20,14 @@ def usage_dict(result: JobResult) -> dict[str, Any]:
     }
 
 
+MIN_LOGPROB = -9999.0  # what OpenAI and vLLM send for an impossible token: JSON has no -Infinity
+
+
+def _logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf (a token masked by top-k or logit_bias) and NaN become ``MIN_LOGPROB``."""
+    return max(value, MIN_LOGPROB) if math.isfinite(value) else MIN_LOGPROB
+
+
 def _completion_logprobs(lps: list[TokenLogprob], tok: PromptTokenizer, offset: int) -> dict[str, Any]:
     tokens = [tok.token_text(lp.token_id) for lp in lps]
     offsets = []
@@ -27,8 +36,8 @@ def _completion_logprobs(lps: list[TokenLogprob], tok: PromptTokenizer, offset: 
         offset += len(text)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{tok.token_text(i): v for i, v in lp.top} for lp in lps],
+        "token_logprobs": [_logprob(lp.logprob) for lp in lps],
+        "top_logprobs": [{tok.token_text(i): _logprob(v) for i, v in lp.top} for lp in lps],
         "text_offset": offsets,
     }
 
@@ -36,7 +45,7 @@ def _completion_logprobs(lps: list[TokenLogprob], tok: PromptTokenizer, offset: 
 def _chat_logprobs(lps: list[TokenLogprob], tok: PromptTokenizer) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = tok.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
 
     content = [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]} for lp in lps]
     return {"content": content}

@@ -3,31 +3,31 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 
 from api.auth import Authenticator
 from api.batch import batch_stream, collect_all, response_body, start_all
 from api.errors import ApiError, bad_request
 from api.formatting import ResponseFormatter
-from api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, JobRequest, TokenizeRequest
 from api.service import CompletionService, PreparedRequest
 from api.streams import collect, formatter_for, job_event_stream, openai_stream
 from api.tracing import tracer
+from api.validation import BodyRoute
 from wire import keys
 from wire.messages import FinalEvent, JobMeta, encode_event
 
-router = APIRouter()
-M = TypeVar("M", bound=BaseModel)
+# bodies are the protocol's pydantic models (declared in the OpenAPI schema), read by api.validation;
+# no Content-Type is read as JSON, as before bodies were typed
+router = APIRouter(route_class=BodyRoute, strict_content_type=False)
 
 
 def _svc(request: Request) -> CompletionService:
@@ -41,25 +41,9 @@ async def _authorize(request: Request) -> None:
         await auth.authorize(request.headers.get("authorization"), time.time())
 
 
-def _parse(model: type[M], data: Any) -> M:
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
-        msg = "field required" if err.get("type") == "missing" else str(err.get("msg"))
-        raise bad_request(f"{param}: {msg}" if param else msg, param) from exc
-
-
-async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request("request body is not valid JSON") from exc
-    if not isinstance(data, dict):
-        raise bad_request("request body must be a JSON object")
-    return data
+# a dependency: it runs before FastAPI reports the body's validation errors (a caller without a key gets
+# its 401 first), after the JSON itself was read
+Authorized = Annotated[None, Depends(_authorize)]
 
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -128,30 +112,22 @@ async def _serve_batch(request: Request, preps: list[PreparedRequest]) -> Respon
 
 
 @router.post("/v1/completions")
-async def completions(request: Request) -> Response:
-    await _authorize(request)
-    req = _parse(CompletionRequest, await _json_body(request))
+async def completions(request: Request, req: CompletionRequest, _: Authorized) -> Response:
     preps = _svc(request).prepare_completions(req)
     return await (_serve(request, preps[0]) if len(preps) == 1 else _serve_batch(request, preps))
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    await _authorize(request)
-    req = _parse(ChatCompletionRequest, await _json_body(request))
+async def chat_completions(request: Request, req: ChatCompletionRequest, _: Authorized) -> Response:
     return await _serve(request, _svc(request).prepare_chat(req))
 
 
 @router.post("/tokenize")
-async def tokenize(request: Request) -> dict[str, Any]:
+async def tokenize(request: Request, req: TokenizeRequest, _: Authorized) -> dict[str, Any]:
     """vLLM's tokenizer endpoint: token ids of a prompt or of chat messages (after the chat template)."""
-    await _authorize(request)
     svc = _svc(request)
-    req = _parse(TokenizeRequest, await _json_body(request))
     if req.model is not None:
         svc.check_model(req.model)
-    if (req.prompt is None) == (req.messages is None):
-        raise bad_request("give exactly one of prompt and messages", "prompt")
     if req.messages is not None:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
@@ -164,10 +140,8 @@ async def tokenize(request: Request) -> dict[str, Any]:
 
 
 @router.post("/detokenize")
-async def detokenize(request: Request) -> dict[str, Any]:
-    await _authorize(request)
+async def detokenize(request: Request, req: DetokenizeRequest, _: Authorized) -> dict[str, Any]:
     svc = _svc(request)
-    req = _parse(DetokenizeRequest, await _json_body(request))
     if req.model is not None:
         svc.check_model(req.model)
     if any(not 0 <= t < svc.tokenizer.vocab_size for t in req.tokens):
@@ -202,16 +176,13 @@ async def models(request: Request) -> dict[str, Any]:
 
 # -- EventSource job API ------------------------------------------------------------------------------------
 @router.post("/v1/jobs", status_code=202)
-async def create_job(request: Request) -> dict[str, Any]:
+async def create_job(request: Request, req: JobRequest, _: Authorized) -> dict[str, Any]:
     """Queue a chat (``messages``) or completion (``prompt``) request; read it from ``events_url``."""
-    await _authorize(request)
     svc = _svc(request)
-    data = await _json_body(request)
-    data["stream"] = True
-    if "messages" in data:
-        prep = svc.prepare_chat(_parse(ChatCompletionRequest, data))
+    if isinstance(req, ChatCompletionRequest):
+        prep = svc.prepare_chat(req)
     else:
-        prep = svc.prepare_completion(_parse(CompletionRequest, data))
+        prep = svc.prepare_completion(req)
     cached = await svc.cached(prep)
     status = "queued"
     if cached is None:
@@ -241,12 +212,12 @@ async def _job_meta(request: Request, job_id: str) -> JobMeta:
 
 
 @router.get("/v1/jobs/{job_id}/events")
-async def job_events(request: Request, job_id: str) -> Response:
+async def job_events(request: Request, job_id: str, last_event_id: str | None = None) -> Response:
     """EventSource stream; resumes after ``Last-Event-ID`` (header, or ``last_event_id`` query parameter)."""
     await _authorize(request)
     svc = _svc(request)
     meta = await _job_meta(request, job_id)
-    last_id = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+    last_id = request.headers.get("last-event-id") or last_event_id
     sub = await svc.relay.subscribe(job_id)  # before reading the list: nothing falls between the two
     return _sse(job_event_stream(svc, job_id, meta, sub, last_id))
 

@@ -43,7 +43,7 @@ class StreamOptions(BaseModel):
 
 # OpenAI's and vLLM's parameters this server does not implement: null (or a value in _NO_OP) is accepted,
 # anything else is a 400 with this message, never silently ignored
-_NOT_IMPLEMENTED: dict[str, str] = {
+NOT_IMPLEMENTED: dict[str, str] = {
     "response_format": "response_format other than text (JSON mode, schemas) is not supported",
     "tools": "tool and function calling are not supported",
     "functions": "tool and function calling are not supported",
@@ -140,7 +140,7 @@ class _SamplingFields(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first requested feature this server does not have, or None."""
-        for name, message in _NOT_IMPLEMENTED.items():
+        for name, message in NOT_IMPLEMENTED.items():
             value = getattr(self, name)
             if value is not None and value not in _NO_OP.get(name, ()):
                 return name, message

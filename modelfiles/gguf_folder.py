@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,8 @@ def gguf_folder(gguf_path: Path, cache_dir: Path) -> Path:
     folder = cache_dir / f"{gguf_path.stem}-{content_key(gguf_path)}"
     if (folder / "done").is_file():
         return folder
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    # unique across the nodes that share a cache volume (a pid alone is not)
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     write_gguf_folder(gguf_path, tmp)

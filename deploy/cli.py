@@ -70,6 +70,13 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="stream an event every N tokens per request (the first at once); larger = fewer, bigger events",
     )
+    g.add_argument(
+        "--worker-fronts",
+        type=int,
+        default=0,
+        help="front processes per engine core sharing its per-token work (0 = auto: one per 128 --max-num-seqs "
+        "on a GPU, at most 4; one on CPU)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,6 +164,7 @@ def run_worker_command(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout_s,
         job_lease_s=args.job_lease_s,
         stream_interval=args.stream_interval,
+        fronts=args.worker_fronts,
         **({"worker_id": args.worker_id} if args.worker_id else {}),
     )
     if getattr(args, "otel_exporter", "none") != "none":

@@ -83,6 +83,8 @@ def _worker_argv(args: argparse.Namespace, redis_url: str, index: int) -> list[s
         str(args.job_lease_s),
         "--stream-interval",
         str(args.stream_interval),
+        "--worker-fronts",
+        str(args.worker_fronts),
         "--log-level",
         args.log_level,
         *EngineArgs.from_cli_args(args).to_argv(),  # the engine flags that differ from the defaults, --model too

@@ -1,8 +1,9 @@
 """The engine core process: scheduler + executor + model runner in a busy loop, no asyncio, no Redis, no text.
 
-It binds two ZMQ sockets: commands (``AddRequest``, ``AbortRequest``, ``Shutdown``) come in on a PULL socket,
-and one ``StepOutputs`` per step goes out on a PUSH socket (msgpack, ``engine.core_messages``). ZMQ queues the
-outputs, so a front that is slow to read never slows the steps. A malformed or oversized command is logged
+It binds ZMQ sockets: commands (``AddRequest``, ``AbortRequest``, ``Shutdown``) from every front come in on one
+PULL socket, and per step each front (client) gets one ``StepOutputs`` with its own requests' outputs on its own
+PUSH socket (msgpack, ``engine.core_messages``; several fronts share the per-token work of one core, as vLLM's
+API servers share its engine core). ZMQ queues the outputs, so a front that is slow to read never slows the steps. A malformed or oversized command is logged
 and dropped. The core exits when its parent (the worker front) dies, so no orphan holds the GPU.
 """
 
@@ -54,11 +55,12 @@ def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:
 class EngineCore:
     """Runs one ``Engine`` for the process behind ``commands``/``outputs``."""
 
-    def __init__(self, engine: Engine, commands: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, engine: Engine, commands: zmq.Socket, outputs: list[zmq.Socket], parent_pid: int) -> None:
         self.engine = engine
         self.commands = commands
-        self.outputs = outputs
+        self.outputs = outputs  # one per client (worker front)
         self.parent_pid = parent_pid
+        self._clients: dict[str, int] = {}  # request id -> the client that added it (absent: client 0)
         self._pending: list[SeqOutput] = []  # finals of aborted samples, sent with the next step
         self._errors: list[RequestError] = []
         self._stopping = False
@@ -101,6 +103,11 @@ class EngineCore:
 
     def _handle(self, command: Command) -> None:
         if isinstance(command, AddRequest):
+            if not 0 <= command.client < len(self.outputs):
+                logger.error("dropped request %s of unknown client %d", command.request_id, command.client)
+                return
+            if command.client:
+                self._clients[command.request_id] = command.client
             try:
                 params = SamplingParams.from_dict(command.params)
                 self.engine.add_request(command.request_id, command.prompt_token_ids, params, priority=command.priority)
@@ -126,12 +133,26 @@ class EngineCore:
         if self._pending:
             outputs, self._pending = self._pending + outputs, []
         errors, self._errors = self._errors, []
-        message = StepOutputs(outputs, self.engine.stats(), errors)
-        self.outputs.send(output_encoder.encode(message), copy=False)
+        stats = self.engine.stats()
+        if len(self.outputs) == 1:
+            self.outputs[0].send(output_encoder.encode(StepOutputs(outputs, stats, errors)), copy=False)
+            return
+        per_client: list[StepOutputs] = [StepOutputs([], stats, []) for _ in self.outputs]
+        for out in outputs:
+            per_client[self._clients.get(out.request_id, 0)].outputs.append(out)
+        for error in errors:
+            per_client[self._clients.get(error.request_id, 0)].errors.append(error)
+        for socket, message in zip(self.outputs, per_client, strict=True):
+            socket.send(output_encoder.encode(message), copy=False)  # (every client gets the step's stats)
+        for request_id in [*(o.request_id for o in outputs if o.finish_reason), *(e.request_id for e in errors)]:
+            if request_id not in self.engine.scheduler.groups:  # every sample ended: forget its client
+                self._clients.pop(request_id, None)
 
 
-def run_engine_core(config: EngineConfig, commands_addr: str, outputs_addr: str, log_level: str = "INFO") -> None:
-    """Entry point of the core process (``multiprocessing`` spawn target)."""
+def run_engine_core(
+    config: EngineConfig, commands_addr: str, outputs_addrs: list[str], log_level: str = "INFO"
+) -> None:
+    """Entry point of the core process (``multiprocessing`` spawn target): one output address per client."""
     parent_pid = os.getppid()
     die_with_parent()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
@@ -139,23 +160,27 @@ def run_engine_core(config: EngineConfig, commands_addr: str, outputs_addr: str,
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
     commands.bind(commands_addr)
-    outputs = ctx.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.LINGER, 2000)
-    outputs.bind(outputs_addr)
+    outputs = []
+    for addr in outputs_addrs:
+        socket = ctx.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 2000)
+        socket.bind(addr)
+        outputs.append(socket)
     try:
         from engine.engine import Engine
 
         engine = Engine(config)
     except Exception as exc:  # noqa: BLE001 - the front must hear why, not wait for a ready that never comes
         logger.exception("engine failed to start")
-        outputs.send(output_encoder.encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
-        outputs.close()
+        outputs[0].send(output_encoder.encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
+        for socket in outputs:
+            socket.close()
         ctx.term()
         raise SystemExit(1) from exc
     ready = CoreReady(
         engine.max_model_len, engine.vocab_size, config.scheduler.max_num_seqs, list(engine.eos_token_ids)
     )
-    outputs.send(output_encoder.encode(ready))
+    outputs[0].send(output_encoder.encode(ready))  # to the front that started the core; it tells the others
     core = EngineCore(engine, commands, outputs, parent_pid)
     signal.signal(signal.SIGTERM, lambda *_: core.stop())
     try:
@@ -163,5 +188,6 @@ def run_engine_core(config: EngineConfig, commands_addr: str, outputs_addr: str,
     finally:
         engine.shutdown()
         commands.close(linger=0)
-        outputs.close()
+        for socket in outputs:
+            socket.close()
         ctx.term()

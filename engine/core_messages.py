@@ -18,6 +18,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, forbid_unknown_fiel
     prompt_token_ids: list[int]
     params: dict[str, Any]  # SamplingParams.to_dict(); the core re-validates it
     priority: int = 0
+    client: int = 0  # which of the core's output sockets (worker fronts) gets this request's outputs
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True, forbid_unknown_fields=True):

@@ -37,14 +37,16 @@ class CoreDiedError(RuntimeError):
 
 
 class CoreClient:
-    """One engine core process, spawned by ``start`` and watched until ``shutdown``."""
+    """One engine core process, spawned by ``start`` and watched until ``shutdown``; or, made by ``attach``, a
+    handle of another front on a core that front 0 started (client ``k`` of ``num_clients``)."""
 
-    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
+    def __init__(self, config: EngineConfig, log_level: str = "INFO", num_clients: int = 1) -> None:
         self.config = config
         self.log_level = log_level
         base = os.path.join(tempfile.gettempdir(), f"pagedserve-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.commands_addr = f"ipc://{base}-cmd"
-        self.outputs_addr = f"ipc://{base}-out"
+        self.outputs_addrs = [f"ipc://{base}-out{k}" for k in range(num_clients)]
+        self.client = 0
         self._ctx = zmq.asyncio.Context()
         self._sync_ctx = zmq.Context()  # commands go out with plain non-blocking sends, from any coroutine
         self._commands = self._sync_ctx.socket(zmq.PUSH)
@@ -57,15 +59,25 @@ class CoreClient:
         self.ready: CoreReady | None = None
         self.closing = False
 
+    @classmethod
+    def attach(cls, config: EngineConfig, commands_addr: str, outputs_addr: str, ready: CoreReady, client: int):
+        """Front ``client``'s handle on a running core (front 0 watches the core and stops it; this front dies
+        with front 0)."""
+        self = cls(config)
+        self.commands_addr, self.outputs_addrs, self.client, self.ready = commands_addr, [outputs_addr], client, ready
+        self._commands.connect(commands_addr)
+        self._outputs.connect(outputs_addr)
+        return self
+
     async def start(self, timeout_s: float = 1800.0) -> CoreReady:
         """Spawn the core and wait until its engine is loaded. Raises ``CoreDiedError`` if it fails."""
         ctx = mp.get_context("spawn")
-        args = (self.config, self.commands_addr, self.outputs_addr, self.log_level)
+        args = (self.config, self.commands_addr, self.outputs_addrs, self.log_level)
         # not a daemon: the core spawns tensor-parallel ranks of its own; it dies with us (PDEATHSIG)
         self.process = ctx.Process(target=run_engine_core, args=args, name="pagedserve-engine-core")
         self.process.start()
         self._commands.connect(self.commands_addr)
-        self._outputs.connect(self.outputs_addr)
+        self._outputs.connect(self.outputs_addrs[0])
         reader = asyncio.ensure_future(self._outputs.recv())
         died = asyncio.ensure_future(self._wait_exit())
         done, _ = await asyncio.wait({reader, died}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -101,6 +113,8 @@ class CoreClient:
         """Call ``on_death(exit code)`` as soon as the core exits, unless we are shutting it down."""
 
         async def watcher() -> None:
+            if self.process is None:  # attached: front 0 watches the core, and this front dies with front 0
+                await asyncio.Event().wait()
             await self._wait_exit()
             self.process.join(0.1)
             if not self.closing:
@@ -109,7 +123,7 @@ class CoreClient:
         return asyncio.ensure_future(watcher())
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any], priority: int) -> None:
-        self._send(AddRequest(request_id, prompt_token_ids, params, priority))
+        self._send(AddRequest(request_id, prompt_token_ids, params, priority, self.client))
 
     def abort(self, request_id: str, sample_indices: list[int] | None = None) -> None:
         self._send(AbortRequest(request_id, sample_indices))

@@ -16,6 +16,7 @@ from wire import keys
 from wire.messages import dumps, loads
 from worker.core_client import CoreClient
 from worker.front import GenerationWorker
+from worker.fronts import ExtraFronts, exit_on_front_death, front_settings, num_fronts
 from worker.node import REDIS_DOWN
 from worker.settings import WorkerSettings
 
@@ -54,21 +55,43 @@ async def connect(redis_url: str, max_delay_s: float = 5.0) -> ArqRedis:
 async def run_worker(
     engine_config: EngineConfig, settings: WorkerSettings, model_name: str = "", log_level: str = "INFO"
 ) -> None:
-    """The engine core loads in its own process while this one loads the tokenizer and connects to Redis."""
+    """The engine core loads in its own process while this one loads the tokenizer and connects to Redis; then
+    this process is front 0 of the node and starts the others (``worker.fronts``)."""
     if settings.metrics_port is not None:
         start_http_server(settings.metrics_port)
-    core = CoreClient(engine_config, log_level)
+    count = num_fronts(settings, engine_config)
+    core = CoreClient(engine_config, log_level, num_clients=count)
     starting = asyncio.ensure_future(core.start())
     tokenizer = await asyncio.to_thread(load_tokenizer, engine_config)
     redis = await connect(settings.redis_url)
+    extra = ExtraFronts()
     try:
-        await starting
-        worker = GenerationWorker(core, settings, redis, model_name, tokenizer)
-        watcher = core.watch(worker.on_core_death)
+        ready = await starting
+        extra.start(core, engine_config, settings, model_name, log_level)
+        mine = front_settings(settings, ready.capacity, count, 0)
+        worker = GenerationWorker(core, mine, redis, model_name, tokenizer)
+        watchers = [
+            core.watch(worker.on_core_death),
+            extra.watch(exit_on_front_death),
+            asyncio.ensure_future(extra.drain_with(worker, settings.drain_timeout_s)),
+        ]
         try:
             await worker.serve()
         finally:
-            watcher.cancel()
+            for watcher in watchers:
+                watcher.cancel()
+            await extra.stop(settings.drain_timeout_s)
+    finally:
+        await core.shutdown()
+        await redis.aclose()
+
+
+async def serve_front(core: CoreClient, config: EngineConfig, settings: WorkerSettings, model_name: str) -> None:
+    """An extra front (``worker.fronts``) on a core that front 0 runs."""
+    tokenizer = await asyncio.to_thread(load_tokenizer, config)
+    redis = await connect(settings.redis_url)
+    try:
+        await GenerationWorker(core, settings, redis, model_name, tokenizer).serve()
     finally:
         await core.shutdown()
         await redis.aclose()

@@ -2,8 +2,8 @@
 
 - The engine core of a worker is SIGKILLed mid-stream: its front notices at once and exits non-zero, and
   the streams it was serving continue on another worker exactly where they stopped.
-- 256 concurrent seeded streams on a tiny model: each stream's text equals the non-streamed answer for the
-  same seed, with every token once.
+- 256 concurrent seeded streams on a tiny model, through a worker with two fronts: each stream's text equals
+  the non-streamed answer for the same seed, with every token once.
 """
 
 from __future__ import annotations
@@ -100,9 +100,12 @@ def test_256_concurrent_seeded_streams_equal_their_non_streamed_answers(
 ) -> None:
     folder = build_tiny_model(tmp_path / "tiny", "llama", seed=11)
     api = start_api(redis_server, model=str(folder), response_cache=False, max_queue_depth=4096)
-    worker = start_worker(redis_url, "many-streams", "--model", str(folder), "--max-num-seqs", "256")
+    # two fronts on the one core (as a GPU node runs them): each stream is served by one of them
+    worker = start_worker(
+        redis_url, "many-streams", "--model", str(folder), "--max-num-seqs", "256", "--worker-fronts", "2"
+    )
     try:
-        wait_ready(api, 1, worker)
+        wait_ready(api, 2, worker)
         max_tokens = 24
         bodies = [
             {"model": folder.name, "prompt": f"stream {i}:", "max_tokens": max_tokens, "temperature": 1.0,

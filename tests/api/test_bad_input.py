@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.api.conftest import MODEL, ServerThread
+import modelfiles
+from api.formatting import ResponseFormatter
+from api.settings import ApiSettings
+from api.tokenizer import PromptTokenizer
+from deploy.redis_server import RedisServer
+from tests.api.conftest import MODEL, ScriptedWorker, ServerThread, start_api
+from wire.messages import ChoiceResult, JobResult, TokenLogprob
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -155,3 +163,101 @@ def test_tokenize_detokenize_and_model_card(api: ServerThread, redis_url: str) -
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-17")
+
+
+# -- what worked before bodies were typed still works ---------------------------------------------------------
+NO_OP_VALUES: dict[str, Any] = {
+    "tool_choice": "none",
+    "tools": [],
+    "response_format": {"type": "text"},
+    "service_tier": "auto",
+    "store": False,
+    "modalities": ["text"],
+    "parallel_tool_calls": None,
+    "metadata": None,
+    "user": "u-1",
+    "safety_identifier": "s-1",
+    "chat_template_kwargs": {"enable_thinking": False},
+}
+
+
+async def test_no_op_values_and_sdk_messages_are_accepted(api: ServerThread, redis_url: str) -> None:
+    """The openai SDK's reply message sent back as history (its null refusal, annotations, audio, tool calls),
+    each unimplemented parameter at its no-op value, and a body without a Content-Type: all served."""
+    worker = ScriptedWorker(redis_url)
+    client = openai.AsyncOpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0)
+    first, _ = await asyncio.gather(
+        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4),  # type: ignore[arg-type]
+        worker.serve(),
+    )
+    history = [*MSGS, first.choices[0].message.model_dump(), {"role": "user", "content": "and?"}]
+    second, _ = await asyncio.gather(
+        client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, extra_body=NO_OP_VALUES),  # type: ignore[arg-type]
+        worker.serve(),
+    )
+    assert second.choices[0].message.content == "Hello, world!"
+    async with httpx.AsyncClient(base_url=api.url, timeout=10) as http:
+        body = json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 2, "stream": True, "stream_options": {}})
+        resp, _ = await asyncio.gather(http.post(COMP, content=body), worker.serve())
+    assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]")
+
+
+def test_unexpected_error_is_a_json_500_on_a_kept_connection(redis_server: RedisServer, redis_url: str) -> None:
+    """CatchAll: an exception no handler takes is OpenAI's JSON 500, and the keep-alive connection stays up
+    (Starlette's own handler re-raises, and uvicorn then drops the connection unannounced)."""
+    server = ServerThread(ApiSettings(redis_url=redis_server.url))
+
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    server.server.config.app.add_api_route("/test/boom", boom)
+    server.start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            resp = client.get("/test/boom")
+            assert resp.status_code == 500
+            assert resp.json()["error"]["type"] == "server_error"
+            good = client.get("/v1/models")
+            assert good.status_code == 200
+            port = resp.extensions["network_stream"].get_extra_info("client_addr")[1]
+            assert good.extensions["network_stream"].get_extra_info("client_addr")[1] == port
+    finally:
+        server.stop()
+
+
+def test_auth_comes_before_body_validation(redis_server: RedisServer, redis_url: str) -> None:
+    server = start_api(redis_server, api_keys=("sk-test",))
+    try:
+        resp = httpx.post(server.url + CHAT, json={"model": MODEL, "messages": "not a list"}, timeout=10)
+        _check_error(resp, 401)
+        ok = {"Authorization": "Bearer sk-test"}
+        resp = httpx.post(server.url + CHAT, json={"model": MODEL, "messages": "x"}, headers=ok, timeout=10)
+        _check_error(resp, 400)
+    finally:
+        server.stop()
+
+
+def test_openapi_declares_the_request_bodies(api: ServerThread, redis_url: str) -> None:
+    spec = httpx.get(api.url + "/openapi.json", timeout=10).json()
+    for path, model in [
+        (COMP, "CompletionRequest"),
+        (CHAT, "ChatCompletionRequest"),
+        ("/tokenize", "TokenizeRequest"),
+        ("/detokenize", "DetokenizeRequest"),
+        ("/v1/jobs", "ChatCompletionRequest"),
+    ]:
+        operation = spec["paths"][path]["post"]
+        assert model in json.dumps(operation["requestBody"]), path
+        assert "422" not in operation["responses"] and "400" in operation["responses"]
+    chat = spec["components"]["schemas"]["ChatCompletionRequest"]
+    assert chat["additionalProperties"] is False and "messages" in chat["required"]
+
+
+def test_non_finite_logprobs_are_sent_as_json_numbers() -> None:
+    """A token masked by top-k or logit_bias has logprob -inf, which JSON cannot carry: -9999 as OpenAI sends."""
+    tok = PromptTokenizer(modelfiles.resolve(None, None).folder)
+    lps = [TokenLogprob(5, -math.inf, [(5, -math.inf), (6, math.nan)])]
+    result = JobResult("r", MODEL, [ChoiceResult(0, "x", [5], "stop", lps)], 1, 1)
+    for kind in ("completion", "chat"):
+        body = json.dumps(ResponseFormatter(kind, "r", MODEL, 0, tok).response(result), allow_nan=False)
+        assert "-9999.0" in body

@@ -47,7 +47,9 @@ def _build_service(app: FastAPI, settings: ApiSettings, redis: ArqRedis) -> Comp
     files = modelfiles.resolve(settings.model or None, settings.served_model_name)
     tokenizer = PromptTokenizer(files.folder)
     max_model_len = settings.max_model_len or tokenizer.model_max_len or 2048
-    queue = JobQueue(redis, settings.max_queue_depth, settings.retry_after_s, settings.worker_ttl_s)
+    queue = JobQueue(
+        redis, settings.max_queue_depth, settings.retry_after_s, settings.worker_ttl_s, settings.queue_without_workers_s
+    )
     cache = ResponseCache(redis, keys.CACHE_PREFIX, settings.response_cache_ttl_s) if settings.response_cache else None
     metrics = ApiMetrics()
     app.state.queue_depth = 0

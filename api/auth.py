@@ -35,6 +35,12 @@ return {allowed, tostring(wait)}
 """
 
 
+def key_id(api_key: str) -> str:
+    """A key's id in Redis (rate-limit bucket, cache namespace, job owner): a hash, never the key itself;
+    "" for no key (auth off)."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:24] if api_key else ""
+
+
 class Authenticator:
     """Checks the bearer key (when keys are configured) and charges its rate-limit bucket."""
 
@@ -67,9 +73,8 @@ class Authenticator:
         """One request from this key's bucket; 429 with Retry-After when it is empty."""
         if self.rate_limit_rps <= 0:
             return
-        digest = hashlib.sha256(api_key.encode()).hexdigest()[:24]
         allowed, wait = await self._script(
-            keys=[keys.rate_limit_key(digest)], args=[self.rate_limit_rps, self.burst, now]
+            keys=[keys.rate_limit_key(key_id(api_key))], args=[self.rate_limit_rps, self.burst, now]
         )
         if int(allowed):
             return
@@ -82,6 +87,10 @@ class Authenticator:
             headers={"Retry-After": str(retry_after)},
         )
 
-    async def authorize(self, authorization: str | None, now: float) -> None:
+    async def authorize(self, authorization: str | None, now: float) -> str:
+        """The caller's key id (``key_id``; "" when keys are off) once its key is checked and charged."""
+        if not self.enabled:
+            return ""
         key = self.check_key(authorization)
         await self.charge(key, now)
+        return key_id(key)

@@ -1,5 +1,5 @@
-"""The job queue as the API sees it: enqueue (arq, JSON, job id = request id), backpressure, abort, and the
-live workers' heartbeats (for /ready, queue depth and /metrics)."""
+"""The job queue as the API sees it: admission (arq, JSON, job id = request id, with backpressure and the
+live-worker check), abort, job meta, and the live workers' heartbeats (for /ready, queue depth and /metrics)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 
 from arq.connections import ArqRedis
 
+from api.admission import Admission
 from api.errors import ApiError
 from wire import keys
 from wire.messages import JobMeta, JobPayload, WorkerHeartbeat
@@ -16,13 +17,23 @@ from wire.messages import JobMeta, JobPayload, WorkerHeartbeat
 class JobQueue:
     """Thin layer over arq's queue. Heartbeats are read at most every ``cache_s`` seconds."""
 
-    def __init__(self, redis: ArqRedis, max_queue_depth: int, retry_after_s: int, worker_ttl_s: float) -> None:
+    def __init__(
+        self,
+        redis: ArqRedis,
+        max_queue_depth: int,
+        retry_after_s: int,
+        worker_ttl_s: float,
+        queue_without_workers_s: float = 0.0,
+    ) -> None:
         self._redis = redis
+        self._admission = Admission(redis)
         self.max_queue_depth = max_queue_depth
         self.retry_after_s = retry_after_s
         self.worker_ttl_s = worker_ttl_s
+        self.queue_without_workers_s = queue_without_workers_s
         self._workers: list[WorkerHeartbeat] = []
         self._workers_at = 0.0
+        self._live_at = time.time()  # when a live worker was last seen (or this process started)
         self.cache_s = 0.5
 
     async def workers(self, fresh: bool = False) -> list[WorkerHeartbeat]:
@@ -36,6 +47,8 @@ class JobQueue:
             raws = await self._redis.mget([keys.worker_key(i.decode()) for i in ids])
             beats = [WorkerHeartbeat.from_json(r) for r in raws if r is not None]
         self._workers, self._workers_at = beats, now
+        if any(not w.draining for w in beats):
+            self._live_at = now
         return beats
 
     async def num_waiting(self) -> int:
@@ -44,14 +57,31 @@ class JobQueue:
         running = sum(w.active_jobs for w in await self.workers())
         return max(0, queued - running)
 
-    async def check_room(self) -> None:
-        """429 with Retry-After when the queue is over its configured depth."""
-        waiting = await self.num_waiting()
-        if waiting < self.max_queue_depth:
-            return
-        capacity = sum(w.capacity for w in self._workers) or 1
+    async def admit(self, payload: JobPayload, meta: JobMeta) -> None:
+        """Queue the job and its meta in one atomic round trip (``api.admission``). 503 with Retry-After when
+        no worker has been live for ``queue_without_workers_s``; 429 with Retry-After when the jobs waiting
+        (the queue set less the jobs the workers' last heartbeats say they run) reach ``max_queue_depth``."""
+        workers = await self.workers()  # cached: a round trip at most every cache_s
+        is_live = any(not w.draining for w in workers)
+        if not is_live and time.time() - self._live_at >= self.queue_without_workers_s:
+            raise ApiError(
+                503,
+                f"no worker is serving this model; retry after {self.retry_after_s} s",
+                "service_unavailable",
+                code="no_live_worker",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
+        running = sum(w.active_jobs for w in workers)
+        admitted = await self._admission.admit(payload, meta, self.max_queue_depth + running)
+        if admitted.outcome == "duplicate":
+            raise ApiError(409, f"a job with id {payload.request_id} already exists", code="duplicate_request_id")
+        if admitted.outcome == "full":
+            raise self._queue_full(admitted.queue_size - running, workers)
+
+    def _queue_full(self, waiting: int, workers: list[WorkerHeartbeat]) -> ApiError:
+        capacity = sum(w.capacity for w in workers) or 1
         retry_after = max(self.retry_after_s, math.ceil(waiting / capacity) * self.retry_after_s)
-        raise ApiError(
+        return ApiError(
             429,
             f"the server is overloaded ({waiting} requests queued); retry after {retry_after} s",
             "rate_limit_error",
@@ -59,26 +89,12 @@ class JobQueue:
             headers={"Retry-After": str(retry_after)},
         )
 
-    async def enqueue(self, payload: JobPayload, meta: JobMeta) -> None:
-        """Store what /v1/jobs/{id}/events needs to format the job, then queue it. arq drops a job nobody took
-        long after its deadline; the worker drops one that starts past it (with an error event)."""
-        ttl = payload.events_ttl_s
-        await self._redis.set(keys.job_meta_key(payload.request_id), meta.to_json(), ex=ttl)
-        job = await self._redis.enqueue_job(
-            keys.JOB_FUNCTION,
-            payload.to_dict(),
-            _job_id=payload.request_id,
-            _queue_name=keys.QUEUE,
-            _expires=max(1.0, payload.deadline - time.time()) + 60.0,
-        )
-        if job is None:
-            raise ApiError(409, f"a job with id {payload.request_id} already exists", code="duplicate_request_id")
-        await self._redis.publish(keys.JOBS_CHANNEL, b"")  # wakes idle workers (they also poll)
-
-    async def job_meta(self, job_id: str) -> JobMeta | None:
-        """The job's stored meta; None when unknown or expired."""
+    async def job_meta(self, job_id: str, owner: str) -> JobMeta | None:
+        """The job's stored meta; None when unknown, expired, or created with another API key (to that key's
+        caller a job of another key does not exist)."""
         raw = await self._redis.get(keys.job_meta_key(job_id))
-        return None if raw is None else JobMeta.from_json(raw)
+        meta = None if raw is None else JobMeta.from_json(raw)
+        return meta if meta is not None and meta.owner == owner else None
 
     async def abort(self, job_id: str) -> None:
         """Ask the worker running (or about to run) this job to cancel it; it aborts the engine request."""

@@ -35,15 +35,15 @@ def _svc(request: Request) -> CompletionService:
     return svc
 
 
-async def _authorize(request: Request) -> None:
+async def _authorize(request: Request) -> str:
+    """The caller's key id ("" without keys): it owns the jobs it creates and their cache namespace."""
     auth: Authenticator = request.app.state.auth
-    if auth.enabled:
-        await auth.authorize(request.headers.get("authorization"), time.time())
+    return await auth.authorize(request.headers.get("authorization"), time.time())
 
 
 # a dependency: it runs before FastAPI reports the body's validation errors (a caller without a key gets
 # its 401 first), after the JSON itself was read
-Authorized = Annotated[None, Depends(_authorize)]
+Tenant = Annotated[str, Depends(_authorize)]
 
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -81,7 +81,9 @@ async def _serve(request: Request, prep: PreparedRequest) -> Response:
             "pagedserve.stream": prep.stream,
         },
     ):
-        return await _serve_traced(request, prep)
+        response = await _serve_traced(request, prep)
+        response.headers["X-Cache"] = "hit" if prep.is_cache_hit else "miss"
+        return response
 
 
 async def _serve_traced(request: Request, prep: PreparedRequest) -> Response:
@@ -105,25 +107,28 @@ async def _serve_batch(request: Request, preps: list[PreparedRequest]) -> Respon
         "pagedserve.completion_batch", attributes={"pagedserve.request_id": batch_id, "pagedserve.prompts": len(preps)}
     ):
         sources = await start_all(svc, preps)
+        headers = {"X-Cache": "hit" if all(p.is_cache_hit for p in preps) else "miss"}
         if preps[0].stream:
-            return _openai_sse(batch_stream(svc, batch_id, sources, preps[0].include_usage))
+            response = _openai_sse(batch_stream(svc, batch_id, sources, preps[0].include_usage))
+            response.headers.update(headers)
+            return response
         results = await collect_all(svc, sources, request)
-        return JSONResponse(response_body(svc, batch_id, sources, results))
+        return JSONResponse(response_body(svc, batch_id, sources, results), headers=headers)
 
 
 @router.post("/v1/completions")
-async def completions(request: Request, req: CompletionRequest, _: Authorized) -> Response:
-    preps = _svc(request).prepare_completions(req)
+async def completions(request: Request, req: CompletionRequest, tenant: Tenant) -> Response:
+    preps = _svc(request).prepare_completions(req, tenant)
     return await (_serve(request, preps[0]) if len(preps) == 1 else _serve_batch(request, preps))
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(request: Request, req: ChatCompletionRequest, _: Authorized) -> Response:
-    return await _serve(request, _svc(request).prepare_chat(req))
+async def chat_completions(request: Request, req: ChatCompletionRequest, tenant: Tenant) -> Response:
+    return await _serve(request, _svc(request).prepare_chat(req, tenant))
 
 
 @router.post("/tokenize")
-async def tokenize(request: Request, req: TokenizeRequest, _: Authorized) -> dict[str, Any]:
+async def tokenize(request: Request, req: TokenizeRequest, _: Tenant) -> dict[str, Any]:
     """vLLM's tokenizer endpoint: token ids of a prompt or of chat messages (after the chat template)."""
     svc = _svc(request)
     if req.model is not None:
@@ -140,7 +145,7 @@ async def tokenize(request: Request, req: TokenizeRequest, _: Authorized) -> dic
 
 
 @router.post("/detokenize")
-async def detokenize(request: Request, req: DetokenizeRequest, _: Authorized) -> dict[str, Any]:
+async def detokenize(request: Request, req: DetokenizeRequest, _: Tenant) -> dict[str, Any]:
     svc = _svc(request)
     if req.model is not None:
         svc.check_model(req.model)
@@ -176,13 +181,13 @@ async def models(request: Request) -> dict[str, Any]:
 
 # -- EventSource job API ------------------------------------------------------------------------------------
 @router.post("/v1/jobs", status_code=202)
-async def create_job(request: Request, req: JobRequest, _: Authorized) -> dict[str, Any]:
+async def create_job(request: Request, req: JobRequest, tenant: Tenant) -> dict[str, Any]:
     """Queue a chat (``messages``) or completion (``prompt``) request; read it from ``events_url``."""
     svc = _svc(request)
     if isinstance(req, ChatCompletionRequest):
-        prep = svc.prepare_chat(req)
+        prep = svc.prepare_chat(req, tenant)
     else:
-        prep = svc.prepare_completion(req)
+        prep = svc.prepare_completion(req, tenant)
     cached = await svc.cached(prep)
     status = "queued"
     if cached is None:
@@ -205,7 +210,8 @@ async def create_job(request: Request, req: JobRequest, _: Authorized) -> dict[s
 
 
 async def _job_meta(request: Request, job_id: str) -> JobMeta:
-    meta = await _svc(request).queue.job_meta(job_id)
+    """The job's meta, checking the caller's key first: another key's job is a 404, as an unknown one."""
+    meta = await _svc(request).queue.job_meta(job_id, await _authorize(request))
     if meta is None:
         raise ApiError(404, f"no job {job_id} (unknown or expired)", "not_found_error", "job_id", "job_not_found")
     return meta
@@ -214,7 +220,6 @@ async def _job_meta(request: Request, job_id: str) -> JobMeta:
 @router.get("/v1/jobs/{job_id}/events")
 async def job_events(request: Request, job_id: str, last_event_id: str | None = None) -> Response:
     """EventSource stream; resumes after ``Last-Event-ID`` (header, or ``last_event_id`` query parameter)."""
-    await _authorize(request)
     svc = _svc(request)
     meta = await _job_meta(request, job_id)
     last_id = request.headers.get("last-event-id") or last_event_id
@@ -224,7 +229,6 @@ async def job_events(request: Request, job_id: str, last_event_id: str | None = 
 
 @router.get("/v1/jobs/{job_id}")
 async def job_status(request: Request, job_id: str) -> dict[str, Any]:
-    await _authorize(request)
     meta = await _job_meta(request, job_id)
     events = await _svc(request).relay.read_events(job_id, -1)
     last = events[-1] if events else None
@@ -238,7 +242,6 @@ async def job_status(request: Request, job_id: str) -> dict[str, Any]:
 
 @router.delete("/v1/jobs/{job_id}")
 async def cancel_job(request: Request, job_id: str) -> dict[str, Any]:
-    await _authorize(request)
     await _job_meta(request, job_id)
     await _svc(request).queue.abort(job_id)
     return {"id": job_id, "object": "job", "status": "cancelling"}

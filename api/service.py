@@ -1,10 +1,12 @@
-"""The request path shared by every endpoint: validate and tokenize, response-cache lookup, backpressure,
-subscribe-then-enqueue. HTTP framing lives in ``api.streams`` and the route modules."""
+"""The request path shared by every endpoint: validate and tokenize, a seed for sampled requests, the response
+cache (per tenant), subscribe-then-admit (backpressure and enqueue in one round trip: ``api.admission``). HTTP
+framing lives in ``api.streams`` and the route modules."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Coroutine
@@ -44,6 +46,8 @@ class PreparedRequest:
     arrival: float = field(default_factory=time.monotonic)
     cache_key: str | None = None
     echo: str | None = None  # completions with echo: the prompt text, sent before the generated text
+    tenant: str = ""  # the caller's API key id (api.auth.key_id), "" without keys: owns the job
+    is_cache_hit: bool = False  # answered from the response cache (X-Cache: hit)
 
     @property
     def n(self) -> int:
@@ -51,7 +55,7 @@ class PreparedRequest:
 
     def meta(self) -> JobMeta:
         """What /v1/jobs/{id}/events needs to format this job's events."""
-        return JobMeta(self.kind, self.model, self.created, self.n, self.include_usage, self.echo)
+        return JobMeta(self.kind, self.model, self.created, self.n, self.include_usage, self.echo, self.tenant)
 
 
 class CompletionService:
@@ -110,13 +114,16 @@ class CompletionService:
             raise bad_request(f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", "prompt")
         return ids
 
-    def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
+    def prepare_completion(self, req: CompletionRequest, tenant: str = "") -> PreparedRequest:
         """One prompt (a string or token ids); several go through ``prepare_completions``."""
-        (prep,) = self.prepare_completions(req, max_prompts=1)
+        (prep,) = self.prepare_completions(req, tenant, max_prompts=1)
         return prep
 
-    def prepare_completions(self, req: CompletionRequest, max_prompts: int = MAX_PROMPTS) -> list[PreparedRequest]:
-        """One job per prompt of a (possibly batched) completion request; all are validated before any runs."""
+    def prepare_completions(
+        self, req: CompletionRequest, tenant: str = "", max_prompts: int = MAX_PROMPTS
+    ) -> list[PreparedRequest]:
+        """One job per prompt of a (possibly batched) completion request; all are validated before any runs.
+        ``tenant``: the caller's key id (``api.auth.key_id``), owner of the jobs and their cache namespace."""
         self.check_model(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
@@ -131,13 +138,13 @@ class CompletionService:
         preps = []
         for prompt in prompts:
             ids = self._prompt_ids(prompt)
-            prep = self._prepared("completion", "cmpl", req, ids, req.max_tokens, req.logprobs)
+            prep = self._prepared("completion", "cmpl", req, ids, req.max_tokens, req.logprobs, tenant)
             if req.echo:
                 prep.echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
             preps.append(prep)
         return preps
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+    def prepare_chat(self, req: ChatCompletionRequest, tenant: str = "") -> PreparedRequest:
         self.check_model(req.model)
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
         try:
@@ -145,7 +152,7 @@ class CompletionService:
             logprobs = req.num_logprobs()
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from exc
-        return self._prepared("chat", "chatcmpl", req, ids, req.requested_max_tokens(), logprobs)
+        return self._prepared("chat", "chatcmpl", req, ids, req.requested_max_tokens(), logprobs, tenant)
 
     def _prepared(
         self,
@@ -155,6 +162,7 @@ class CompletionService:
         ids: list[int],
         requested_max: int | None,
         logprobs: int | None,
+        tenant: str,
     ) -> PreparedRequest:
         refused = req.unsupported()
         if refused is not None:
@@ -175,9 +183,15 @@ class CompletionService:
             req.stream,
             req.include_usage,
             req.priority,
+            tenant=tenant,
         )
-        if self.cache is not None and is_cacheable(params):
-            prep.cache_key = self.cache.key(self.model_name, ids, params)
+        if self.cache is not None and is_cacheable(params):  # before the seed below: that one is ours
+            namespace = "" if self.settings.shared_response_cache else tenant
+            prep.cache_key = self.cache.key(self.model_name, ids, params, namespace)
+        if params.seed is None and params.temperature > 0.0:
+            # the job's own seed, so a rerun after failover samples the same tokens (the worker then continues
+            # a stream where it stopped). Greedy jobs need none (and a seed costs the engine a generator).
+            params.seed = secrets.randbits(63)  # os.urandom: distinct in every API process
         return prep
 
     # -- cache, queue ---------------------------------------------------------------------------------------
@@ -189,6 +203,7 @@ class CompletionService:
             self.metrics.cache_misses.inc()
             return None
         self.metrics.cache_hits.inc()
+        prep.is_cache_hit = True
         return JobResult.from_json(hit)
 
     async def remember(self, prep: PreparedRequest, result: JobResult) -> None:
@@ -210,29 +225,28 @@ class CompletionService:
             current_context_carrier(),
         )
 
-    async def _check_room(self) -> None:
+    async def _admit(self, prep: PreparedRequest, payload: JobPayload) -> None:
         try:
-            await self.queue.check_room()
-        except ApiError:
-            self.metrics.rejected.labels("queue_full").inc()
+            await self.queue.admit(payload, prep.meta())
+        except ApiError as exc:
+            if exc.code in ("queue_full", "no_live_worker"):
+                self.metrics.rejected.labels(exc.code).inc()
             raise
 
     async def enqueue_detached(self, prep: PreparedRequest) -> None:
         """Queue a job nobody is listening to yet (/v1/jobs): its events are read from the list later."""
-        await self._check_room()
         payload = self.payload(prep)
         payload.stream = True
-        await self.queue.enqueue(payload, prep.meta())
+        await self._admit(prep, payload)
 
     async def submit(self, prep: PreparedRequest) -> Subscription:
         """Listen for the job's events, then enqueue it: no event can be published before we listen. They come
         through this process's reply channel, batched per engine step with its other jobs' events."""
-        await self._check_room()
-        sub = await self.relay.subscribe(prep.request_id, own_channel=False)
+        sub = await self.relay.subscribe(prep.request_id, own_channel=False)  # local: no round trip
         try:
             payload = self.payload(prep)
             payload.reply_channel = self.relay.reply_channel
-            await self.queue.enqueue(payload, prep.meta())
+            await self._admit(prep, payload)
         except BaseException:
             await self.relay.unsubscribe(sub)
             raise

@@ -24,8 +24,14 @@ class ApiSettings:
     events_ttl_s: int = 3600  # how long a job's events stay readable for resume / /v1/jobs
     response_cache: bool = True
     response_cache_ttl_s: int = 3600
+    # with API keys on, each key has its own cache namespace; True shares one cache between keys (an answer
+    # computed for one key may then be served to another)
+    shared_response_cache: bool = False
     max_body_bytes: int = 1 << 20  # larger bodies get 413
     worker_ttl_s: float = 10.0  # a worker is live while its heartbeat is younger than this
+    # with no live worker, requests are still queued until none has been live for this long (a restart's gap;
+    # counted from this process's start when it never saw one); 0 = 503 at once, inf = always queue
+    queue_without_workers_s: float = 0.0
     otel_exporter: str = "none"  # none | console | otlp
     cors_origins: tuple[str, ...] = ()
 
@@ -36,6 +42,8 @@ class ApiSettings:
             raise ValueError("queue_deadline_s and request_timeout_s must be > 0")
         if self.rate_limit_rps < 0 or self.rate_limit_burst < 1:
             raise ValueError("rate_limit_rps must be >= 0 and rate_limit_burst >= 1")
+        if not self.queue_without_workers_s >= 0:  # also refuses NaN
+            raise ValueError(f"queue_without_workers_s must be >= 0, got {self.queue_without_workers_s}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.otel_exporter not in ("none", "console", "otlp"):

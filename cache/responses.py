@@ -1,7 +1,8 @@
 """Exact-match response cache in Redis for deterministic requests (greedy, or seeded; n == 1).
 
 Keyed by a canonical hash of (model, prompt token ids, sampling params): the same request always hashes the
-same, whatever key order or float spelling the client used. Entries carry a TTL. Stdlib, redis and ``wire``
+same, whatever key order or float spelling the client used. Entries carry a TTL. Each tenant (API key) has its
+own namespace, so one key's answers are never served to another; the empty namespace is the shared cache. Stdlib, redis and ``wire``
 (itself stdlib only); the caller passes the key prefix so the key names stay in one module (``wire.keys``).
 """
 
@@ -56,10 +57,12 @@ class ResponseCache:
         self.ttl_s = ttl_s
         self.counters = CacheCounters()  # this process's hits/misses
 
-    def key(self, model: str, prompt_token_ids: list[int], params: SamplingSpec) -> str:
+    def key(self, model: str, prompt_token_ids: list[int], params: SamplingSpec, namespace: str = "") -> str:
         """Every field of ``params`` counts (``to_dict``: int ``logit_bias`` keys, so they sort as numbers and
-        the digest is the one the former plain-dict params gave)."""
-        return self._prefix + canonical_digest(model, prompt_token_ids, params.to_dict())
+        the digest is the one the former plain-dict params gave). ``namespace`` (a tenant id, hex) comes before
+        the digest: ``prefix + namespace + ":" + digest``; "" keeps the shared ``prefix + digest``."""
+        digest = canonical_digest(model, prompt_token_ids, params.to_dict())
+        return f"{self._prefix}{namespace}:{digest}" if namespace else self._prefix + digest
 
     async def get(self, key: str) -> dict[str, Any] | None:
         raw = await self._redis.get(key)

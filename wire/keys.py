@@ -27,9 +27,10 @@ ARQ_ABORT_SET = "arq:abort"
 WORKERS = f"{PREFIX}:workers"
 WORKER_PREFIX = f"{PREFIX}:worker:"
 
-CACHE_PREFIX = f"{PREFIX}:cache:"  # response cache entries: CACHE_PREFIX + sha256 hex
+# response cache entries: CACHE_PREFIX + [tenant (API key id) + ":"] + sha256 hex; no tenant = the shared cache
+CACHE_PREFIX = f"{PREFIX}:cache:"
 CACHE_STATS = f"{PREFIX}:cache-stats"  # hash: hits, misses (shared by all API nodes)
-RATE_LIMIT_PREFIX = f"{PREFIX}:ratelimit:"  # token bucket per API key hash
+RATE_LIMIT_PREFIX = f"{PREFIX}:ratelimit:"  # token bucket per API key id (api.auth.key_id)
 
 
 def stream_channel(job_id: str) -> str:
@@ -48,7 +49,8 @@ def result_key(job_id: str) -> str:
 
 
 def job_meta_key(job_id: str) -> str:
-    """What the API needs to format a job's events later (endpoint kind, model, created): /v1/jobs/{id}/events."""
+    """What the API needs to format a job's events later (endpoint kind, model, created) and the API key id that
+    owns the job: /v1/jobs/{id}/events. Written with the arq job by one script (api.admission)."""
     return f"{PREFIX}:job:{job_id}"
 
 

@@ -75,6 +75,7 @@ class JobMeta:
     n: int  # samples (choices) per prompt
     include_usage: bool  # stream_options.include_usage: a usage chunk before [DONE]
     echo: str | None = None  # completions with echo: the prompt text, sent before the generated text
+    owner: str = ""  # the id of the API key that created the job (api.auth.key_id; "" without keys)
 
     def __post_init__(self) -> None:
         if self.kind not in get_args(JobKind):

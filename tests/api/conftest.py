@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -58,7 +59,10 @@ class ServerThread:
 
 
 def start_api(redis_server: RedisServer, **overrides: object) -> ServerThread:
-    settings = ApiSettings(redis_url=redis_server.url, **overrides)  # type: ignore[arg-type]
+    """The scripted worker sends no heartbeats, so these APIs queue without a live worker unless a test sets
+    ``queue_without_workers_s`` (the default of ApiSettings answers 503 at once)."""
+    values: dict[str, object] = {"queue_without_workers_s": math.inf, **overrides}
+    settings = ApiSettings(redis_url=redis_server.url, **values)  # type: ignore[arg-type]
     return ServerThread(settings).start()
 
 

@@ -73,7 +73,7 @@ async def collect(svc: CompletionService, prep: PreparedRequest, sub: Subscripti
     finally:
         for task in (waiter, watcher):
             task.cancel()
-        svc.spawn(svc.release(sub, abort=not finished))
+        svc.spawn(_release(svc, sub, abort=not finished))
     if isinstance(ev, ErrorEvent):
         svc.metrics.errors.labels(str(ev.status)).inc()
         raise _error_from_event(ev)
@@ -116,7 +116,7 @@ async def job_chunks(
         yield error_body("internal server error", "server_error")
     finally:
         if sub is not None:
-            svc.spawn(svc.release(sub, abort=not state.finished))
+            svc.spawn(_release(svc, sub, abort=not state.finished))
 
 
 async def _relayed_chunks(
@@ -140,6 +140,14 @@ async def _relayed_chunks(
             state.finished = True
             svc.metrics.errors.labels(str(ev.status)).inc()
             yield error_body(ev.message, ev.type, code=ev.code)
+
+
+async def _release(svc: CompletionService, sub: Subscription, abort: bool) -> None:
+    """``svc.release`` in the background; with Redis away the abort is logged, not raised into the void."""
+    try:
+        await svc.release(sub, abort)
+    except (RedisError, OSError) as exc:
+        logger.warning("could not release %s: %s", sub.job_id, exc)
 
 
 async def _remember(svc: CompletionService, prep: PreparedRequest, result: JobResult) -> None:

@@ -263,6 +263,7 @@ async def _clients(conn: Connection, url: str, model: str, streams: int, deltas:
 def _start_api(redis_url: str, workers: int, port: int) -> tuple[subprocess.Popen[bytes], str]:
     cmd = [sys.executable, "-m", "deploy.cli", "api", "--redis-url", redis_url, "--port", str(port)]
     cmd += ["--api-workers", str(workers), "--no-response-cache", "--max-queue-depth", "1000000"]
+    cmd += ["--queue-without-workers-s", "inf"]  # the fake worker sends no heartbeats
     proc = subprocess.Popen([*cmd, "--log-level", "warning"])
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:

@@ -3,14 +3,20 @@
 
 A rank that dies takes the engine down with a clear error (a watchdog in rank 0 exits the process),
 so the job queue retries the work elsewhere instead of hanging in a collective.
+
+The ranks live exactly as long as their executor: ``shutdown()``, the executor being garbage-collected
+(``weakref.finalize``; nothing else holds it, the watchdog included) or the interpreter exiting stops them
+and leaves this process's process group, so a later engine in the same process starts clean.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import socket
 import threading
-import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -91,6 +97,11 @@ class MultiprocExecutor:
     """Tensor-parallel size N > 1: spawns ranks 1..N-1, rank 0 in this process."""
 
     def __init__(self, config: EngineConfig, files: modelfiles.ModelFiles) -> None:
+        if torch.distributed.is_initialized():  # rank 0 would reuse that group, whose peers never answer: a hang
+            raise RuntimeError(
+                "torch.distributed is already initialized in this process (another tensor-parallel engine is "
+                "alive?): call shutdown() on it (or use `with LLM(...) as llm:`) before building a new one"
+            )
         world_size = config.parallel.tensor_parallel_size
         init_method = config.parallel.distributed_init_method or f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
@@ -104,10 +115,23 @@ class MultiprocExecutor:
             )
             for rank in range(1, world_size)
         ]
+        self._closing = threading.Event()
+        # holds no reference to self: runs when the executor is collected, at exit, or on shutdown()
+        self._finalizer = weakref.finalize(self, _stop_ranks, self.procs, self.inboxes, self._closing)
+        # registered after multiprocessing's own exit hook, so it runs first (atexit is LIFO): the ranks are
+        # told to stop before multiprocessing terminates them, which the watchdog would take for a crash
+        atexit.register(self._finalizer)
+        try:
+            self._start(config, files, world_size, init_method)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _start(self, config: EngineConfig, files: modelfiles.ModelFiles, world_size: int, init_method: str) -> None:
         for p in self.procs:
             p.start()
-        self._closing = False
-        threading.Thread(target=self._watchdog, daemon=True, name="tp-watchdog").start()
+        watchdog = threading.Thread(target=_watchdog, args=(self.procs, self._closing), daemon=True, name="tp-watchdog")
+        watchdog.start()
         device = pick_device(config)
         if device.type == "cuda":
             torch.cuda.set_device(0)
@@ -118,18 +142,11 @@ class MultiprocExecutor:
         self.hf_config = self.runner.hf_config
         self.device = self.runner.device
 
-    def _watchdog(self) -> None:
-        while not self._closing:
-            for p in self.procs:
-                if not p.is_alive() and not self._closing:
-                    message = f"tensor-parallel rank {p.name} died (exit code {p.exitcode}): stopping\n"
-                    os.write(2, message.encode())  # unbuffered: nothing may stand between this line and the exit
-                    os._exit(70)  # a collective with a dead peer would hang; die so the queue retries the job
-            time.sleep(0.2)
-
     def execute_model(self, inputs: StepInputs, fill: TokenFill | None = None) -> torch.Tensor:
         if fill is not None:
             raise ValueError("device-side input tokens need a single rank (asynchronous scheduling is off at TP > 1)")
+        if not self._finalizer.alive:
+            raise RuntimeError("this tensor-parallel executor was shut down")
         message = StepMessage(inputs)
         for inbox in self.inboxes:
             inbox.put(message)
@@ -143,15 +160,37 @@ class MultiprocExecutor:
             raise
 
     def shutdown(self) -> None:
-        self._closing = True
-        for inbox in self.inboxes:
-            inbox.put(ShutdownMessage())
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        """Stop the ranks and leave the process group (idempotent)."""
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+
+
+def _watchdog(procs: list[Any], closing: threading.Event) -> None:
+    """Exit the process when a rank dies: a collective with a dead peer would hang; the queue retries the job."""
+    while not closing.wait(0.2):
+        for p in procs:
+            if not p.is_alive() and not closing.is_set():
+                message = f"tensor-parallel rank {p.name} died (exit code {p.exitcode}): stopping\n"
+                os.write(2, message.encode())  # unbuffered: nothing may stand between this line and the exit
+                os._exit(70)
+
+
+def _stop_ranks(procs: list[Any], inboxes: list[Any], closing: threading.Event) -> None:
+    """Tell every rank to stop, wait for it (kill it after 10 s), then leave the process group."""
+    closing.set()  # first: the watchdog must not take the ranks' exit for a crash
+    for inbox, p in zip(inboxes, procs, strict=True):
+        if p.is_alive():
+            with contextlib.suppress(OSError, ValueError):  # its end of the pipe may be gone with it
+                inbox.put(ShutdownMessage())
+    for p in procs:
+        if p.pid is None:  # never started
+            continue
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def make_executor(config: EngineConfig, files: modelfiles.ModelFiles) -> Executor:

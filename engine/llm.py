@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
+from types import TracebackType
 from typing import Any
 
 from tqdm import tqdm
@@ -18,7 +20,10 @@ PromptType = str | dict[str, Any]
 
 
 class LLM:
-    """``LLM(model=DIR).generate(prompts, params)`` runs every prompt as one continuous batch."""
+    """``LLM(model=DIR).generate(prompts, params)`` runs every prompt as one continuous batch.
+
+    Its tensor-parallel ranks stop on ``shutdown()``, at the end of ``with LLM(...) as llm:``, when the ``LLM``
+    is garbage-collected, or at interpreter exit, whichever comes first."""
 
     def __init__(self, model: str = "", **kwargs: Any) -> None:
         """``kwargs`` are ``EngineArgs`` fields (vLLM's names: ``max_num_seqs``, ``tensor_parallel_size``...);
@@ -29,6 +34,15 @@ class LLM:
             raise TypeError(f"LLM() got unexpected keyword argument(s): {', '.join(unknown)}")
         config = EngineArgs(model=model, **kwargs).create_engine_config()
         self.engine = Engine(config)
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)  # references the engine, not self
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.shutdown()
 
     _processor: OutputProcessor | None = None
 
@@ -43,6 +57,8 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. Bad prompts raise ``ValueError`` before anything runs."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM was shut down")
         items = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -119,4 +135,5 @@ class LLM:
         return [results[i] for i in ids]
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Stop the engine (its tensor-parallel ranks); idempotent. The ``LLM`` cannot generate afterwards."""
+        self._finalizer()

@@ -1,0 +1,81 @@
+"""A tensor-parallel ``LLM``'s ranks live exactly as long as it does (issue #15): dropped and rebuilt in one
+process, with ``with``, and at interpreter exit, on CPU (gloo) with a tiny random checkpoint. Each scenario
+runs in its own interpreter under a timeout, since the bug this guards against is a hang."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import build_tiny_model
+
+SCRIPT = textwrap.dedent(
+    """
+    import gc, json, sys
+    import psutil
+    from engine import LLM, SamplingParams
+
+    folder = sys.argv[1]
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+
+    def build():
+        return LLM(folder, device="cpu", tensor_parallel_size=2, num_gpu_blocks_override=16)
+
+    def tokens(llm):
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    def running(pids):
+        return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+    expected = None
+    for _ in range(2):  # dropped without shutdown(), then rebuilt
+        llm = build()
+        got = tokens(llm)
+        expected = expected or got
+        assert got == expected, (got, expected)
+        pids = [p.pid for p in llm.engine.executor.procs]
+        del llm
+        gc.collect()
+        assert not running(pids), "ranks outlived their LLM"
+
+    with build() as llm:
+        assert tokens(llm) == expected
+        pids = [p.pid for p in llm.engine.executor.procs]
+    assert not running(pids), "ranks outlived the with block"
+    try:
+        tokens(llm)
+        raise AssertionError("generate() after shutdown() did not raise")
+    except RuntimeError as exc:
+        assert "shut down" in str(exc), exc
+
+    alive = build()  # left running: a second one at the same time is refused, then the exit stops it
+    try:
+        build()
+        raise AssertionError("a second TP engine beside a live one was built")
+    except RuntimeError as exc:
+        assert "already initialized" in str(exc), exc
+    assert tokens(alive) == expected
+    print(json.dumps([p.pid for p in alive.engine.executor.procs]))
+    """
+)
+
+
+@pytest.mark.slow  # four TP=2 engines on CPU: ~40 s on an idle 2-core machine
+def test_tp_engine_dropped_rebuilt_and_left_at_exit(tmp_path: Path) -> None:
+    folder = build_tiny_model(tmp_path / "model", "llama", seed=4)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(folder)], capture_output=True, text=True, timeout=420, cwd=Path.cwd()
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    left_pids = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert left_pids
+    leftovers = [p for p in left_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not leftovers, "ranks outlived the interpreter"
+    assert "died" not in proc.stderr  # the watchdog did not take the exit for a crash

@@ -41,7 +41,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's usage in every chunk: not implemented, refused when true
 
 
-# OpenAI's and vLLM's parameters this server does not implement: null (or a value in _NO_OP) is accepted,
+# OpenAI's and vLLM's parameters this server does not implement: null (or its no-op value in _NO_OP) is accepted,
 # anything else is a 400 with this message, never silently ignored
 NOT_IMPLEMENTED: dict[str, str] = {
     "response_format": "response_format other than text (JSON mode, schemas) is not supported",

@@ -19,12 +19,15 @@ from typing import Any
 from arq.constants import in_progress_key_prefix
 from arq.worker import Worker
 
-# KEYS: the queue; ARGV: in-progress ttl ms, now ms, in-progress prefix, job ids. Returns [id, score, ...] of
-# the jobs claimed: not in progress elsewhere, still queued, due.
+# KEYS: the queue; ARGV: in-progress ttl ms, now ms, in-progress prefix, how many to claim at most, job ids.
+# Returns [id, score, ...] of the jobs claimed: not in progress elsewhere, still queued, due. The ids are all
+# that the poll read (arq reads 5x max_jobs), not only the first ``room``: a queue's oldest jobs may be running on
+# other workers (they stay queued until done), and a worker that only tried those would take nothing.
 _CLAIM_SCRIPT = """
 local claimed = {}
-local ttl, now, prefix = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
-for i = 4, #ARGV do
+local ttl, now, prefix, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], 2 * tonumber(ARGV[4])
+for i = 5, #ARGV do
+  if #claimed >= limit then break end
   local id = ARGV[i]
   local score = redis.call('ZSCORE', KEYS[1], id)
   if score and tonumber(score) <= now and redis.call('EXISTS', prefix .. id) == 0 then
@@ -61,12 +64,12 @@ class BatchClaimWorker(Worker):
         room = self.max_jobs - self.job_counter
         if room <= 0 or not job_ids:
             return
-        candidates = [j.decode() for j in job_ids[:room]]
+        candidates = [j.decode() for j in job_ids]
         now_ms = int(time.time() * 1000)
         ttl_ms = int(self.in_progress_timeout_s * 1000)
         if self._claim is None:
             self._claim = self.pool.register_script(_CLAIM_SCRIPT)  # EVALSHA, the text only when missing
-        args = [ttl_ms, now_ms, in_progress_key_prefix, *candidates]
+        args = [ttl_ms, now_ms, in_progress_key_prefix, room, *candidates]
         reply = await self._claim(keys=[self.queue_name], args=args)
         for k in range(0, len(reply), 2):
             await self.sem.acquire()

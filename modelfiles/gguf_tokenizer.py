@@ -2,8 +2,8 @@
 
 A GGUF has no ``tokenizer.json``: it stores the vocabulary, merges, token types and special token ids as
 metadata under llama.cpp's key names. This builds the same fast tokenizer that transformers' GGUF reader
-builds (byte-level BPE: GPT-2, SmolLM, Llama 3, Qwen2...), which the tests check token for token, but
-transformers' reader imports torch and API nodes have none.
+builds (byte-level BPE: GPT-2, SmolLM, Llama 3, Qwen2...; SentencePiece BPE: Llama 2, Mistral), which the
+tests check token for token, but transformers' reader imports torch and API nodes have none.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ TOKEN_TYPE_USER_DEFINED = 4
 # transformers' GPT-2 class makes this its default BOS/EOS/UNK and so a special token
 GPT2_DEFAULT_SPECIAL = "<|endoftext|>"
 # Tokenizer models (tokenizer.ggml.model) this module builds; others go through transformers (with torch).
-SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
+# transformers' Llama class registers these (its defaults) as special tokens
+LLAMA_DEFAULT_SPECIALS = ("<unk>", "<s>", "</s>")
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -99,8 +101,12 @@ def build_gguf_tokenizer(metadata: dict[str, Any]) -> GgufTokenizer:
         )
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
     token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or ())
-    tokenizer = _byte_level_bpe(tokens, metadata)
-    _add_special_tokens(tokenizer, tokens, token_types)
+    if model == "gpt2":
+        tokenizer = _byte_level_bpe(tokens, metadata)
+        _add_special_tokens(tokenizer, tokens, token_types, byte_level=True)
+    else:
+        tokenizer = _sentencepiece_bpe(tokens, metadata)
+        _add_special_tokens(tokenizer, tokens, token_types, byte_level=False)
     split = PRE_TOKENIZER_SPLITS.get(str(metadata.get("tokenizer.ggml.pre")))
     if split is not None:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -115,6 +121,8 @@ def build_gguf_tokenizer(metadata: dict[str, Any]) -> GgufTokenizer:
 def tokenizer_config(metadata: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
     """Special tokens by text (None where the file names none), the chat template and BOS/EOS flags."""
     config: dict[str, Any] = {}
+    if tokenizer_model(metadata) == "llama":  # llama.cpp adds BOS to a SentencePiece vocabulary unless told not to
+        config["add_bos_token"] = True
     if "tokenizer.chat_template" in metadata:
         config["chat_template"] = str(metadata["tokenizer.chat_template"])
     for flag in ("add_bos_token", "add_eos_token"):
@@ -152,24 +160,57 @@ def _byte_level_bpe(tokens: list[str], metadata: dict[str, Any]) -> Tokenizer:
     return tokenizer
 
 
-def _add_special_tokens(tokenizer: Tokenizer, tokens: list[str], token_types: list[int]) -> None:
+def _sentencepiece_bpe(tokens: list[str], metadata: dict[str, Any]) -> Tokenizer:
+    """SentencePiece BPE as transformers' Llama class builds it: byte fallback (``<0x0A>``), ``▁`` for spaces, a
+    prefix space on the first word. Files without merges get them rebuilt from the vocabulary's scores."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in metadata:
+        merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
+    else:
+        merges = merges_from_scores(vocab, dict(zip(tokens, metadata["tokenizer.ggml.scores"], strict=True)))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    tokenizer.normalizer = None
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)]
+    )
+    return tokenizer
+
+
+def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens of the vocabulary is a merge, ranked by the token's score (then
+    by the pieces' lengths), as transformers' ``generate_merges`` ranks them."""
+    ranked: list[tuple[str, str, float]] = []
+    for token, score in scores.items():
+        pairs = [
+            (token[:i], token[i:], score) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab
+        ]
+        ranked.extend(sorted(pairs, key=lambda pair: (vocab[pair[0]], vocab[pair[1]])))
+    ranked.sort(key=lambda pair: (pair[2], len(pair[0]), len(pair[1])), reverse=True)
+    return [(left, right) for left, right, _ in ranked]
+
+
+def _add_special_tokens(tokenizer: Tokenizer, tokens: list[str], token_types: list[int], byte_level: bool) -> None:
     """Control tokens (``<|im_end|>``) become special added tokens, user-defined ones (``<think>``) plain added
-    tokens, so that both stay whole. A control token spelled outside the byte alphabet is a llama.cpp mislabel:
-    adding it would grow the vocabulary past the model's, so it is skipped (as transformers does)."""
+    tokens, so that both stay whole. A byte-level control token spelled outside the byte alphabet is a llama.cpp
+    mislabel: adding it would grow the vocabulary past the model's, so it is skipped (as transformers does)."""
     alphabet = set(bytes_to_unicode().values())
     control = [
         AddedToken(token, normalized=False, special=True)
         for token, token_type in zip(tokens, token_types, strict=False)
-        if token_type == TOKEN_TYPE_CONTROL and set(token) <= alphabet
+        if token_type == TOKEN_TYPE_CONTROL and (not byte_level or set(token) <= alphabet)
     ]
     if control:
         tokenizer.add_special_tokens(control)
     vocab = tokenizer.get_vocab(with_added_tokens=True)
-    # transformers registers GPT-2's default special token too: where the vocabulary has it, it is kept whole
-    # here as well; where it has not, transformers appends it past the model's vocabulary (an id with no
-    # embedding), which is not copied.
-    if GPT2_DEFAULT_SPECIAL in vocab and GPT2_DEFAULT_SPECIAL not in {t.content for t in control}:
-        tokenizer.add_special_tokens([AddedToken(GPT2_DEFAULT_SPECIAL, normalized=False, special=True)])
+    # transformers registers its class's default special tokens too: where the vocabulary has them, they are
+    # kept whole here as well; where it has not, transformers appends them past the model's vocabulary (ids
+    # with no embedding), which is not copied.
+    defaults = [GPT2_DEFAULT_SPECIAL] if byte_level else list(LLAMA_DEFAULT_SPECIALS)
+    added = {t.content for t in control}
+    extra = [AddedToken(t, normalized=False, special=True) for t in defaults if t in vocab and t not in added]
+    if extra:
+        tokenizer.add_special_tokens(extra)
     user_defined = [
         AddedToken(token, normalized=False, special=False)
         for token, token_type in zip(tokens, token_types, strict=False)

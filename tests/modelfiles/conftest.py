@@ -62,6 +62,53 @@ def write_tiny_gguf(
     return path
 
 
+_SPM_PIECES = ["▁t", "he", "▁the", "▁w", "or", "ld", "▁wor", "▁world", "in", "▁a", "er", "▁h", "▁he", "ll", "▁hell"]
+_SPM_CHARS = ["▁", *"thewordlainsxc"]
+
+
+def write_tiny_spm_gguf(path: Path, with_merges: bool, add_bos: bool | None) -> Path:
+    """A GGUF with a tiny SentencePiece (llama.cpp "llama") tokenizer: <unk> <s> </s>, the 256 byte tokens,
+    scored pieces, control and user-defined tokens; merges in the file or only scores."""
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *_SPM_PIECES, *_SPM_CHARS]
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(_SPM_PIECES) + len(_SPM_CHARS))
+    scores = [0.0] * 259 + [-float(i) for i in range(len(_SPM_PIECES))] + [-100.0 - i for i in range(len(_SPM_CHARS))]
+    tokens += ["<|im_start|>", "<|im_end|>", "<think>"]
+    types += [3, 3, 4]
+    scores += [0.0, 0.0, 0.0]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny spm model")
+    writer.add_context_length(128)
+    writer.add_block_count(2)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(4)
+    writer.add_rope_dimension_count(16)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    if with_merges:
+        writer.add_token_merges(["▁ t", "h e", "▁t he", "▁ w", "o r", "l d", "▁w or", "▁wor ld", "i n", "▁ a", "e r"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    writer.add_chat_template(TINY_CHAT_TEMPLATE.replace("<|start_header_id|>", "<|im_start|>"))
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), dtype=np.float32))
+    writer.add_tensor("output.weight", np.zeros((len(tokens), 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def transformers_folder(gguf_path: Path, folder: Path) -> Path:
     """What transformers' own GGUF reader makes of ``gguf_path`` (the folder pagedserve wrote before #14)."""
     from transformers import AutoConfig, AutoTokenizer

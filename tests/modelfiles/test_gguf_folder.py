@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from api.tokenizer import PromptTokenizer
 from modelfiles.gguf_folder import content_key, gguf_folder
-from tests.modelfiles.conftest import load_hf_tokenizer, transformers_folder, write_tiny_gguf
+from tests.modelfiles.conftest import load_hf_tokenizer, transformers_folder, write_tiny_gguf, write_tiny_spm_gguf
 
 TEXTS = [
     "Hello world",
@@ -135,6 +135,18 @@ def test_tiny_gguf_folder_equals_transformers_conversion(
     assert_same_tokenizer(folder, reference)
     bos_id = load_hf_tokenizer(folder).bos_token_id
     assert (PromptTokenizer(folder).encode("hi")[0] == bos_id) is add_bos
+
+
+@pytest.mark.parametrize(("with_merges", "add_bos"), [(False, None), (True, False)])
+def test_tiny_sentencepiece_gguf_folder_equals_transformers_conversion(
+    tmp_path: Path, with_merges: bool, add_bos: bool | None
+) -> None:
+    """Llama 2 / Mistral style: byte fallback, merges rebuilt from scores where the file has none, BOS by default."""
+    gguf_path = write_tiny_spm_gguf(tmp_path / "spm.gguf", with_merges, add_bos)
+    reference = transformers_folder(gguf_path, tmp_path / "reference")
+    folder = gguf_folder(gguf_path, tmp_path / "cache")
+    assert_same_tokenizer(folder, reference)
+    assert (PromptTokenizer(folder).encode("the world")[0] == 1) is (add_bos is None)
 
 
 def test_cache_key_follows_content_not_path_or_mtime(tmp_path: Path) -> None:

@@ -26,7 +26,9 @@ import httpx
 import pytest
 import redis
 import redis.asyncio as aioredis
+from fastapi import FastAPI
 
+from api.relay import EventRelay
 from deploy.redis_server import RedisServer
 from deploy.supervisor import GaveUpError, RestartPolicy, Supervisor, popen_in_own_group
 from tests.api.conftest import MODEL, ScriptedWorker, ServerThread, start_api
@@ -57,8 +59,10 @@ def api(own_redis: RedisServer) -> Iterator[ServerThread]:
     server.stop()
 
 
-def _relay(api: ServerThread) -> Any:
-    return api.server.config.app.state.svc.relay
+def _relay(api: ServerThread) -> EventRelay:
+    app: FastAPI = api.server.config.app  # type: ignore[assignment]
+    relay: EventRelay = app.state.svc.relay
+    return relay
 
 
 async def _read(client: httpx.AsyncClient) -> dict[str, Any]:

@@ -7,6 +7,7 @@ for the module, faults injected with SIGKILL (``kill -9``) into its children:
 - the private redis-server, with streams running and requests queued: the launcher restarts it (its
   append-only file keeps the queue), /ready says 503 meanwhile and 200 after; every request accepted before
   the kill completes or ends with an explicit error; a new request succeeds.
+- the API: restarted, and serving again.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import psutil
@@ -35,6 +36,7 @@ from wire.messages import WorkerHeartbeat
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 48
+T = TypeVar("T")
 
 
 @dataclass
@@ -69,12 +71,19 @@ class Stack:
     def heartbeat_pids(self) -> set[int]:
         return set(self.heartbeats())
 
-    def wait(self, what: str, ok: Any, timeout_s: float = 150) -> None:
+    def busy_worker(self) -> psutil.Process | None:
+        """A worker process whose heartbeat reports running jobs."""
+        busy = {pid for pid, beat in self.heartbeats().items() if beat.active_jobs}
+        return next((c for c in self.children("deploy.cli worker") if c.pid in busy), None)
+
+    def wait(self, what: str, ok: Callable[[], T | None], timeout_s: float = 150) -> T:
+        """Until ``ok()`` is truthy (returned); the stack must stay up meanwhile."""
         deadline = time.monotonic() + timeout_s
-        while not ok():
+        while not (value := ok()):
             assert self.proc.poll() is None, f"pagedserve serve exited (status {self.proc.returncode})"
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             time.sleep(0.2)
+        return value
 
     def ready(self) -> int:
         try:
@@ -143,8 +152,7 @@ def test_killed_worker_is_restarted_while_its_streams_go_on_elsewhere(stack: Sta
     greedy = _streams(stack, ["Tell me about dragons.", "Describe a city.", "Explain rain."])
     sampled = _streams(stack, ["Write a poem."], temperature=1.0)
     assert all(r.started.wait(120) for r in greedy + sampled)
-    busy = [pid for pid, beat in stack.heartbeats().items() if beat.active_jobs]
-    (victim,) = [c for c in stack.children("deploy.cli worker") if c.pid == busy[0]]
+    victim = stack.wait("a worker reporting running jobs", stack.busy_worker, 10)
     victim.send_signal(signal.SIGKILL)
     assert not all(r.done for r in greedy + sampled), "all finished before the kill"
     _ended_clearly(greedy + sampled)
@@ -175,3 +183,11 @@ def test_killed_redis_is_restarted_and_accepted_requests_complete(stack: Stack) 
     _ended_clearly(running + queued)
     assert all(not r.errors for r in running + queued), [r.errors for r in running + queued]
     assert stack.complete("After the Redis restart,")["usage"]["completion_tokens"] == 4
+
+
+def test_killed_api_is_restarted(stack: Stack) -> None:
+    (api,) = stack.children("deploy.cli api")
+    api.send_signal(signal.SIGKILL)
+    stack.wait("the API's restart", lambda: [c.pid for c in stack.children("deploy.cli api")] not in ([], [api.pid]))
+    stack.wait("/ready after the API's restart", lambda: stack.ready() == 200, 60)
+    assert stack.complete("After the API restart,")["usage"]["completion_tokens"] == 4

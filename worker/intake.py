@@ -20,23 +20,29 @@ from arq.constants import in_progress_key_prefix
 from arq.worker import Worker
 
 # KEYS: the queue; ARGV: in-progress ttl ms, now ms, in-progress prefix, how many to claim at most, job ids.
-# Returns [id, score, ...] of the jobs claimed: not in progress elsewhere, still queued, due. The ids are all
-# that the poll read (arq reads 5x max_jobs), not only the first ``room``: a queue's oldest jobs may be running on
-# other workers (they stay queued until done), and a worker that only tried those would take nothing.
+# Returns {[id, score, ...] of the jobs claimed: not in progress elsewhere, still queued, due; [ids in progress
+# elsewhere]}. The ids are all that the poll read (arq reads 5x max_jobs), not only the first ``room``: a queue's
+# oldest jobs may be running on other workers (they stay queued until done), and a worker that only tried those
+# would take nothing. The worker skips those running elsewhere for a while (``skip_taken_s``), so that a burst's
+# polls by several workers do not check the same running jobs again and again (each check is Redis time).
 _CLAIM_SCRIPT = """
-local claimed = {}
+local claimed, taken = {}, {}
 local ttl, now, prefix, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], 2 * tonumber(ARGV[4])
 for i = 5, #ARGV do
   if #claimed >= limit then break end
   local id = ARGV[i]
   local score = redis.call('ZSCORE', KEYS[1], id)
-  if score and tonumber(score) <= now and redis.call('EXISTS', prefix .. id) == 0 then
-    redis.call('PSETEX', prefix .. id, ttl, '1')
-    claimed[#claimed + 1] = id
-    claimed[#claimed + 1] = score
+  if score and tonumber(score) <= now then
+    if redis.call('EXISTS', prefix .. id) == 0 then
+      redis.call('PSETEX', prefix .. id, ttl, '1')
+      claimed[#claimed + 1] = id
+      claimed[#claimed + 1] = score
+    else
+      taken[#taken + 1] = id
+    end
   end
 end
-return claimed
+return {claimed, taken}
 """
 
 
@@ -46,7 +52,11 @@ class BatchClaimWorker(Worker):
 
     _claim: Any = None
     _wake: asyncio.Event | None = None
+    _taken: dict[str, float] | None = None  # job id -> until when (monotonic s) not to try it again
     idle_poll_s = 0.02
+    # a job seen running elsewhere is not tried again for this long: if that worker dies, its job's lease
+    # (seconds) lapses first anyway, so this delays no failover by more than this
+    skip_taken_s = 1.0
 
     def wake(self) -> None:
         if self._wake is not None:
@@ -64,13 +74,23 @@ class BatchClaimWorker(Worker):
         room = self.max_jobs - self.job_counter
         if room <= 0 or not job_ids:
             return
-        candidates = [j.decode() for j in job_ids]
+        now = time.monotonic()
+        if self._taken is None:
+            self._taken = {}
+        elif len(self._taken) > 4 * len(job_ids):
+            self._taken = {j: until for j, until in self._taken.items() if until > now}
+        taken = self._taken
+        candidates = [j for j in (b.decode() for b in job_ids) if j not in self.tasks and taken.get(j, 0.0) <= now]
+        if not candidates:
+            return
         now_ms = int(time.time() * 1000)
         ttl_ms = int(self.in_progress_timeout_s * 1000)
         if self._claim is None:
             self._claim = self.pool.register_script(_CLAIM_SCRIPT)  # EVALSHA, the text only when missing
         args = [ttl_ms, now_ms, in_progress_key_prefix, room, *candidates]
-        reply = await self._claim(keys=[self.queue_name], args=args)
+        reply, running_elsewhere = await self._claim(keys=[self.queue_name], args=args)
+        for job_id in running_elsewhere:
+            taken[job_id.decode()] = now + self.skip_taken_s
         for k in range(0, len(reply), 2):
             await self.sem.acquire()
             self.job_counter += 1

@@ -110,7 +110,8 @@ async def test_a_stream_goes_on_after_redis_is_killed_and_restarted(api: ServerT
         await _write(own_redis.url, payload, 0, "Hel")
         await asyncio.sleep(0.3)
         _kill(own_redis)
-        assert (await client.get("/ready")).status_code == 503
+        ready = await client.get("/ready")
+        assert ready.status_code == 503 and ready.json()["status"] == "redis unavailable"
         await asyncio.sleep(1.0)  # the reader polls the (unreachable) events list meanwhile
         own_redis.start()  # same port, same append-only file: the job's first event is still there
         await _write(own_redis.url, payload, 1, "lo", "!", final=True)

@@ -171,6 +171,7 @@ def test_killed_worker_is_restarted_while_its_streams_go_on_elsewhere(stack: Sta
 def test_killed_redis_is_restarted_and_accepted_requests_complete(stack: Stack) -> None:
     stack.wait("two live workers", lambda: len(stack.heartbeat_pids()) == 2)
     (redis_proc,) = stack.children("redis-server")
+    workers = {c.pid for c in stack.children("deploy.cli worker")}
     running = _streams(stack, [f"Story number {i}:" for i in range(4)])
     assert all(r.started.wait(120) for r in running)
     queued = _streams(stack, ["A queued one:", "Another queued one:"])  # 2 workers x 2 seqs are busy
@@ -183,6 +184,7 @@ def test_killed_redis_is_restarted_and_accepted_requests_complete(stack: Stack) 
     _ended_clearly(running + queued)
     assert all(not r.errors for r in running + queued), [r.errors for r in running + queued]
     assert stack.complete("After the Redis restart,")["usage"]["completion_tokens"] == 4
+    assert {c.pid for c in stack.children("deploy.cli worker")} == workers  # they reconnected, none exited
 
 
 def test_killed_api_is_restarted(stack: Stack) -> None:

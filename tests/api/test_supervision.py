@@ -49,8 +49,15 @@ class Stack:
         return f"http://127.0.0.1:{self.port}"
 
     def children(self, word: str) -> list[psutil.Process]:
-        """The launcher's direct children whose command line has ``word``."""
-        return [c for c in psutil.Process(self.proc.pid).children() if word in " ".join(c.cmdline())]
+        """The launcher's live direct children whose command line has ``word`` (not one dead, not yet reaped)."""
+        found = []
+        for c in psutil.Process(self.proc.pid).children():
+            try:
+                if c.status() != psutil.STATUS_ZOMBIE and word in " ".join(c.cmdline()):
+                    found.append(c)
+            except psutil.Error:  # exited meanwhile
+                continue
+        return found
 
     @property
     def redis_url(self) -> str:

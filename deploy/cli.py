@@ -73,9 +73,8 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--worker-fronts",
         type=int,
-        default=0,
-        help="front processes per engine core sharing its per-token work (0 = auto: one per 128 --max-num-seqs "
-        "on a GPU, at most 4; one on CPU)",
+        default=1,
+        help="front processes per engine core, sharing its per-token work (each takes a share of the jobs)",
     )
 
 

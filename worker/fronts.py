@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import multiprocessing as mp
 import os
 import signal
@@ -31,20 +30,13 @@ from worker.settings import WorkerSettings
 logger = logging.getLogger(__name__)
 
 EXIT_FRONT_DIED = 5
-_STREAMS_PER_FRONT = 128  # auto: one front per this many sequences of the batch (measured: docs/benchmarks.md)
-_MAX_AUTO_FRONTS = 4
 
 
-def num_fronts(settings: WorkerSettings, config: EngineConfig) -> int:
-    """``settings.fronts``, or when 0 (auto): one per 128 sequences of ``max_num_seqs`` on a GPU node (at most
-    4, and at most a quarter of the cores), one on CPU (the engine itself needs the cores there)."""
-    if settings.fronts:
-        return settings.fronts
-    on_gpu = config.device == "cuda" or (config.device == "auto" and os.path.exists("/dev/nvidiactl"))
-    if not on_gpu:
-        return 1
-    wanted = math.ceil(config.scheduler.max_num_seqs / _STREAMS_PER_FRONT)
-    return max(1, min(wanted, _MAX_AUTO_FRONTS, (os.cpu_count() or 1) // 4))
+def num_fronts(settings: WorkerSettings) -> int:
+    """How many fronts the node runs (``--worker-fronts``). The default is one: on the H200 (8B shape, one wave
+    of 256-token streams) four fronts gave 0.65x the engine at 256 streams against one front's 0.92x, and 0.77x
+    against 0.75x at 512 (docs/benchmarks.md): admission, not the per-token work, is what more fronts slow."""
+    return settings.fronts
 
 
 def share(total: int, parts: int, index: int) -> int:

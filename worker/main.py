@@ -59,7 +59,7 @@ async def run_worker(
     this process is front 0 of the node and starts the others (``worker.fronts``)."""
     if settings.metrics_port is not None:
         start_http_server(settings.metrics_port)
-    count = num_fronts(settings, engine_config)
+    count = num_fronts(settings)
     core = CoreClient(engine_config, log_level, num_clients=count)
     starting = asyncio.ensure_future(core.start())
     tokenizer = await asyncio.to_thread(load_tokenizer, engine_config)

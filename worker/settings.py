@@ -23,7 +23,7 @@ class WorkerSettings:
     max_attempts: int = 3  # a job that took down this many workers gets an error instead of a fourth
     metrics_port: int | None = None  # Prometheus endpoint of this worker; None = off
     stream_interval: int = 1  # vLLM's --stream-interval: first token at once, then an event every N tokens
-    fronts: int = 0  # worker front processes on the node's engine core; 0 = auto (worker.fronts.num_fronts)
+    fronts: int = 1  # worker front processes on the node's engine core (worker.fronts)
 
     def __post_init__(self) -> None:
         if self.max_jobs is not None and self.max_jobs < 1:
@@ -34,7 +34,7 @@ class WorkerSettings:
             raise ValueError("job_lease_s must be more than two heartbeat intervals (each beat renews the lease)")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
-        if self.fronts < 0:
-            raise ValueError(f"fronts must be >= 0 (0 = auto), got {self.fronts}")
+        if self.fronts < 1:
+            raise ValueError(f"fronts must be >= 1, got {self.fronts}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")

@@ -1,13 +1,10 @@
-"""How a worker node splits its jobs between its fronts (no processes: the arithmetic and the auto count)."""
+"""How a worker node splits its jobs between its fronts (no processes: the arithmetic)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from engine.config import EngineConfig, ModelConfig, SchedulerConfig
-from worker.fronts import front_settings, num_fronts, share
+from worker.fronts import front_settings, share
 from worker.settings import WorkerSettings
 
 
@@ -27,19 +24,6 @@ def test_front_settings_split_the_jobs_and_keep_metrics_on_front_0() -> None:
     assert (only.max_jobs, only.worker_id) == (8, "solo")  # an explicit max_jobs is the node's total
 
 
-def test_auto_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    def config(device: str, max_num_seqs: int) -> EngineConfig:
-        return EngineConfig(
-            model=ModelConfig(model=""), scheduler=SchedulerConfig(max_num_seqs=max_num_seqs), device=device
-        )
-
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    assert num_fronts(WorkerSettings(), config("cpu", 512)) == 1  # the CPU engine needs the cores itself
-    assert num_fronts(WorkerSettings(), config("cuda", 512)) == 4
-    assert num_fronts(WorkerSettings(), config("cuda", 256)) == 2
-    assert num_fronts(WorkerSettings(), config("cuda", 64)) == 1
-    assert num_fronts(WorkerSettings(fronts=3), config("cpu", 8)) == 3  # asked for: given
-    monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    assert num_fronts(WorkerSettings(), config("cuda", 512)) == 1  # a quarter of the cores at most
+def test_fronts_must_be_at_least_one() -> None:
     with pytest.raises(ValueError, match="fronts"):
-        WorkerSettings(fronts=-1)
+        WorkerSettings(fronts=0)

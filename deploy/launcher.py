@@ -105,8 +105,8 @@ def _redis_spawner(redis: RedisServer) -> Callable[[], subprocess.Popen[bytes]]:
     return spawn
 
 
-def _start_all(sup: Supervisor, args: argparse.Namespace, redis: RedisServer | None) -> str:
-    """Redis (tier 0: stopped last, the workers drain through it), the workers, the API; returns Redis' URL."""
+def _start_all(sup: Supervisor, args: argparse.Namespace, redis: RedisServer | None) -> None:
+    """Redis (tier 0: stopped last, the workers drain through it), the workers, the API."""
     if redis is not None:
         sup.add("redis", _redis_spawner(redis), tier=0)
         logger.info("private redis-server on %s (append-only file in its folder)", redis.url)
@@ -115,7 +115,6 @@ def _start_all(sup: Supervisor, args: argparse.Namespace, redis: RedisServer | N
         argv = _worker_argv(args, redis_url, i)
         sup.add(f"worker-{i}", functools.partial(popen_in_own_group, argv))
     sup.add("api", functools.partial(popen_in_own_group, _api_argv(args, redis_url)))
-    return redis_url
 
 
 def serve(args: argparse.Namespace) -> int:

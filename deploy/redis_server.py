@@ -77,7 +77,7 @@ class RedisServer:
             if self._answers():
                 return self
             time.sleep(0.02)
-        self.kill()
+        self.stop_process()
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s} s")
 
     def _answers(self) -> bool:
@@ -88,7 +88,7 @@ class RedisServer:
         except OSError:
             return False
 
-    def kill(self) -> None:
+    def stop_process(self) -> None:
         """Stop the process (SIGTERM, then SIGKILL after 5 s); its folder stays for a ``start()`` again."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -100,7 +100,7 @@ class RedisServer:
 
     def stop(self) -> None:
         """Stop the process and remove its folder."""
-        self.kill()
+        self.stop_process()
         self.proc = None
         self._dir.cleanup()
 

@@ -67,6 +67,13 @@ def popen_in_own_group(argv: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(argv, start_new_session=True)
 
 
+def _how(returncode: int) -> str:
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-returncode).name}"
+    return f"exited with status {returncode}"
+
+
 def _kill_group(pid: int) -> None:
     """What a dead child left behind (a uvicorn worker, an engine core): its group goes with it."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -92,7 +99,7 @@ class Supervisor:
         now = time.monotonic() if now is None else now
         for child in self.children.values():
             if child.restart_at is None and child.proc is not None and child.proc.poll() is not None:
-                self._exited(child, f"exited with status {child.proc.returncode}", now)
+                self._exited(child, _how(child.proc.returncode), now)
             if child.restart_at is not None and now >= child.restart_at and not self.stopping:
                 child.num_restarts += 1
                 logger.warning("restarting %s (restart %d)", child.name, child.num_restarts)

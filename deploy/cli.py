@@ -22,6 +22,7 @@ BENCHES = {
     "serve": "loadtest.serve_bench",
     "stack": "loadtest.stack_bench",
     "relay": "loadtest.relay_bench",
+    "soak": "loadtest.soak",
 }
 
 
@@ -30,6 +31,12 @@ def _add_common(p: argparse.ArgumentParser, redis_default: str | None) -> None:
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: from the path)")
     p.add_argument("--redis-url", default=redis_default, help="Redis for the queue, streams and caches")
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--otel-exporter",
+        default="",
+        choices=["none", "console", "otlp"],
+        help="trace exporter (default: OTEL_TRACES_EXPORTER, otlp if OTEL_EXPORTER_OTLP_ENDPOINT is set, else none)",
+    )
 
 
 def _add_api_args(p: argparse.ArgumentParser) -> None:
@@ -53,7 +60,6 @@ def _add_api_args(p: argparse.ArgumentParser) -> None:
         help="with no live worker, still queue requests this long (0: 503 at once; inf: always queue)",
     )
     g.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    g.add_argument("--otel-exporter", default="none", help="none | console | otlp")
 
 
 def _add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -137,16 +143,19 @@ def api_env(args: argparse.Namespace) -> dict[str, str]:
 def run_api(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from api.metrics import multiprocess_dir
+
     os.environ.update(api_env(args))
-    uvicorn.run(
-        "api.app:create_app",
-        factory=True,
-        host=args.host,
-        port=args.port,
-        workers=args.api_workers,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=5,
-    )
+    with multiprocess_dir(args.api_workers):  # several processes: /metrics sums them all
+        uvicorn.run(
+            "api.app:create_app",
+            factory=True,
+            host=args.host,
+            port=args.port,
+            workers=args.api_workers,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+        )
     return 0
 
 
@@ -166,10 +175,8 @@ def run_worker_command(args: argparse.Namespace) -> int:
         fronts=args.worker_fronts,
         **({"worker_id": args.worker_id} if args.worker_id else {}),
     )
-    if getattr(args, "otel_exporter", "none") != "none":
-        from api.tracing import setup_tracing
-
-        setup_tracing(args.otel_exporter, "pagedserve-worker")
+    if args.otel_exporter:  # as the SDK's variable, so the node's extra fronts (spawned) trace alike
+        os.environ["OTEL_TRACES_EXPORTER"] = args.otel_exporter
     asyncio.run(run_worker(config, settings, files.name, args.log_level.upper()))
     return 0
 

@@ -51,7 +51,7 @@ def _build_service(app: FastAPI, settings: ApiSettings, redis: ArqRedis) -> Comp
         redis, settings.max_queue_depth, settings.retry_after_s, settings.worker_ttl_s, settings.queue_without_workers_s
     )
     cache = ResponseCache(redis, keys.CACHE_PREFIX, settings.response_cache_ttl_s) if settings.response_cache else None
-    metrics = ApiMetrics()
+    metrics = ApiMetrics(files.name, max_model_len)
     app.state.queue_depth = 0
     metrics.watch_workers(lambda: queue._workers, lambda: int(app.state.queue_depth))
     relay = EventRelay(redis)

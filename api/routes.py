@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette import EventSourceResponse
 
 from api.auth import Authenticator
@@ -278,4 +278,4 @@ async def metrics(request: Request) -> Response:
         request.app.state.queue_depth = await svc.queue.num_waiting()
     except Exception:  # noqa: BLE001 - still export the API's own metrics when Redis is away
         pass
-    return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(svc.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -44,11 +44,7 @@ def formatter_for(svc: CompletionService, prep: PreparedRequest) -> ResponseForm
 
 
 def _observe_final(svc: CompletionService, prep: PreparedRequest, result: JobResult) -> None:
-    m = svc.metrics
-    m.e2e.observe(time.monotonic() - prep.arrival)
-    m.queue_time.observe(result.queue_time_s)
-    for c in result.choices:
-        m.requests.labels(c.finish_reason).inc()
+    svc.metrics.observe_final(result, time.monotonic() - prep.arrival, prep.stream)
 
 
 async def collect(svc: CompletionService, prep: PreparedRequest, sub: Subscription, request: Request) -> JobResult:

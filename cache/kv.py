@@ -107,7 +107,7 @@ class KVCacheManager:
         self._hash_to_block: dict[int, int] = {}
         self._next_entry_id = 0
         self._chains: dict[str, _HashChain] = {}
-        self._pending_copies: list[tuple[int, int]] = []
+        self._pending_copies: dict[int, int] = {}  # copy-on-write dst -> src, in the order they were made
 
     # ------------------------------------------------------------------ queries
 
@@ -146,17 +146,25 @@ class KVCacheManager:
         for i in range(max_blocks):
             block_tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             block_hash = self._hash_fn(parent_hash, block_tokens)
-            block_id = self._hash_to_block.get(block_hash)
-            if block_id is None:
-                break
-            entry = self._cached[block_id]
-            if entry.parent_entry_id != parent_entry_id or entry.token_ids != block_tokens:
-                break  # hash collision: same hash, other content
+            block_id = self._hash_to_block.get(block_hash, -1)
+            entry = self._cached.get(block_id)
+            if entry is None or entry.parent_entry_id != parent_entry_id or entry.token_ids != block_tokens:
+                # not on the device (or a hash collision: same hash, other content): another tier may have it
+                elsewhere = self._find_elsewhere(block_hash, parent_entry_id, block_tokens, hit_ids)
+                if elsewhere is None:
+                    break
+                block_id, entry = elsewhere, self._cached[elsewhere]
             hit_ids.append(block_id)
             parent_hash, parent_entry_id = block_hash, entry.entry_id
         num_hit_tokens = len(hit_ids) * bs
         self.stats.num_hit_tokens += num_hit_tokens
         return hit_ids, num_hit_tokens
+
+    def _find_elsewhere(
+        self, block_hash: int, parent_entry_id: int | None, token_ids: tuple[int, ...], hit_ids: list[int]
+    ) -> int | None:
+        """A device block holding this content brought back from another tier (``cache.swap``), or None."""
+        return None
 
     # ------------------------------------------------------------------ allocation
 
@@ -218,7 +226,7 @@ class KVCacheManager:
                 dst = self._take_free_block()
                 ref_counts[src] -= 1  # stays > 0: another request still holds it
                 block_ids[i] = dst
-                self._pending_copies.append((src, dst))
+                self._pending_copies[dst] = src
             self.stats.num_cow_copies += len(cow_indices)
         if not num_appended:
             return []  # the common decode step: the new token fits in the last block
@@ -228,7 +236,8 @@ class KVCacheManager:
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block pairs the model runner must copy on device before the step that writes dst."""
-        copies, self._pending_copies = self._pending_copies, []
+        copies = [(src, dst) for dst, src in self._pending_copies.items()]
+        self._pending_copies = {}
         return copies
 
     def _take_free_block(self) -> int:
@@ -300,17 +309,23 @@ class KVCacheManager:
 
     def free(self, request: KVRequest) -> None:
         """Drop the request's references; cached blocks stay reusable until their memory is needed."""
+        self._drop_refs(request.block_ids)
+        request.block_ids = []
+        self._chains.pop(request.request_id, None)
+
+    def _drop_refs(self, block_ids: list[int]) -> None:
         ref_counts = self._ref_counts
         # Reverse order: the tail of a sequence is the least likely to be shared, so it is evicted first.
-        for block_id in reversed(request.block_ids):
+        for block_id in reversed(block_ids):
             ref_counts[block_id] -= 1
             if ref_counts[block_id] == 0:
+                # A copy-on-write into a block nobody holds any more would land on its next owner's content
+                # (a swap-in copied before it): drop it. (Preempted in the step that made the copy.)
+                self._pending_copies.pop(block_id, None)
                 if block_id in self._cached:
                     self._evictable[block_id] = None
                 else:
                     self._fresh.append(block_id)
-        request.block_ids = []
-        self._chains.pop(request.request_id, None)
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None:
         """Share all of the parent's blocks with the child; a later write to a shared block copies it.

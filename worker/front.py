@@ -64,7 +64,7 @@ class GenerationWorker(WorkerNode):
         self.core = core
         self.processor = OutputProcessor(tokenizer)
         self.jobs: dict[str, ActiveJob] = {}
-        self.metrics = WorkerMetrics()
+        self.metrics = WorkerMetrics(model_name, settings.worker_id)
         self.stats = CoreStats()
 
     def core_stats(self) -> CoreStats:

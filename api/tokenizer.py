@@ -70,6 +70,8 @@ class PromptTokenizer:
             )
         except TemplateError as exc:
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
+        except (TypeError, KeyError, AttributeError, IndexError, ValueError) as exc:  # the caller's values broke it
+            raise ValueError(f"chat template failed on these messages or chat_template_kwargs: {exc!r}") from exc
         if not isinstance(text, str):
             raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected text")
         return text

@@ -84,3 +84,11 @@ def test_no_template_and_an_override(tmp_path: Path) -> None:
     tok = PromptTokenizer(folder, chat_template="{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
     assert tok.has_chat_template
     assert tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "[a][b]"
+
+
+def test_a_template_broken_by_the_callers_values_is_a_value_error(tmp_path: Path) -> None:
+    """A template variable of the wrong type (chat_template_kwargs are the caller's) is a 400, not a 500."""
+    tok = PromptTokenizer(tokenizer_folder(tmp_path, "{{ messages[0]['content'] + suffix }}"))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], True, suffix="!") == "hi!"
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], True, suffix=5)

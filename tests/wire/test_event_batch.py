@@ -12,7 +12,7 @@ from wire import keys
 from wire.messages import ChoiceDelta, ChoiceResult, DeltaEvent, ErrorEvent, FinalEvent, JobResult, decode_event
 from wire.publisher import EventBatch, decode_batch
 
-TEXTS = ["Hello", " wörld", " 你好", " 🎉", '\n\t"quoted" \\ back', "", " \ud83c"[:1] + "end"]
+TEXTS = ["Hello", " wörld", " 你好", " 🎉", '\n\t"quoted" \\ back', "", " end"]
 
 
 async def test_one_batch_of_many_jobs_lands_whole_and_in_order(redis_url: str) -> None:

@@ -15,14 +15,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 import pytest
+import redis
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.redis_server import RedisServer, free_port
-from tests.api.conftest import MODEL, ScriptedWorker, start_api
+from tests.api.conftest import MODEL, ScriptedWorker, ServerThread, start_api
 from wire.messages import WorkerHeartbeat
 from worker.metrics import WorkerMetrics
 
@@ -169,3 +171,57 @@ async def test_two_api_processes_serve_the_sum(
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
     assert not Path(folder).exists(), "the multiprocess folder is removed when the API stops"
+
+
+@pytest.fixture(scope="module")
+def caching_worker(redis_server: RedisServer) -> Iterator[tuple[ServerThread, str]]:
+    """A real worker (default model, CPU) with the prefix cache on and its metrics port, and an API."""
+    redis.Redis.from_url(redis_server.url).flushall()
+    metrics_port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "deploy.cli", "worker", "--redis-url", redis_server.url, "--device", "cpu"]
+    argv += ["--enable-prefix-caching", "--max-num-seqs", "4", "--worker-id", "pc-worker"]
+    argv += ["--metrics-port", str(metrics_port), "--log-level", "warning"]
+    worker = subprocess.Popen(argv, env=env, cwd=ROOT)
+    api = start_api(redis_server, response_cache=False)
+    try:
+        deadline = time.monotonic() + 180
+        while httpx.get(api.url + "/ready").status_code != 200:
+            assert worker.poll() is None, "the worker died at start"
+            assert time.monotonic() < deadline, "the worker did not become ready"
+            time.sleep(0.3)
+        yield api, f"http://127.0.0.1:{metrics_port}/metrics"
+    finally:
+        api.stop()
+        worker.terminate()
+        try:
+            worker.wait(60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+
+
+@pytest.mark.slow  # a real worker loads the model
+def test_repeated_prompt_reports_cached_tokens(caching_worker: tuple[ServerThread, str]) -> None:
+    api, worker_metrics = caching_worker
+    client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    prompt = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(40))
+    usages = []
+    for _ in range(2):
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0.0)
+        assert reply.usage is not None and reply.usage.prompt_tokens > 200
+        usages.append(reply.usage)
+    first, second = (u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else None for u in usages)
+    assert first == 0
+    assert second is not None and 0 < second < usages[1].prompt_tokens  # whole blocks, the last token recomputed
+    labels = {"model_name": MODEL, "engine": "pc-worker"}
+    deadline = time.monotonic() + 10  # the worker's metrics follow its heartbeat
+    while value(text := httpx.get(worker_metrics).text, "vllm:prefix_cache_hits_total", **labels) < second:
+        assert time.monotonic() < deadline, text
+        time.sleep(0.2)
+    assert value(text, "vllm:prefix_cache_queries_total", **labels) >= 2 * usages[0].prompt_tokens - second
+    assert value(text, "vllm:prompt_tokens_total", **labels) > 0
+    assert value(text, "vllm:generation_tokens_total", **labels) >= 4
+    api_text = httpx.get(api.url + "/metrics").text
+    assert value(api_text, "vllm:request_success_total", model_name=MODEL, finished_reason="length") == 2
+    assert value(api_text, "vllm:time_to_first_token_seconds_count", model_name=MODEL) == 2  # from ttft_s

@@ -1,5 +1,6 @@
-"""Optional API keys (``Authorization: Bearer``) and a per-key token bucket kept in Redis, so every API node
-shares one budget per key."""
+"""Optional API keys (``Authorization: Bearer``), a per-key token bucket kept in Redis, so every API node
+shares one budget per key, and short-lived job tokens for the events URL (a browser's EventSource cannot
+send an Authorization header)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,43 @@ def key_id(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()[:24] if api_key else ""
 
 
+JOB_TOKEN_TTL_S = 300  # a job token opens its events URL this long; GET /v1/jobs/{id} gives a fresh one
+
+
+class JobTokens:
+    """``<expiry>.<HMAC(job id, expiry)>``: opens one job's events URL (``?token=``) until it expires. The secret is
+    derived from the API keys, so every API node with the same keys accepts every node's tokens, no Redis needed;
+    the key itself never goes in a URL, and the token cannot be turned back into it."""
+
+    def __init__(self, api_keys: tuple[str, ...], ttl_s: int = JOB_TOKEN_TTL_S) -> None:
+        material = b"\0".join(sorted(k.encode() for k in api_keys))
+        self._secret = hashlib.sha256(b"pagedserve job token\0" + material).digest()
+        self.ttl_s = ttl_s
+
+    def _sign(self, job_id: str, expires_at: int) -> str:
+        return hmac.new(self._secret, f"{job_id}\0{expires_at}".encode(), hashlib.sha256).hexdigest()[:32]
+
+    def issue(self, job_id: str, now: float) -> str:
+        expires_at = int(now) + self.ttl_s
+        return f"{expires_at}.{self._sign(job_id, expires_at)}"
+
+    def check(self, token: str, job_id: str, now: float) -> None:
+        """403 for a token that is not this job's (or not a token); 401 once it expired (get a fresh one)."""
+        expiry, _, signature = token.partition(".")
+        is_expiry = expiry.isascii() and expiry.isdigit() and len(expiry) <= 12
+        expires_at = int(expiry) if is_expiry else 0
+        if not is_expiry or not hmac.compare_digest(signature.encode(), self._sign(job_id, expires_at).encode()):
+            raise ApiError(403, "invalid token for this job", "permission_error", "token", "invalid_job_token")
+        if expires_at <= now:
+            raise ApiError(
+                401,
+                "job token expired: GET /v1/jobs/{id} with your API key for a fresh events_url",
+                "authentication_error",
+                "token",
+                "job_token_expired",
+            )
+
+
 class Authenticator:
     """Checks the bearer key (when keys are configured) and charges its rate-limit bucket."""
 
@@ -50,6 +88,7 @@ class Authenticator:
         self.rate_limit_rps = rate_limit_rps
         self.burst = burst
         self._script = redis.register_script(_TOKEN_BUCKET)
+        self.job_tokens = JobTokens(api_keys) if api_keys else None  # no keys: the events URL needs none
 
     @property
     def enabled(self) -> bool:
@@ -86,6 +125,21 @@ class Authenticator:
             code="rate_limit_exceeded",
             headers={"Retry-After": str(retry_after)},
         )
+
+    def events_link(self, job_id: str, now: float) -> dict[str, str]:
+        """A job's ``events_url`` (and its ``token`` when keys are on: an EventSource sends no Authorization)."""
+        url = f"/v1/jobs/{job_id}/events"
+        if self.job_tokens is None:
+            return {"events_url": url}
+        token = self.job_tokens.issue(job_id, now)
+        return {"events_url": f"{url}?token={token}", "token": token}
+
+    def check_job_token(self, token: str, job_id: str, now: float) -> bool:
+        """True once ``token`` opens this job (401/403 when not); False when keys are off (no token needed)."""
+        if self.job_tokens is None:
+            return False
+        self.job_tokens.check(token, job_id, now)
+        return True
 
     async def authorize(self, authorization: str | None, now: float) -> str:
         """The caller's key id (``key_id``; "" when keys are off) once its key is checked and charged."""

@@ -89,12 +89,12 @@ class JobQueue:
             headers={"Retry-After": str(retry_after)},
         )
 
-    async def job_meta(self, job_id: str, owner: str) -> JobMeta | None:
+    async def job_meta(self, job_id: str, owner: str | None) -> JobMeta | None:
         """The job's stored meta; None when unknown, expired, or created with another API key (to that key's
-        caller a job of another key does not exist)."""
+        caller a job of another key does not exist). ``owner`` None: any key's (a job token was checked)."""
         raw = await self._redis.get(keys.job_meta_key(job_id))
         meta = None if raw is None else JobMeta.from_json(raw)
-        return meta if meta is not None and meta.owner == owner else None
+        return meta if meta is not None and owner in (None, meta.owner) else None
 
     async def abort(self, job_id: str) -> None:
         """Ask the worker running (or about to run) this job to cancel it; it aborts the engine request."""

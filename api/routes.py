@@ -205,23 +205,28 @@ async def create_job(request: Request, req: JobRequest, tenant: Tenant) -> dict[
         "id": prep.request_id,
         "object": "job",
         "status": status,
-        "events_url": f"/v1/jobs/{prep.request_id}/events",
+        **request.app.state.auth.events_link(prep.request_id, time.time()),
     }
 
 
-async def _job_meta(request: Request, job_id: str) -> JobMeta:
-    """The job's meta, checking the caller's key first: another key's job is a 404, as an unknown one."""
-    meta = await _svc(request).queue.job_meta(job_id, await _authorize(request))
+async def _job_meta(request: Request, job_id: str, token: str | None = None) -> JobMeta:
+    """The job's meta, checking the caller's key (or the job's token) first: another key's job is a 404."""
+    auth: Authenticator = request.app.state.auth
+    is_token_ok = token is not None and auth.check_job_token(token, job_id, time.time())
+    meta = await _svc(request).queue.job_meta(job_id, None if is_token_ok else await _authorize(request))
     if meta is None:
         raise ApiError(404, f"no job {job_id} (unknown or expired)", "not_found_error", "job_id", "job_not_found")
     return meta
 
 
 @router.get("/v1/jobs/{job_id}/events")
-async def job_events(request: Request, job_id: str, last_event_id: str | None = None) -> Response:
-    """EventSource stream; resumes after ``Last-Event-ID`` (header, or ``last_event_id`` query parameter)."""
+async def job_events(
+    request: Request, job_id: str, last_event_id: str | None = None, token: str | None = None
+) -> Response:
+    """EventSource stream; resumes after ``Last-Event-ID`` (header, or ``last_event_id`` query parameter).
+    With API keys on, ``token`` (from the job's ``events_url``) stands in for the Authorization header."""
     svc = _svc(request)
-    meta = await _job_meta(request, job_id)
+    meta = await _job_meta(request, job_id, token)
     last_id = request.headers.get("last-event-id") or last_event_id
     sub = await svc.relay.subscribe(job_id)  # before reading the list: nothing falls between the two
     return _sse(job_event_stream(svc, job_id, meta, sub, last_id))
@@ -234,6 +239,7 @@ async def job_status(request: Request, job_id: str) -> dict[str, Any]:
     last = events[-1] if events else None
     status = "queued" if last is None else {"delta": "running", "final": "completed", "error": "failed"}[last.kind]
     body: dict[str, Any] = {"id": job_id, "object": "job", "status": status, "model": meta.model}
+    body.update(request.app.state.auth.events_link(job_id, time.time()))  # a fresh token, for a resume
     if isinstance(last, FinalEvent):
         fmt = ResponseFormatter(meta.kind, job_id, meta.model, meta.created, _svc(request).tokenizer, meta.echo)
         body["result"] = fmt.response(last.result)

@@ -27,7 +27,7 @@ from api.routes import router
 from api.service import CompletionService
 from api.settings import ApiSettings
 from api.tokenizer import PromptTokenizer
-from api.tracing import setup_tracing
+from api.tracing import setup_api_tracing
 from api.validation import install_openapi
 from cache.responses import ResponseCache
 from wire import keys
@@ -64,7 +64,6 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        setup_tracing(settings.otel_exporter, "pagedserve-api")
         redis = await connect_redis(settings.redis_url)
         svc = _build_service(app, settings, redis)
         await svc.relay.start()
@@ -89,6 +88,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(router)
     install_openapi(app)
+    setup_api_tracing(app, settings.otel_exporter)
     app.add_middleware(CatchAll)  # first added = innermost: just outside the routes' exception handlers
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     if settings.cors_origins:

@@ -20,7 +20,7 @@ from api.formatting import ResponseFormatter
 from api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, JobRequest, TokenizeRequest
 from api.service import CompletionService, PreparedRequest
 from api.streams import collect, formatter_for, job_event_stream, openai_stream
-from api.tracing import tracer
+from api.tracing import annotate_request
 from api.validation import BodyRoute
 from wire import keys
 from wire.messages import FinalEvent, JobMeta, encode_event
@@ -72,18 +72,11 @@ def _openai_sse(payloads: AsyncIterator[str]) -> StreamingResponse:
 
 
 async def _serve(request: Request, prep: PreparedRequest) -> Response:
-    # the span's context rides in the job payload; the worker's queue/prefill/decode spans are its children
-    with tracer.start_as_current_span(
-        f"pagedserve.{prep.kind}",
-        attributes={
-            "pagedserve.request_id": prep.request_id,
-            "pagedserve.prompt_tokens": len(prep.prompt_token_ids),
-            "pagedserve.stream": prep.stream,
-        },
-    ):
-        response = await _serve_traced(request, prep)
-        response.headers["X-Cache"] = "hit" if prep.is_cache_hit else "miss"
-        return response
+    # on the request's server span (FastAPI instrumentation); its context rides in the job payload to the worker
+    annotate_request(prep.request_id, prompt_tokens=len(prep.prompt_token_ids), stream=prep.stream)
+    response = await _serve_traced(request, prep)
+    response.headers["X-Cache"] = "hit" if prep.is_cache_hit else "miss"
+    return response
 
 
 async def _serve_traced(request: Request, prep: PreparedRequest) -> Response:
@@ -103,17 +96,15 @@ async def _serve_traced(request: Request, prep: PreparedRequest) -> Response:
 async def _serve_batch(request: Request, preps: list[PreparedRequest]) -> Response:
     svc = _svc(request)
     batch_id = f"cmpl-{uuid.uuid4().hex}"
-    with tracer.start_as_current_span(
-        "pagedserve.completion_batch", attributes={"pagedserve.request_id": batch_id, "pagedserve.prompts": len(preps)}
-    ):
-        sources = await start_all(svc, preps)
-        headers = {"X-Cache": "hit" if all(p.is_cache_hit for p in preps) else "miss"}
-        if preps[0].stream:
-            response = _openai_sse(batch_stream(svc, batch_id, sources, preps[0].include_usage))
-            response.headers.update(headers)
-            return response
-        results = await collect_all(svc, sources, request)
-        return JSONResponse(response_body(svc, batch_id, sources, results), headers=headers)
+    annotate_request(batch_id, prompts=len(preps))
+    sources = await start_all(svc, preps)
+    headers = {"X-Cache": "hit" if all(p.is_cache_hit for p in preps) else "miss"}
+    if preps[0].stream:
+        response = _openai_sse(batch_stream(svc, batch_id, sources, preps[0].include_usage))
+        response.headers.update(headers)
+        return response
+    results = await collect_all(svc, sources, request)
+    return JSONResponse(response_body(svc, batch_id, sources, results), headers=headers)
 
 
 @router.post("/v1/completions")
@@ -274,6 +265,17 @@ async def ready(request: Request) -> JSONResponse:
         "capacity": sum(w.capacity for w in live),
     }
     return JSONResponse(body, status_code=200 if live else 503)
+
+
+@router.get("/ready/api")
+async def ready_api(request: Request) -> JSONResponse:
+    """This API process can serve (its Redis answers), workers or not: the API pods' readiness probe, so a
+    fleet with no worker up keeps its API pods in the Service (they answer 503 no_live_worker themselves)."""
+    try:
+        await request.app.state.redis.ping()
+    except Exception as exc:  # noqa: BLE001 - any Redis failure means this process cannot serve
+        return JSONResponse({"status": "redis unavailable", "error": str(exc)}, status_code=503)
+    return JSONResponse({"status": "ready"})
 
 
 @router.get("/metrics")

@@ -32,7 +32,7 @@ class ApiSettings:
     # with no live worker, requests are still queued until none has been live for this long (a restart's gap;
     # counted from this process's start when it never saw one); 0 = 503 at once, inf = always queue
     queue_without_workers_s: float = 0.0
-    otel_exporter: str = "none"  # none | console | otlp
+    otel_exporter: str = ""  # none | console | otlp; "" = from OTEL_TRACES_EXPORTER etc. (api.tracing)
     cors_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -46,7 +46,7 @@ class ApiSettings:
             raise ValueError(f"queue_without_workers_s must be >= 0, got {self.queue_without_workers_s}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.otel_exporter not in ("none", "console", "otlp"):
+        if self.otel_exporter not in ("", "none", "console", "otlp"):
             raise ValueError(f"otel_exporter must be none, console or otlp, got {self.otel_exporter!r}")
 
     @classmethod

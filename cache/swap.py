@@ -13,7 +13,8 @@ What moves, and what does not:
 - Copy order within a step: swap-out, then swap-in, then copy-on-write. Device blocks freed by a swap-out may be
   reused as swap-in or copy-on-write targets in the same step, which is safe because the swap-out has read them
   first; a swap-out of a block with a pending copy-on-write (a victim preempted in the step that made the copy)
-  reads the copy's source instead.
+  reads the copy's source instead. The other way round, host blocks a swap-in reads this step are not handed
+  to a swap-out of the same step (``HostBlockPool.mark_read``).
 """
 
 from __future__ import annotations
@@ -54,10 +55,28 @@ class HostBlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self.cached: dict[int, _CacheEntry] = {}
         self._hash_to_block: dict[int, int] = {}
+        # Blocks that this step's swap-ins read: the step's swap-outs run FIRST, so none may write into them.
+        self._reading: set[int] = set()
+        self._reading_evictable: set[int] = set()  # ... of them, those in the evictable list
+        self._deferred: list[int] = []  # ... of them, those freed this step: free again at end_step
 
     @property
     def num_free(self) -> int:
-        return len(self._fresh) + len(self._evictable)
+        return len(self._fresh) + len(self._evictable) - len(self._reading_evictable)
+
+    def mark_read(self, block_id: int) -> None:
+        """``block_id`` is a swap-in source this step: it keeps its content until ``end_step``."""
+        self._reading.add(block_id)
+        if block_id in self._evictable:
+            self._reading_evictable.add(block_id)
+
+    def end_step(self) -> None:
+        self._reading.clear()
+        self._reading_evictable.clear()
+        for block_id in self._deferred:
+            if self.ref_counts[block_id] == 0:
+                self._release(block_id)
+        self._deferred.clear()
 
     def find(self, entry: _CacheEntry) -> int | None:
         """The host block holding exactly this cache entry's content."""
@@ -80,7 +99,8 @@ class HostBlockPool:
         if self._fresh:
             block_id = self._fresh.pop()
         else:
-            block_id, _ = self._evictable.popitem(last=False)
+            block_id = next(b for b in self._evictable if b not in self._reading_evictable)  # oldest first
+            del self._evictable[block_id]
             old = self.cached.pop(block_id)
             if self._hash_to_block.get(old.block_hash) == block_id:
                 del self._hash_to_block[old.block_hash]
@@ -92,18 +112,29 @@ class HostBlockPool:
 
     def incref(self, block_id: int) -> None:
         if self.ref_counts[block_id] == 0:
-            del self._evictable[block_id]
+            if block_id in self._evictable:
+                del self._evictable[block_id]
+                self._reading_evictable.discard(block_id)
+            else:
+                self._deferred.remove(block_id)
         self.ref_counts[block_id] += 1
 
     def decref(self, block_id: int) -> None:
         self.ref_counts[block_id] -= 1
         if self.ref_counts[block_id] == 0:
-            if block_id in self.cached:
-                self._evictable[block_id] = None
+            if block_id in self._reading:
+                self._deferred.append(block_id)
             else:
-                self._fresh.append(block_id)
+                self._release(block_id)
+
+    def _release(self, block_id: int) -> None:
+        if block_id in self.cached:
+            self._evictable[block_id] = None
+        else:
+            self._fresh.append(block_id)
 
     def reset(self) -> None:
+        self.end_step()
         self._fresh.extend(reversed(self._evictable))
         self._evictable.clear()
         self.cached.clear()
@@ -129,6 +160,7 @@ class SwapKVCacheManager(KVCacheManager):
         self._plan = SwapPlan()
         self._out_this_step: dict[int, int] = {}  # device block -> its host copy made this step
         self._in_this_step: dict[int, int] = {}  # host block -> its device copy made this step
+        self._in_targets: dict[int, int] = {}  # ... the other way round: device block -> host block
 
     # ------------------------------------------------------------------ queries
 
@@ -152,7 +184,8 @@ class SwapKVCacheManager(KVCacheManager):
         return min(n * self.block_size, request.num_computed_tokens)
 
     def _host_copy_of(self, block_id: int) -> int | None:
-        copy = self._out_this_step.get(block_id)
+        # (a block swapped in this step whose copy has not run yet has its content on the host only)
+        copy = self._out_this_step.get(block_id, self._in_targets.get(block_id))
         if copy is None and block_id in self._cached:
             copy = self.host.find(self._cached[block_id])
         return copy
@@ -203,11 +236,7 @@ class SwapKVCacheManager(KVCacheManager):
         """A device block holding this host block's content now (copied in this step, or still cached there)."""
         entry = self.host.cached.get(host_id)
         block_id = self._in_this_step.get(host_id)
-        # An uncached copy made this step is held by a request admitted this step (it cannot be freed before the
-        # step runs); a cached one is valid while the device still caches it under the same entry.
-        if block_id is not None and (
-            (entry is None and self._ref_counts[block_id] > 0) or (entry and self._cached.get(block_id) is entry)
-        ):
+        if block_id is not None:  # (dropped from the map when its block is freed: ``_drop_refs``)
             return block_id
         if entry is None:
             return None
@@ -239,6 +268,7 @@ class SwapKVCacheManager(KVCacheManager):
             if block_id is None:
                 block_id = self._take_free_block()
                 self._adopt(block_id, host_id)
+                self.host.mark_read(host_id)
                 self.swap_stats.num_blocks_swapped_in += 1
             block_ids.append(block_id)
             self.host.decref(host_id)
@@ -253,6 +283,7 @@ class SwapKVCacheManager(KVCacheManager):
         """Copy ``host_id`` into device block ``block_id`` this step, and cache it under the host entry."""
         self._plan.swap_in.append((host_id, block_id))
         self._in_this_step[host_id] = block_id
+        self._in_targets[block_id] = host_id
         entry = self.host.cached.get(host_id)
         if entry is not None and entry.block_hash not in self._hash_to_block:
             self._cached[block_id] = entry
@@ -273,8 +304,10 @@ class SwapKVCacheManager(KVCacheManager):
         if block_id is None:
             return None
         entry = self.host.cached[host_id]
+        self.host.mark_read(host_id)
         self._plan.swap_in.append((host_id, block_id))
         self._in_this_step[host_id] = block_id
+        self._in_targets[block_id] = host_id
         self._cached[block_id] = entry
         if block_hash not in self._hash_to_block:  # (taken: a collision with other content on the device)
             self._hash_to_block[block_hash] = block_id
@@ -291,8 +324,28 @@ class SwapKVCacheManager(KVCacheManager):
             if block_id not in keep:
                 del self._evictable[block_id]
                 self._evict(block_id)
+                self._forget_copy_into(block_id)
                 return block_id
         return None
+
+    def _take_free_block(self) -> int:
+        block_id = super()._take_free_block()
+        self._forget_copy_into(block_id)  # (an evicted block brought in from the host this step)
+        return block_id
+
+    def _drop_refs(self, block_ids: list[int]) -> None:
+        super()._drop_refs(block_ids)
+        if self._in_targets:
+            for block_id in block_ids:
+                if self._ref_counts[block_id] == 0 and block_id not in self._cached:
+                    self._forget_copy_into(block_id)
+
+    def _forget_copy_into(self, block_id: int) -> None:
+        """``block_id`` gets other content this step: it no longer stands for the host block copied into it
+        (the copy still runs, before whatever the new owner writes)."""
+        host_id = self._in_targets.pop(block_id, None)
+        if host_id is not None and self._in_this_step.get(host_id) == block_id:
+            del self._in_this_step[host_id]
 
     # ------------------------------------------------------------------ per step and release
 
@@ -301,6 +354,8 @@ class SwapKVCacheManager(KVCacheManager):
         plan, self._plan = self._plan, SwapPlan()
         self._out_this_step.clear()
         self._in_this_step.clear()
+        self._in_targets.clear()
+        self.host.end_step()
         return plan
 
     def free(self, request: KVRequest) -> None:

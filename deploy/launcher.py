@@ -54,14 +54,14 @@ def _api_argv(args: argparse.Namespace, redis_url: str) -> list[str]:
         str(args.rate_limit_rps),
         "--rate-limit-burst",
         str(args.rate_limit_burst),
-        "--otel-exporter",
-        args.otel_exporter,
         "--log-level",
         args.log_level,
         "--response-cache" if args.response_cache else "--no-response-cache",
     )
     for key in args.api_key:
         argv += ["--api-key", key]
+    if args.otel_exporter:  # else both tiers read the OTEL_* variables they inherit
+        argv += ["--otel-exporter", args.otel_exporter]
     for flag, value in (
         ("--model", args.model),
         ("--served-model-name", args.served_model_name),
@@ -91,6 +91,8 @@ def _worker_argv(args: argparse.Namespace, redis_url: str, index: int) -> list[s
     )
     if args.served_model_name:
         argv += ["--served-model-name", args.served_model_name]
+    if args.otel_exporter:
+        argv += ["--otel-exporter", args.otel_exporter]
     if args.metrics_port is not None:
         argv += ["--metrics-port", str(args.metrics_port + index)]
     return argv

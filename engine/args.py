@@ -34,6 +34,7 @@ class EngineArgs:
     dtype: str = _opt("auto", "auto | float32 | float16 | bfloat16")
     max_model_len: int | None = _opt(None, "context length (default: the model's)")
     load_format: str = _opt("auto", "auto | dummy (random weights)")
+    quantization: str = _opt("auto", "auto (the checkpoint's quantization_config) | awq | gptq | compressed-tensors")
     seed: int = _opt(0, "random seed of the engine")
     trust_remote_code: bool = _opt(
         False, "accepted for vLLM compatibility; no model code from the checkpoint is ever run"
@@ -45,12 +46,13 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = _opt(None, "fixed number of KV blocks (default: from free memory)")
     cpu_kv_cache_gib: float = _opt(1.0, "KV cache budget on CPU")
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of shared prompt prefixes")
-    swap_space: float = _opt(0.0, "GiB of CPU swap for preempted requests (only 0: preemption recomputes)")
+    swap_space: float = _opt(0.0, "GiB of host memory per GPU for the KV blocks of preempted requests (0: recompute)")
     # scheduler
     max_num_seqs: int = _opt(256, "sequences per batch; also the jobs a worker takes")
     max_num_batched_tokens: int = _opt(2048, "token budget per engine step")
     scheduling_policy: str = _opt("fcfs", "fcfs | priority")
     enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps to fit the token budget")
+    preemption_mode: str = _opt("auto", "auto (swap or recompute, by cost) | swap | recompute")
     # parallelism and device
     tensor_parallel_size: int = _opt(1, "GPUs (ranks) the model is split over", aliases=["-tp"])
     distributed_executor_backend: str = _opt(
@@ -109,6 +111,7 @@ class EngineArgs:
                 dtype=self.dtype,
                 max_model_len=self.max_model_len,
                 load_format=self.load_format,
+                quantization=self.quantization,
                 seed=self.seed,
                 trust_remote_code=self.trust_remote_code,
                 skip_tokenizer_init=self.skip_tokenizer_init,
@@ -126,6 +129,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 policy=self.scheduling_policy,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                preemption_mode=self.preemption_mode,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.quantization.config import QUANTIZATION_METHODS
+
 
 @dataclass
 class ModelConfig:
@@ -15,6 +17,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 ; auto follows the checkpoint (float32 on CPU)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     load_format: str = "auto"  # auto | dummy (random weights of the config's shape, for benchmarks)
+    quantization: str = "auto"  # auto = the checkpoint's quantization_config; or awq | gptq | compressed-tensors
     seed: int = 0
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False  # token ids in, token ids out (benchmarks of configs without a tokenizer)
@@ -24,6 +27,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.quantization not in ("auto", *QUANTIZATION_METHODS):
+            raise ValueError(f"quantization must be auto, {', '.join(QUANTIZATION_METHODS)}; got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -35,7 +40,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None  # fixed block count (tests force preemption with few blocks)
     cpu_kv_cache_gib: float = 1.0  # KV budget when running on CPU
     enable_prefix_caching: bool = True
-    swap_space_gib: float = 0.0  # CPU swap for preempted requests; 0 = preempt by recompute only
+    swap_space_gib: float = 0.0  # host memory per rank for swapped-out KV blocks (pinned on CUDA); 0 = recompute only
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -44,8 +49,6 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space_gib < 0:
             raise ValueError(f"swap_space must be >= 0, got {self.swap_space_gib}")
-        if self.swap_space_gib > 0:
-            raise ValueError("swap to CPU is not supported: preempted requests are recomputed; use --swap-space 0")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
 
@@ -56,6 +59,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # the one token budget per step (prefill chunks + decodes)
     policy: str = "fcfs"  # fcfs | priority
     enable_chunked_prefill: bool = True
+    # how a preempted request gives its blocks back: auto = swap to the host or recompute, whichever costs less
+    # (recompute when the host pool is full or there is none); swap | recompute force one (vLLM v0's flag)
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -64,6 +70,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
 
 
 @dataclass
@@ -99,3 +107,5 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.scheduler.preemption_mode == "swap" and self.cache.swap_space_gib == 0:
+            raise ValueError("preemption_mode swap needs host memory to swap to: set --swap-space (GiB) > 0")

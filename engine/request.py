@@ -12,7 +12,8 @@ from engine.sampling_params import SamplingParams
 class RequestStatus(enum.StrEnum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # its blocks were freed: it recomputes its tokens when it runs again
+    SWAPPED = "swapped"  # its blocks wait in the host pool: they are copied back when it runs again
     FINISHED_STOPPED = "finished_stopped"  # EOS, stop token or stop string
     FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "finished_aborted"

@@ -4,8 +4,12 @@ There are no separate prefill and decode phases. Each step has ONE token budget
 (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). A request's next chunk is simply
 ``num_tokens - num_computed_tokens`` tokens (a whole prompt, a slice of it under chunked prefill, or the
 one newest token when decoding), clipped to what is left of the budget. Running requests are served
-first, then waiting ones. When the KV pool runs dry, running requests are preempted by recompute:
-their blocks are freed and they go back to the front of the queue with their generated tokens kept.
+first, then waiting ones. When the KV pool runs dry, running requests are preempted, each by swap (its
+blocks go to the host pool, ``cache.swap``, and come back as they were) or by recompute (its blocks are
+freed; it recomputes prompt + generated tokens later), whichever costs less. Either way it goes back to
+the FRONT of the queue (by priority under the priority policy), so it runs again before any later arrival.
+Under the priority policy a waiting request that does not fit also preempts running requests of lower
+priority (a larger value), lowest first; equal priorities never preempt each other (FCFS among them).
 """
 
 from __future__ import annotations
@@ -15,8 +19,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from cache.kv import KVCacheManager
+from cache.swap import SwapKVCacheManager
 from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus
+
+# Moving one token's K/V to the host and back, in tokens of recompute: for 8B-70B models over PCIe 5 (K/V of
+# 128-320 KiB per token at ~50 GB/s each way, against 2 x params FLOPs per token at ~60 % of an H200's peak)
+# a swap costs 0.1-0.3 of a recompute. The one exception is a prefix the device still caches (free to recompute).
+SWAP_TOKEN_COST = 0.25
 
 
 @dataclass
@@ -36,6 +46,9 @@ class SchedulerOutput:
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+    # run before the copies above, in this order: swap-out (device block, host block), swap-in (host, device)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
 
     @property
@@ -53,12 +66,15 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
         self.config = config
         self.kv = kv
+        self.swap = kv if isinstance(kv, SwapKVCacheManager) else None
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}  # group id -> its n samples
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+        self.num_recompute_preemptions = 0
 
     # ---- queue management -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -68,10 +84,14 @@ class Scheduler:
             self._enqueue(request)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
-        request.status = RequestStatus.WAITING if request.num_preemptions == 0 else RequestStatus.PREEMPTED
+        if self.swap is not None and self.swap.is_swapped(request):
+            request.status = RequestStatus.SWAPPED
+        else:
+            request.status = RequestStatus.WAITING if request.num_preemptions == 0 else RequestStatus.PREEMPTED
         if self.config.policy == "priority":
             key = (request.priority, request.arrival_time)
             keys = [(r.priority, r.arrival_time) for r in self.waiting]
+            # a preempted request goes before later arrivals of its priority (it arrived earlier than them)
             self.waiting.insert(bisect.bisect_right(keys, key), request)
         elif front:
             self.waiting.insert(0, request)
@@ -94,7 +114,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request)
+        self.kv.free(request)  # (its host blocks too, if it is swapped out)
 
     def release_group(self, group_id: str) -> None:
         """Forget a group once the caller has its final output."""
@@ -109,9 +129,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         # One token budget shared by everything; running requests first (oldest first), then waiting.
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledChunk] = {}
-        preempted_any = False
+        budget = self._schedule_running(out, scheduled, self.config.max_num_batched_tokens)
+        self._schedule_waiting(out, scheduled, budget)
+        out.chunks = list(scheduled.values())
+        if self.swap is not None:
+            plan = self.swap.take_swaps()
+            out.blocks_to_swap_out, out.blocks_to_swap_in = plan.swap_out, plan.swap_in
+        out.blocks_to_copy = self.kv.take_pending_copies()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, scheduled: dict[str, ScheduledChunk], budget: int) -> int:
         for request in list(self.running):
             if budget <= 0:
                 break
@@ -122,59 +150,101 @@ class Scheduler:
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
-                preempted_any = True
-                out.num_preempted += 1
-                self._preempt(victim)
+                budget += self._preempt(victim, out, scheduled)
                 if victim is request:
                     break
-                chunk = scheduled.pop(victim.request_id, None)
-                if chunk is not None:
-                    budget += chunk.num_new_tokens
             else:
                 scheduled[request.request_id] = ScheduledChunk(request, num_new)
                 budget -= num_new
+        return budget
 
-        # Admit waiting requests only when nothing had to be preempted: memory is tight otherwise.
-        while self.waiting and budget > 0 and not preempted_any and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, out: SchedulerOutput, scheduled: dict[str, ScheduledChunk], budget: int) -> None:
+        """Admit waiting requests in queue order (preempted ones sit at its front). Only when nothing had to be
+        preempted (memory is tight otherwise), unless the request outranks a running one (priority policy)."""
+        while self.waiting and budget > 0:
             request = self.waiting[0]
-            computed_ids: list[int] | None = None
-            if not request.block_ids:
-                computed_ids, num_hit = self.kv.get_computed_blocks(request)
-                request.num_computed_tokens = num_hit
-                if request.num_preemptions == 0:
-                    request.num_cached_tokens = num_hit
-            num_new = request.num_tokens - request.num_computed_tokens
-            fits = self.config.enable_chunked_prefill or num_new <= budget
-            num_new = min(num_new, budget)
-            if not fits or self.kv.allocate_slots(request, num_new, computed_ids or None) is None:
-                if not request.block_ids:  # undo the prefix-hit bookkeeping; no references were taken
-                    request.num_computed_tokens = 0
+            can_preempt = self._lower_priority_victim(request) is not None
+            if out.num_preempted and not can_preempt:
                 break
+            num_new: int | None = None
+            if len(self.running) < self.config.max_num_seqs:
+                num_new = self._allocate_waiting(request, budget)
+            if num_new is None:
+                victim = self._lower_priority_victim(request)
+                if victim is None:
+                    break
+                budget += self._preempt(victim, out, scheduled)
+                continue
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled[request.request_id] = ScheduledChunk(request, num_new)
             budget -= num_new
 
-        out.chunks = list(scheduled.values())
-        out.blocks_to_copy = self.kv.take_pending_copies()
-        return out
+    def _allocate_waiting(self, request: Request, budget: int) -> int | None:
+        """Blocks for the next chunk of a waiting request (swapped in, or from its prefix-cache hit): the chunk
+        size, or None (nothing taken) when it does not fit."""
+        swapped = self.swap is not None and self.swap.is_swapped(request)
+        computed_ids: list[int] | None = None
+        if not request.block_ids and not swapped:
+            computed_ids, num_hit = self.kv.get_computed_blocks(request)
+            request.num_computed_tokens = num_hit
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit
+        num_new = request.num_tokens - request.num_computed_tokens
+        fits = self.config.enable_chunked_prefill or num_new <= budget
+        num_new = min(num_new, budget)
+        if swapped and self.swap is not None:
+            if not fits or not self.swap.can_swap_in(request, num_new):
+                return None
+            self.swap.swap_in(request)
+        if not fits or self.kv.allocate_slots(request, num_new, computed_ids or None) is None:
+            if swapped:
+                raise RuntimeError(f"swapped-in request {request.request_id} found no room that can_swap_in promised")
+            if not request.block_ids:  # undo the prefix-hit bookkeeping; no references were taken
+                request.num_computed_tokens = 0
+            return None
+        return num_new
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, request: Request) -> None:
-        if self.running[-1] is request:
-            self.running.pop()
+    def _lower_priority_victim(self, request: Request) -> Request | None:
+        """Under the priority policy: the running request to preempt for ``request``, if one ranks below it."""
+        if self.config.policy != "priority" or not self.running:
+            return None
+        victim = self._pick_victim()
+        return victim if victim.priority > request.priority else None
+
+    def _preempt(self, request: Request, out: SchedulerOutput, scheduled: dict[str, ScheduledChunk]) -> int:
+        """Take ``request`` off the running list by swap or recompute; returns the budget its chunk (if it was
+        scheduled this step) gives back."""
+        self.running.remove(request)
+        if self._should_swap(request) and self.swap is not None and self.swap.swap_out(request):
+            self.num_swap_preemptions += 1
         else:
-            self.running.remove(request)
-        self.kv.free(request)
-        request.num_computed_tokens = 0
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            self.num_recompute_preemptions += 1
         request.num_preemptions += 1
         self.num_preemptions += 1
+        out.num_preempted += 1
         self._enqueue(request, front=True)
+        chunk = scheduled.pop(request.request_id, None)
+        return chunk.num_new_tokens if chunk is not None else 0
+
+    def _should_swap(self, request: Request) -> bool:
+        """Swap when moving the blocks costs less than recomputing the tokens (the host pool has room)."""
+        mode = self.config.preemption_mode
+        if self.swap is None or mode == "recompute" or not self.swap.can_swap_out(request):
+            return False
+        if mode == "swap":
+            return True
+        num_recompute = request.num_computed_tokens - self.swap.num_shared_prefix_tokens(request)
+        num_moved = self.swap.num_blocks_to_swap_out(request) * self.kv.block_size
+        return num_moved * SWAP_TOKEN_COST < num_recompute
 
     # ---- after the model ran ----------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: Mapping[str, tuple[int, dict[int, float] | None]]) -> list[Request]:

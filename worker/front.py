@@ -88,7 +88,12 @@ class GenerationWorker(WorkerNode):
         )
         outcome = await self._refuse(payload, writer, started, job_try, prior)
         if outcome is None:
-            with tracer.start_as_current_span("worker.job", context=extract(payload.trace_context)):
+            with tracer.start_as_current_span(
+                "worker.job",
+                context=extract(payload.trace_context),  # the API request's span: one trace for both tiers
+                kind=trace.SpanKind.CONSUMER,
+                attributes={"pagedserve.request_id": payload.request_id, "pagedserve.job_try": job_try},
+            ):
                 queue_span = tracer.start_span("queue_wait", start_time=int(payload.enqueue_time * 1e9))
                 queue_span.end(end_time=int(started * 1e9))
                 self.active.add(payload.request_id)

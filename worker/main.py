@@ -11,6 +11,7 @@ from prometheus_client import start_http_server
 from redis.exceptions import RedisError
 
 import modelfiles
+from api.tracing import setup_tracing
 from engine.config import EngineConfig
 from wire import keys
 from wire.messages import dumps, loads
@@ -57,6 +58,7 @@ async def run_worker(
 ) -> None:
     """The engine core loads in its own process while this one loads the tokenizer and connects to Redis; then
     this process is front 0 of the node and starts the others (``worker.fronts``)."""
+    setup_tracing("", "pagedserve-worker")  # OTEL_* variables (``--otel-exporter`` sets OTEL_TRACES_EXPORTER)
     if settings.metrics_port is not None:
         start_http_server(settings.metrics_port)
     count = num_fronts(settings)
@@ -88,6 +90,7 @@ async def run_worker(
 
 async def serve_front(core: CoreClient, config: EngineConfig, settings: WorkerSettings, model_name: str) -> None:
     """An extra front (``worker.fronts``) on a core that front 0 runs."""
+    setup_tracing("", "pagedserve-worker")
     tokenizer = await asyncio.to_thread(load_tokenizer, config)
     redis = await connect(settings.redis_url)
     try:

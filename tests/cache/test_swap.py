@@ -63,8 +63,9 @@ def test_swap_out_and_in_round_trip() -> None:
     kv.reset_prefix_cache()  # refused: a is swapped
     assert kv.can_swap_in(a, 1)
     kv.swap_in(a)
-    assert not kv.is_swapped(a) and kv.host_usage() == 0.0
+    assert not kv.is_swapped(a) and kv.host_usage() == pytest.approx(1 / 6)  # read this step: free after it
     plan = mem.run(kv)
+    assert kv.host_usage() == 0.0
     assert len(plan.swap_in) == 1  # the two full blocks were still cached on the device: no copy
     assert kv.swap_stats.num_blocks_swapped_in == 1 and kv.swap_stats.num_blocks_deduplicated == 2
     mem.check(a)
@@ -198,6 +199,26 @@ def test_host_hit_never_evicts_an_earlier_hit_of_the_same_lookup() -> None:
     assert hit_ids == [0] and num_hit == 4 and kv.take_swaps().swap_in == []
 
 
+def test_a_host_block_read_this_step_is_not_overwritten_by_a_swap_out_of_the_same_step() -> None:
+    kv = make(10, 3)
+    mem = Memory(kv)
+    a = Seq("a", list(range(6)))  # block 0 full (cached), block 1 partial (not cached)
+    w = Seq("w", list(range(50, 58)))
+    for seq in (a, w):
+        prefill(kv, seq)
+        mem.run(kv)
+        mem.write(seq, 0, seq.num_tokens)
+    assert kv.swap_out(a)
+    mem.run(kv)
+    kv.swap_in(a)  # block 0 is still cached on the device; block 1 is copied back this step
+    (read,) = [h for h, _ in kv._plan.swap_in]
+    assert kv.swap_out(w)  # same step: takes the fresh host block and evicts a's cached one, never `read`
+    assert read not in kv.host_block_ids(w)
+    mem.run(kv)
+    mem.check(a)
+    assert kv.host.num_free == 1  # `read` is free again after the step
+
+
 def test_swap_out_of_a_block_copied_on_write_this_step_reads_its_source() -> None:
     kv = make(10, 10)
     mem = Memory(kv)
@@ -243,8 +264,7 @@ def test_randomized_two_pools_against_simulated_memory(num_cpu_blocks: int) -> N
             if step(seq, rng.randrange(1, seq.num_tokens - num_hit + 1), hit_ids):
                 live.append(seq)
             else:
-                kv.take_swaps()  # a failed admission may have copied host hits in: they run with the step
-                mem.run(kv)
+                mem.run(kv)  # a failed admission may have copied host hits in: they run with the step
         elif op < 0.55:
             seq = rng.choice(live)
             step(seq, rng.randrange(1, seq.num_tokens - seq.num_computed_tokens + 1))
@@ -267,7 +287,8 @@ def test_randomized_two_pools_against_simulated_memory(num_cpu_blocks: int) -> N
                 kv.swap_in(seq)
                 swapped.remove(seq)
                 live.append(seq)
-                mem.run(kv)
+                if rng.random() < 0.5:  # else a swap-out may follow in the same step
+                    mem.run(kv)
         else:
             pool = live if (rng.random() < 0.7 or not swapped) else swapped
             seq = pool.pop(rng.randrange(len(pool)))

@@ -40,6 +40,7 @@ NON_DEFAULT: dict[str, Any] = {
     "max_num_batched_tokens": 512,
     "scheduling_policy": "priority",
     "enable_chunked_prefill": False,
+    "preemption_mode": "recompute",
     "tensor_parallel_size": 2,
     "distributed_executor_backend": "mp",
     "device": "cpu",
@@ -66,6 +67,7 @@ CONFIG_PATH = {
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "scheduling_policy": "scheduler.policy",
     "enable_chunked_prefill": "scheduler.enable_chunked_prefill",
+    "preemption_mode": "scheduler.preemption_mode",
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "distributed_executor_backend": "parallel.distributed_executor_backend",
     "device": "device",
@@ -150,7 +152,7 @@ def test_tp_alias_and_boolean_spellings() -> None:
 
 
 def test_create_engine_config_values() -> None:
-    values = {**NON_DEFAULT, "swap_space": 0.0}  # swap > 0 is rejected by CacheConfig
+    values = NON_DEFAULT
     config = EngineArgs(**values).create_engine_config()
     for name, path in CONFIG_PATH.items():
         assert _lookup(config, path) == values[name], name
@@ -160,7 +162,9 @@ def test_create_engine_config_values() -> None:
     "bad",
     [
         {"block_size": 3},
-        {"swap_space": 1.0},
+        {"swap_space": -1.0},
+        {"preemption_mode": "swap"},  # with no swap space
+        {"preemption_mode": "evict"},
         {"dtype": "int3"},
         {"scheduling_policy": "lifo"},
         {"device": "tpu"},
@@ -199,8 +203,16 @@ def test_llm_rejects_unknown_keywords_before_loading(monkeypatch: pytest.MonkeyP
 
 def test_llm_builds_the_engine_config_from_engine_args(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[EngineConfig] = []
-    monkeypatch.setattr(engine.llm, "Engine", seen.append)
-    kwargs = {k: v for k, v in NON_DEFAULT.items() if k != "model"} | {"swap_space": 0.0}
+
+    class _Recorder:  # LLM's finalizer needs a shutdown()
+        def __init__(self, config: EngineConfig) -> None:
+            seen.append(config)
+
+        def shutdown(self) -> None:
+            pass
+
+    monkeypatch.setattr(engine.llm, "Engine", _Recorder)
+    kwargs = {k: v for k, v in NON_DEFAULT.items() if k != "model"}
     engine.llm.LLM("/models/llama", **kwargs)
     assert seen == [EngineArgs(model="/models/llama", **kwargs).create_engine_config()]
 

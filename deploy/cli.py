@@ -10,6 +10,14 @@ import os
 import sys
 from collections.abc import Sequence
 
+from deploy.api_args import (
+    add_vllm_api_args,
+    add_vllm_engine_args,
+    api_env,
+    check_vllm_args,
+    default_help,
+    uvicorn_kwargs,
+)
 from engine.args import EngineArgs
 
 BENCHES = {
@@ -27,9 +35,15 @@ BENCHES = {
 
 
 def _add_common(p: argparse.ArgumentParser, redis_default: str | None) -> None:
+    p.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="the model, as `vllm serve MODEL` (or --model)"
+    )
     p.add_argument("--model", default="", help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: from the path)")
     p.add_argument("--redis-url", default=redis_default, help="Redis for the queue, streams and caches")
+    p.add_argument(
+        "--tokenizer", default=None, help="api: a tokenizer folder apart from the model's (serve/worker refuse it)"
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--otel-exporter",
@@ -40,26 +54,37 @@ def _add_common(p: argparse.ArgumentParser, redis_default: str | None) -> None:
 
 
 def _add_api_args(p: argparse.ArgumentParser) -> None:
+    """The API's flags. Those of ``ApiSettings`` default to None: a flag given wins, else its ``PAGEDSERVE_*``
+    variable, else the settings' default (shown in the help)."""
     g = p.add_argument_group("API")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-workers", type=int, default=1, help="uvicorn worker processes of the API")
     g.add_argument("--api-key", action="append", default=[], help="accepted bearer key (repeat; none = no auth)")
-    g.add_argument("--rate-limit-rps", type=float, default=0.0, help="per-key requests/s (0 = unlimited)")
-    g.add_argument("--rate-limit-burst", type=int, default=20)
-    g.add_argument("--max-queue-depth", type=int, default=1024, help="waiting jobs above which requests get 429")
-    g.add_argument("--queue-deadline-s", type=float, default=60.0, help="drop jobs not started within this")
-    g.add_argument("--request-timeout-s", type=float, default=600.0)
-    g.add_argument("--response-cache", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--response-cache-ttl-s", type=int, default=3600)
-    g.add_argument("--shared-response-cache", action="store_true", help="one response cache for all API keys")
+    g.add_argument(
+        "--rate-limit-rps", type=float, help=default_help("per-key requests/s (0 = unlimited)", "rate_limit_rps")
+    )
+    g.add_argument("--rate-limit-burst", type=int, help=default_help("token bucket size", "rate_limit_burst"))
+    g.add_argument(
+        "--max-queue-depth", type=int, help=default_help("waiting jobs above which requests get 429", "max_queue_depth")
+    )
+    g.add_argument(
+        "--queue-deadline-s", type=float, help=default_help("drop jobs not started within this", "queue_deadline_s")
+    )
+    g.add_argument("--request-timeout-s", type=float, help=default_help("", "request_timeout_s"))
+    g.add_argument("--response-cache", action=argparse.BooleanOptionalAction, help=default_help("", "response_cache"))
+    g.add_argument("--response-cache-ttl-s", type=int, help=default_help("", "response_cache_ttl_s"))
+    g.add_argument("--shared-response-cache", action="store_true", default=None, help="one cache for all API keys")
     g.add_argument(
         "--queue-without-workers-s",
         type=float,
-        default=0.0,
-        help="with no live worker, still queue requests this long (0: 503 at once; inf: always queue)",
+        help=default_help(
+            "with no live worker, still queue requests this long (0: 503 at once; inf: always queue)",
+            "queue_without_workers_s",
+        ),
     )
-    g.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    g.add_argument("--max-body-bytes", type=int, help=default_help("", "max_body_bytes"))
+    add_vllm_api_args(p)
 
 
 def _add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -101,43 +126,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_api_args(serve)
     _add_worker_args(serve)
     EngineArgs.add_cli_args(serve, with_model=False)  # --model is in _add_common
+    add_vllm_engine_args(serve)
     api = sub.add_parser("api", help="the API tier only (no torch)")
-    _add_common(api, "redis://127.0.0.1:6379/0")
+    _add_common(api, None)  # None: $PAGEDSERVE_REDIS_URL, else ApiSettings' default
     _add_api_args(api)
     api.add_argument("--max-model-len", type=int, default=None)
     worker = sub.add_parser("worker", help="one engine worker on the queue")
     _add_common(worker, "redis://127.0.0.1:6379/0")
     _add_worker_args(worker)
     EngineArgs.add_cli_args(worker, with_model=False)
+    add_vllm_engine_args(worker)
     bench = sub.add_parser(
         "bench", help="benchmarks: kernels | throughput | latency | suite | overhead | serve (-h after the name)"
     )
     bench.add_argument("kind", choices=sorted(BENCHES))
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
-
-
-def api_env(args: argparse.Namespace) -> dict[str, str]:
-    """API settings as PAGEDSERVE_* variables (so every uvicorn worker process reads the same)."""
-    values = {
-        "redis_url": args.redis_url,
-        "model": args.model,
-        "served_model_name": args.served_model_name or "",
-        "max_model_len": "" if args.max_model_len is None else args.max_model_len,
-        "api_keys": ",".join(args.api_key),
-        "rate_limit_rps": args.rate_limit_rps,
-        "rate_limit_burst": args.rate_limit_burst,
-        "max_queue_depth": args.max_queue_depth,
-        "queue_deadline_s": args.queue_deadline_s,
-        "request_timeout_s": args.request_timeout_s,
-        "response_cache": args.response_cache,
-        "response_cache_ttl_s": args.response_cache_ttl_s,
-        "shared_response_cache": args.shared_response_cache,
-        "queue_without_workers_s": args.queue_without_workers_s,
-        "max_body_bytes": args.max_body_bytes,
-        "otel_exporter": args.otel_exporter,
-    }
-    return {f"PAGEDSERVE_{k.upper()}": str(v) for k, v in values.items()}
 
 
 def run_api(args: argparse.Namespace) -> int:
@@ -147,15 +151,7 @@ def run_api(args: argparse.Namespace) -> int:
 
     os.environ.update(api_env(args))
     with multiprocess_dir(args.api_workers):  # several processes: /metrics sums them all
-        uvicorn.run(
-            "api.app:create_app",
-            factory=True,
-            host=args.host,
-            port=args.port,
-            workers=args.api_workers,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=5,
-        )
+        uvicorn.run("api.app:create_app", factory=True, timeout_graceful_shutdown=5, **uvicorn_kwargs(args))
     return 0
 
 
@@ -196,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
+        if args.command != "bench":
+            check_vllm_args(args)
         if args.command == "api":
             return run_api(args)
         if args.command == "worker":

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from types import FrameType
 
 import modelfiles
+from deploy.api_args import api_argv
 from deploy.redis_server import RedisServer
 from deploy.supervisor import GaveUpError, RestartPolicy, Supervisor, popen_in_own_group
 from engine.args import EngineArgs
@@ -30,45 +31,11 @@ def _cli(*args: str) -> list[str]:
 
 
 def _api_argv(args: argparse.Namespace, redis_url: str) -> list[str]:
-    argv = _cli(
-        "api",
-        "--redis-url",
-        redis_url,
-        "--host",
-        args.host,
-        "--port",
-        str(args.port),
-        "--api-workers",
-        str(args.api_workers),
-        "--max-queue-depth",
-        str(args.max_queue_depth),
-        "--queue-deadline-s",
-        str(args.queue_deadline_s),
-        "--request-timeout-s",
-        str(args.request_timeout_s),
-        "--response-cache-ttl-s",
-        str(args.response_cache_ttl_s),
-        "--max-body-bytes",
-        str(args.max_body_bytes),
-        "--rate-limit-rps",
-        str(args.rate_limit_rps),
-        "--rate-limit-burst",
-        str(args.rate_limit_burst),
-        "--log-level",
-        args.log_level,
-        "--response-cache" if args.response_cache else "--no-response-cache",
-    )
-    for key in args.api_key:
-        argv += ["--api-key", key]
+    argv = _cli("api", "--redis-url", redis_url, "--host", args.host, "--port", str(args.port))
+    argv += ["--api-workers", str(args.api_workers), "--log-level", args.log_level]
+    argv += api_argv(args)  # only the API flags given: the child reads $PAGEDSERVE_* for the others
     if args.otel_exporter:  # else both tiers read the OTEL_* variables they inherit
         argv += ["--otel-exporter", args.otel_exporter]
-    for flag, value in (
-        ("--model", args.model),
-        ("--served-model-name", args.served_model_name),
-        ("--max-model-len", args.max_model_len),
-    ):
-        if value:
-            argv += [flag, str(value)]
     return argv
 
 

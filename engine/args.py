@@ -34,6 +34,7 @@ class EngineArgs:
     dtype: str = _opt("auto", "auto | float32 | float16 | bfloat16")
     max_model_len: int | None = _opt(None, "context length (default: the model's)")
     load_format: str = _opt("auto", "auto | dummy (random weights)")
+    quantization: str = _opt("auto", "auto (the checkpoint's quantization_config) | awq | gptq | compressed-tensors")
     seed: int = _opt(0, "random seed of the engine")
     trust_remote_code: bool = _opt(
         False, "accepted for vLLM compatibility; no model code from the checkpoint is ever run"
@@ -110,6 +111,7 @@ class EngineArgs:
                 dtype=self.dtype,
                 max_model_len=self.max_model_len,
                 load_format=self.load_format,
+                quantization=self.quantization,
                 seed=self.seed,
                 trust_remote_code=self.trust_remote_code,
                 skip_tokenizer_init=self.skip_tokenizer_init,

@@ -1,6 +1,6 @@
-"""Weight loading: HF safetensors (single file or sharded; each rank reads only its slices), GGUF
-(dequantized to float at load, names and llama.cpp's Q/K row order mapped back to HF's), or dummy
-random weights for benchmarks."""
+"""Weight loading: HF safetensors (single file or sharded; each rank reads only its slices; 4-bit AWQ, GPTQ
+and compressed-tensors checkpoints stay 4-bit, see ``engine.quantization``), GGUF (dequantized to float at
+load, names and llama.cpp's Q/K row order mapped back to HF's), or dummy random weights for benchmarks."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from transformers import AutoConfig, PretrainedConfig
 from engine.layers.weights import WeightSource
 from engine.models import CausalLM, build_model
 from engine.parallel import ParallelState
+from engine.quantization import parse_quantization
 from modelfiles import ModelFiles
 
 _DTYPES = {
@@ -59,10 +60,15 @@ def load_model(
     device: torch.device | str,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str = "auto",
 ) -> CausalLM:
-    """Build this rank's shard of the model on ``device`` and fill it."""
+    """Build this rank's shard of the model on ``device`` and fill it. ``quantization`` (``--quantization``):
+    auto (the checkpoint's ``quantization_config``) or the method it must declare (awq, gptq, compressed-tensors)."""
     device = torch.device(device)
-    model = build_model(hf_config, parallel, dtype, device)
+    quant_config = parse_quantization(hf_config, quantization)
+    if quant_config is not None and files.gguf_path is not None and load_format != "dummy":
+        raise ValueError("a GGUF file with a quantization_config: GGUF weights are dequantized, use a HF folder")
+    model = build_model(hf_config, parallel, dtype, device, quant_config)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     elif load_format == "auto":
@@ -77,10 +83,14 @@ def load_model(
 
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """normal(0, 0.02) matrices, unit norm weights, zero biases: shaped like the real model, numerically tame."""
+    """normal(0, 0.02) matrices, unit norm weights, zero biases: shaped like the real model, numerically tame.
+    Parameters with their own ``dummy_init`` (4-bit codes, scales, zeros) use it."""
     for name, param in model.named_parameters():
         gen = torch.Generator(device=param.device).manual_seed(seed + sum(map(ord, name)))
-        if param.ndim >= 2:
+        own_init = getattr(param, "dummy_init", None)
+        if own_init is not None:
+            own_init(param, gen)
+        elif param.ndim >= 2:
             param.normal_(0.0, 0.02, generator=gen)
         elif name.endswith("norm.weight"):
             param.fill_(1.0)

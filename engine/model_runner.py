@@ -70,7 +70,14 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.hf_config, self.device)
         torch.manual_seed(config.model.seed)
         self.model = load_model(
-            files, self.hf_config, parallel, self.dtype, self.device, config.model.load_format, config.model.seed
+            files,
+            self.hf_config,
+            parallel,
+            self.dtype,
+            self.device,
+            config.model.load_format,
+            config.model.seed,
+            quantization=config.model.quantization,
         )
         self.model.eval()
         self.graphs: DecodeGraphs | None = None  # captured after the KV cache exists

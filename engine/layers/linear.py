@@ -1,14 +1,32 @@
 """Tensor-parallel linear layers (Megatron split): column-parallel shards the output features, row-parallel
-shards the input features and all-reduces its output. Weights keep PyTorch's ``[out, in]`` layout."""
+shards the input features and all-reduces its output. Dense weights keep PyTorch's ``[out, in]`` layout.
+
+Each layer says which slice of a checkpoint weight its rank holds (``LinearSlice``: output rows for the
+column-parallel ones, input columns for the row-parallel one) and a ``QuantMethod`` (4-bit weights,
+``engine.quantization``) may replace the dense ``weight``: it then owns the parameters, their loading from
+that slice and the matmul. Biases stay dense.
+"""
 
 from __future__ import annotations
+
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.weights import WeightSource, copy_checked, read_full, set_weight_loader
+from engine.layers.weights import LinearSlice, WeightSource, copy_checked, read_full, set_weight_loader
 from engine.parallel import ParallelState, divide
+
+
+class QuantMethod(Protocol):
+    def create_weights(
+        self, layer: Any, input_size: int, output_size: int, loader: Any, is_row_parallel: bool
+    ) -> None: ...
+
+    def load(self, layer: Any, param: nn.Parameter, source: WeightSource, sl: LinearSlice) -> None: ...
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def _new_param(*shape: int) -> nn.Parameter:
@@ -17,46 +35,108 @@ def _new_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W split by rows (output features); each rank returns its slice of y."""
+def _read_slice(source: WeightSource, sl: LinearSlice) -> torch.Tensor:
+    """``source[out rows, in columns]``, narrowing the partial dimension on disk (lazy slices)."""
+    if sl.in_start == 0 and sl.in_size == source.shape[1]:
+        return source.narrow(0, sl.out_start, sl.out_size)
+    return source.narrow(1, sl.in_start, sl.in_size).narrow(0, sl.out_start, sl.out_size)
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, parallel: ParallelState) -> None:
+
+class _ParallelLinear(nn.Module):
+    """The weight (dense or quantized) of ``[input_size, output_size]`` per rank, plus an optional bias."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        parallel: ParallelState,
+        quant: QuantMethod | None,
+        is_row_parallel: bool,
+    ) -> None:
         super().__init__()
         self.parallel = parallel
-        self.input_size = input_size
-        self.output_size_per_rank = divide(output_size, parallel.world_size, "output features")
-        self.weight = _new_param(self.output_size_per_rank, input_size)
-        set_weight_loader(self.weight, self.weight_loader)
+        self.quant = quant
+        self.weight: nn.Parameter | None = None
+        if quant is None:
+            self.weight = _new_param(output_size, input_size)
+            set_weight_loader(self.weight, self.weight_loader)
+        else:
+            quant.create_weights(self, input_size, output_size, self.weight_loader, is_row_parallel)
         self.bias: nn.Parameter | None = None
         if bias:
-            self.bias = _new_param(self.output_size_per_rank)
+            self.bias = _new_param(output_size)
             set_weight_loader(self.bias, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, source: WeightSource) -> None:
-        size = param.shape[0]
-        copy_checked(param, source.narrow(0, self.parallel.rank * size, size))
+    def slice_for(self, shard_id: Any) -> LinearSlice:
+        raise NotImplementedError
+
+    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: Any = None) -> None:
+        sl = self.slice_for(shard_id)
+        if param is self.bias:
+            self._load_bias(param, source, sl)
+        elif self.quant is not None:
+            self.quant.load(self, param, source, sl)
+        else:
+            copy_checked(param.data.narrow(0, sl.dst_offset, sl.out_size), _read_slice(source, sl))
+
+    def _load_bias(self, param: nn.Parameter, source: WeightSource, sl: LinearSlice) -> None:
+        copy_checked(param.data.narrow(0, sl.dst_offset, sl.out_size), source.narrow(0, sl.out_start, sl.out_size))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` without the bias."""
+        if self.quant is not None:
+            return self.quant.apply(self, x)
+        assert self.weight is not None
+        return F.linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.quant is None:
+            assert self.weight is not None
+            return F.linear(x, self.weight, self.bias)
+        y = self.quant.apply(self, x)
+        return y if self.bias is None else y + self.bias
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y = x W^T + b with W split by rows (output features); each rank returns its slice of y."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, parallel: ParallelState, quant: QuantMethod | None = None
+    ) -> None:
+        self.input_size = input_size
+        self.output_size_per_rank = divide(output_size, parallel.world_size, "output features")
+        super().__init__(input_size, self.output_size_per_rank, bias, parallel, quant, is_row_parallel=False)
+
+    def slice_for(self, shard_id: Any) -> LinearSlice:
+        size = self.output_size_per_rank
+        return LinearSlice(0, self.parallel.rank * size, size, 0, self.input_size)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matmul (gate and up). Each rank's
     output is ``[shard of out 0 | shard of out 1 | ...]``; ``shard_id`` in the loader indexes the parts."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, parallel: ParallelState) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        parallel: ParallelState,
+        quant: QuantMethod | None = None,
+    ) -> None:
         self.output_sizes_per_rank = [divide(s, parallel.world_size, "output features") for s in output_sizes]
-        super().__init__(input_size, sum(output_sizes), bias, parallel)
+        super().__init__(input_size, sum(output_sizes), bias, parallel, quant)
 
-    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: int | None = None) -> None:
+    def slice_for(self, shard_id: Any) -> LinearSlice:
         if shard_id is None:
             raise ValueError("MergedColumnParallelLinear needs a shard_id (index of the merged projection)")
         size = self.output_sizes_per_rank[shard_id]
         offset = sum(self.output_sizes_per_rank[:shard_id])
-        copy_checked(param.data.narrow(0, offset, size), source.narrow(0, self.parallel.rank * size, size))
+        return LinearSlice(offset, self.parallel.rank * size, size, 0, self.input_size)
 
 
-class QKVParallelLinear(nn.Module):
+class QKVParallelLinear(_ParallelLinear):
     """Q, K and V projections in one column-parallel matmul, split by attention head.
 
     Query heads must divide evenly over ranks. KV heads do too when there are at least as many as ranks;
@@ -65,9 +145,15 @@ class QKVParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, parallel: ParallelState
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        parallel: ParallelState,
+        quant: QuantMethod | None = None,
     ) -> None:
-        super().__init__()
         world = parallel.world_size
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, world, "num_attention_heads")
@@ -80,29 +166,17 @@ class QKVParallelLinear(nn.Module):
             self.kv_head_start = parallel.rank // replicas
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        self.parallel = parallel
         self.input_size = hidden_size
         self.output_size_per_rank = self.q_size + 2 * self.kv_size
-        self.weight = _new_param(self.output_size_per_rank, hidden_size)
-        set_weight_loader(self.weight, self.weight_loader)
-        self.bias: nn.Parameter | None = None
-        if bias:
-            self.bias = _new_param(self.output_size_per_rank)
-            set_weight_loader(self.bias, self.weight_loader)
+        super().__init__(hidden_size, self.output_size_per_rank, bias, parallel, quant, is_row_parallel=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: str | None = None) -> None:
-        d = self.head_dim
+    def slice_for(self, shard_id: Any) -> LinearSlice:
         if shard_id == "q":
-            dst, src_start = param.data.narrow(0, 0, self.q_size), self.parallel.rank * self.q_size
-        elif shard_id in ("k", "v"):
+            return LinearSlice(0, self.parallel.rank * self.q_size, self.q_size, 0, self.input_size)
+        if shard_id in ("k", "v"):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
-            dst, src_start = param.data.narrow(0, offset, self.kv_size), self.kv_head_start * d
-        else:
-            raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        copy_checked(dst, source.narrow(0, src_start, dst.shape[0]))
+            return LinearSlice(offset, self.kv_head_start * self.head_dim, self.kv_size, 0, self.input_size)
+        raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, q_size + 2 kv_size] -> q [T, heads, D], k and v [T, kv_heads, D] (per rank)."""
@@ -115,29 +189,24 @@ class QKVParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """y = x W^T + b with W split by columns (input features): the input arrives already split (the output
     of a column-parallel layer), partial products are all-reduced, then the (replicated) bias is added once."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, parallel: ParallelState) -> None:
-        super().__init__()
-        self.parallel = parallel
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, parallel: ParallelState, quant: QuantMethod | None = None
+    ) -> None:
         self.input_size_per_rank = divide(input_size, parallel.world_size, "input features")
         self.output_size = output_size
-        self.weight = _new_param(output_size, self.input_size_per_rank)
-        set_weight_loader(self.weight, self.weight_loader)
-        self.bias: nn.Parameter | None = None
-        if bias:
-            self.bias = _new_param(output_size)
-            set_weight_loader(self.bias, self.bias_loader)
+        super().__init__(self.input_size_per_rank, output_size, bias, parallel, quant, is_row_parallel=True)
 
-    def weight_loader(self, param: nn.Parameter, source: WeightSource) -> None:
-        size = param.shape[1]
-        copy_checked(param, source.narrow(1, self.parallel.rank * size, size))
+    def slice_for(self, shard_id: Any) -> LinearSlice:
+        size = self.input_size_per_rank
+        return LinearSlice(0, 0, self.output_size, self.parallel.rank * size, size)
 
-    def bias_loader(self, param: nn.Parameter, source: WeightSource) -> None:
+    def _load_bias(self, param: nn.Parameter, source: WeightSource, sl: LinearSlice) -> None:
         copy_checked(param, read_full(source))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.parallel.all_reduce(F.linear(x, self.weight))
+        y = self.parallel.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias

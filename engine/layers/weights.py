@@ -8,6 +8,7 @@ loader passes a lazy slice so that each rank reads only its own bytes from disk.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -18,6 +19,19 @@ class WeightSource(Protocol):
     def shape(self) -> Sequence[int]: ...
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class LinearSlice:
+    """The part of a checkpoint weight ``[out, in]`` (HF's layout) that one rank's linear layer holds: rows
+    ``out_start : out_start + out_size`` and columns ``in_start : in_start + in_size``, landing at
+    ``dst_offset`` of the layer's output features (merged projections hold several)."""
+
+    dst_offset: int
+    out_start: int
+    out_size: int
+    in_start: int
+    in_size: int
 
 
 WeightLoader = Callable[..., None]  # (param, source[, shard_id]) -> None

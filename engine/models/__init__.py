@@ -10,6 +10,7 @@ import torch
 
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from engine.parallel import ParallelState
+from engine.quantization import Int4Config
 
 CausalLM = LlamaForCausalLM  # every supported model shares this interface
 
@@ -53,11 +54,18 @@ def _build_context(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
         torch.set_default_dtype(old_dtype)
 
 
-def build_model(hf_config: Any, parallel: ParallelState, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """An uninitialised model for this rank's shard; fill it with ``load_weights`` (see engine.loader)."""
+def build_model(
+    hf_config: Any,
+    parallel: ParallelState,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant_config: Int4Config | None = None,
+) -> CausalLM:
+    """An uninitialised model for this rank's shard (4-bit projections with ``quant_config``); fill it with
+    ``load_weights`` (see engine.loader)."""
     cls = model_class(hf_config)
     with _build_context(dtype, device):
-        model = cls(hf_config, parallel)
+        model = cls(hf_config, parallel, quant_config)
     return model.eval()
 
 

@@ -25,8 +25,12 @@ from engine.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
+from engine.layers.linear import QuantMethod
 from engine.layers.weights import WeightSource, get_weight_loader
 from engine.parallel import ParallelState
+from engine.quantization.config import Int4Config
+from engine.quantization.formats import param_name
+from engine.quantization.int4_linear import Int4LinearMethod
 
 # HF checkpoint name fragment -> (our fused module name fragment, shard id)
 _STACKED_PARAMS = (
@@ -57,16 +61,20 @@ def _sliding_window(config: Any, layer_idx: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, parallel: ParallelState) -> None:
+    def __init__(
+        self, config: Any, layer_idx: int, rotary: RotaryEmbedding, parallel: ParallelState, quant: QuantMethod | None
+    ) -> None:
         super().__init__()
         head_dim = _head_dim(config)
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         o_bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, head_dim, config.num_attention_heads, num_kv_heads, qkv_bias, parallel
+            config.hidden_size, head_dim, config.num_attention_heads, num_kv_heads, qkv_bias, parallel, quant
         )
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, o_bias, parallel)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, o_bias, parallel, quant
+        )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.model_type == "qwen3":
@@ -91,14 +99,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, parallel: ParallelState) -> None:
+    def __init__(self, config: Any, parallel: ParallelState, quant: QuantMethod | None) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, parallel)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, parallel)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, parallel, quant)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, parallel, quant)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,10 +114,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, parallel: ParallelState) -> None:
+    def __init__(
+        self, config: Any, layer_idx: int, rotary: RotaryEmbedding, parallel: ParallelState, quant: QuantMethod | None
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary, parallel)
-        self.mlp = LlamaMLP(config, parallel)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary, parallel, quant)
+        self.mlp = LlamaMLP(config, parallel, quant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -127,13 +137,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, parallel: ParallelState) -> None:
+    def __init__(self, config: Any, parallel: ParallelState, quant: QuantMethod | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
         # One cos/sin cache shared by every layer.
         self.rotary_emb = RotaryEmbedding(config, _head_dim(config), config.max_position_embeddings)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, parallel) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, self.rotary_emb, parallel, quant) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -148,13 +158,15 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The model interface the ModelRunner uses: ``forward``, ``compute_logits``, ``attention_layers``,
-    ``load_weights``."""
+    ``load_weights``. With ``quant_config`` every decoder projection holds 4-bit weights (embeddings, norms
+    and the LM head stay dense)."""
 
-    def __init__(self, config: Any, parallel: ParallelState) -> None:
+    def __init__(self, config: Any, parallel: ParallelState, quant_config: Int4Config | None = None) -> None:
         super().__init__()
         self.config = config
         self.parallel = parallel
-        self.model = LlamaModel(config, parallel)
+        self.quant_config = quant_config
+        self.model = LlamaModel(config, parallel, Int4LinearMethod(quant_config) if quant_config else None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
         if self.tie_word_embeddings:
@@ -181,6 +193,11 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if hf_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # the embedding, already shared
+            if self.quant_config is not None:
+                renamed = param_name(self.quant_config, hf_name)  # CT's weight_packed -> qweight, ...
+                if renamed is None:
+                    continue
+                hf_name = renamed
             name, shard_id = hf_name, None
             for hf_part, our_part, sid in _STACKED_PARAMS:
                 if hf_part in hf_name:

@@ -21,6 +21,7 @@ from api.errors import CatchAll, install_error_handlers
 from api.jobs import JobQueue
 from api.metrics import ApiMetrics
 from api.middleware import BodySizeLimit
+from api.page import install_page
 from api.reaper import QueueReaper
 from api.relay import EventRelay
 from api.routes import router
@@ -87,6 +88,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.state.settings = settings
     install_error_handlers(app)
     app.include_router(router)
+    install_page(app)
     install_openapi(app)
     setup_api_tracing(app, settings.otel_exporter)
     app.add_middleware(CatchAll)  # first added = innermost: just outside the routes' exception handlers

@@ -170,6 +170,10 @@ class SwapKVCacheManager(KVCacheManager):
     def host_block_ids(self, request: KVRequest) -> list[int]:
         return list(self._host_tables.get(request.request_id, []))
 
+    @property
+    def num_swapped_requests(self) -> int:
+        return len(self._host_tables)
+
     def host_usage(self) -> float:
         """Fraction of host blocks held by swapped requests (cached-but-free ones count as free)."""
         return 1.0 - self.host.num_free / self.host.num_blocks

@@ -54,6 +54,13 @@ class CoreStats(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     num_preemptions: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    # swap space (cache.swap): vLLM v0's num_preemptions split by kind, blocks moved, its cpu_cache_usage_perc
+    num_swap_preemptions: int = 0
+    num_recompute_preemptions: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    cpu_kv_cache_usage: float = 0.0  # fraction of host blocks held by swapped requests
+    num_swapped: int = 0  # waiting requests whose blocks are on the host (vLLM v0's num_requests_swapped)
 
 
 class RequestError(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 import modelfiles
 from cache.kv import KVCacheManager
+from cache.swap import SwapKVCacheManager
 from engine.config import EngineConfig
 from engine.core_messages import CoreStats, SeqOutput
 from engine.executor import Executor, make_executor
@@ -57,7 +58,13 @@ class Engine:
             logger.warning(
                 "max_model_len %d exceeds the KV cache (%d tokens): capped", config.model.max_model_len, spec.num_tokens
             )
-        self.kv = KVCacheManager(spec.num_blocks, spec.block_size, config.cache.enable_prefix_caching)
+        self.kv: KVCacheManager = (
+            SwapKVCacheManager(
+                spec.num_blocks, spec.block_size, spec.num_cpu_blocks, config.cache.enable_prefix_caching
+            )
+            if spec.num_cpu_blocks
+            else KVCacheManager(spec.num_blocks, spec.block_size, config.cache.enable_prefix_caching)
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.sampler = Sampler(self.executor.device)
         self.eos_token_ids = self._eos_token_ids()
@@ -239,6 +246,7 @@ class Engine:
 
     def stats(self) -> CoreStats:
         kv_stats = self.kv.stats
+        swap = self.kv if isinstance(self.kv, SwapKVCacheManager) else None
         return CoreStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -248,6 +256,12 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            num_swap_preemptions=self.scheduler.num_swap_preemptions,
+            num_recompute_preemptions=self.scheduler.num_recompute_preemptions,
+            num_blocks_swapped_out=swap.swap_stats.num_blocks_swapped_out if swap else 0,
+            num_blocks_swapped_in=swap.swap_stats.num_blocks_swapped_in if swap else 0,
+            cpu_kv_cache_usage=swap.host_usage() if swap else 0.0,
+            num_swapped=swap.num_swapped_requests if swap else 0,
         )
 
     def shutdown(self) -> None:

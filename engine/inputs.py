@@ -7,7 +7,7 @@ typed message to every rank.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,6 +29,8 @@ class StepInputs:
     max_query_len: int
     max_seq_len: int
     blocks_to_copy: list[tuple[int, int]]
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), run first
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), then these
 
     @property
     def num_tokens(self) -> int:
@@ -107,4 +109,6 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
         max_query_len=max_query_len,
         max_seq_len=max(seq_lens, default=0),
         blocks_to_copy=out.blocks_to_copy,
+        blocks_to_swap_out=out.blocks_to_swap_out,
+        blocks_to_swap_in=out.blocks_to_swap_in,
     )

@@ -133,6 +133,8 @@ class Scheduler:
         budget = self._schedule_running(out, scheduled, self.config.max_num_batched_tokens)
         self._schedule_waiting(out, scheduled, budget)
         out.chunks = list(scheduled.values())
+        if not out.chunks:  # nothing runs, so nothing would copy: the copies wait for the next step that does
+            return out
         if self.swap is not None:
             plan = self.swap.take_swaps()
             out.blocks_to_swap_out, out.blocks_to_swap_in = plan.swap_out, plan.swap_in

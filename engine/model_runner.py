@@ -12,6 +12,7 @@ import modelfiles
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.host_kv import HostKVCache
 from engine.inputs import StepInputs, TokenFill
 from engine.loader import load_hf_config, load_model, resolve_dtype
 from engine.parallel import ParallelState
@@ -29,6 +30,7 @@ class KVCacheSpec:
     num_kv_heads: int  # per rank
     head_dim: int
     dtype: torch.dtype
+    num_cpu_blocks: int = 0  # the host pool for swapped-out blocks (--swap-space); 0 = none
 
     @property
     def bytes_per_block(self) -> int:
@@ -93,6 +95,9 @@ class ModelRunner:
         )
         for i, layer in enumerate(layers):
             layer.kv_cache = self.kv_cache[i]
+        self.host_kv = HostKVCache(self.kv_cache, spec.num_cpu_blocks) if spec.num_cpu_blocks else None
+        if self.host_kv is not None:
+            logger.info("KV swap space: %d host blocks (%.2f GiB)", spec.num_cpu_blocks, self.host_kv.num_bytes / 2**30)
         max_len = effective_max_model_len(config, self.hf_config, spec)
         if self.device.type == "cuda" and not config.enforce_eager:
             max_blocks = -(-max_len // spec.block_size)
@@ -126,7 +131,12 @@ class ModelRunner:
             num_blocks = int(count.item())
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache: lower the model size or raise --gpu-memory-utilization")
-        return KVCacheSpec(num_blocks, block_size, probe.num_layers, probe.num_kv_heads, probe.head_dim, self.dtype)
+        num_cpu_blocks = int(self.config.cache.swap_space_gib * 2**30 // probe.bytes_per_block)
+        if self.config.cache.swap_space_gib > 0 and num_cpu_blocks < 1:
+            raise ValueError(f"--swap-space holds no KV block ({probe.bytes_per_block} bytes): raise it or set 0")
+        return KVCacheSpec(
+            num_blocks, block_size, probe.num_layers, probe.num_kv_heads, probe.head_dim, self.dtype, num_cpu_blocks
+        )
 
     def _profile_free_blocks(self, probe: KVCacheSpec) -> int:
         """Run a forward pass at the full token budget, then give the KV cache what is left."""
@@ -174,6 +184,10 @@ class ModelRunner:
     def execute_model(self, inputs: StepInputs, fill: TokenFill | None = None) -> torch.Tensor:
         """Forward one step; returns float32 logits ``[num_sampling, vocab]`` (full vocab on every rank).
         ``fill`` supplies input tokens that are still on the device (asynchronous scheduling)."""
+        if inputs.blocks_to_swap_out or inputs.blocks_to_swap_in:  # before the copy-on-writes (cache.swap)
+            if self.host_kv is None:
+                raise RuntimeError("the scheduler swapped blocks but this rank has no swap space")
+            self.host_kv.swap(self.kv_cache, inputs.blocks_to_swap_out, inputs.blocks_to_swap_in)
         if inputs.blocks_to_copy:
             src = torch.tensor([s for s, _ in inputs.blocks_to_copy], device=self.device)
             dst = torch.tensor([d for _, d in inputs.blocks_to_copy], device=self.device)

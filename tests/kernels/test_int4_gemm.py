@@ -35,8 +35,12 @@ def test_pack_unpack_round_trip(gen: torch.Generator) -> None:
     assert int(qweight[1, 3]) & 0xFFFFFFFF == sum(int(codes[8 + j, 3]) << (4 * j) for j in range(8))
 
 
-@pytest.mark.parametrize(("group_size", "act_order"), [(32, False), (K, False), (32, True)], ids=["g32", "channel", "g_idx"])
-def test_reference_equals_dequantize_then_matmul_exactly(group_size: int, act_order: bool, gen: torch.Generator) -> None:
+@pytest.mark.parametrize(
+    ("group_size", "act_order"), [(32, False), (K, False), (32, True)], ids=["g32", "channel", "g_idx"]
+)
+def test_reference_equals_dequantize_then_matmul_exactly(
+    group_size: int, act_order: bool, gen: torch.Generator
+) -> None:
     codes, qweight, scales, zeros, g_idx = _weights(K, N, group_size, act_order, torch.float32, gen)
     groups = g_idx.long() if g_idx is not None else torch.arange(K) // group_size
     # written out element by element: w[n, k] = (code[k, n] - zero[g(k), n]) * scale[g(k), n]
@@ -68,10 +72,10 @@ def test_triton_matches_reference(
     _, qweight, scales, zeros, g_idx = _weights(K, N, group_size, act_order, dtype, gen)
     x_wide = torch.randn(m, 2 * K, generator=gen).to(dtype)
     x = x_wide[:, ::2]  # strided along K
-    args = [t.to(DEVICE) if t is not None else None for t in (x, qweight, scales, zeros)]
+    x, qweight, scales, zeros = (t.to(DEVICE) for t in (x, qweight, scales, zeros))
     g = g_idx.to(DEVICE) if g_idx is not None else None
-    out = int4_gemm(*args, group_size, g, config=config)  # type: ignore[misc]
-    ref = int4_gemm_ref(*args, group_size, g)  # type: ignore[misc]
+    out = int4_gemm(x, qweight, scales, zeros, group_size, g, config=config)
+    ref = int4_gemm_ref(x, qweight, scales, zeros, group_size, g)
     assert out.dtype == dtype and out.shape == (m, N)
     assert rel_err(out, ref) < tolerance(dtype)
 

@@ -1,0 +1,70 @@
+"""4-bit checkpoints end to end on CPU: greedy tokens equal the reference in ONE continuous batch (chunked
+prefill, mixed steps) and under preemption. The reference is transformers running the checkpoint itself where it
+can on CPU (compressed-tensors, symmetric: its own decompression), else transformers on the checkpoint
+dequantized to fp32 (``dense/``). TP=2 equals TP=1 on quantized checkpoints (gloo, one process per rank)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import LLM
+from tests.engine.quantized_checkpoints import build_quantized_model
+from tests.engine.test_engine_parity import MAX_TOKENS, hf_greedy, make_prompts, run_engine
+from tests.engine.test_tp_engine import greedy_tokens
+
+FORMATS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # id: (format, model family, options); group 32 divides every layer's input features, also at TP=2
+    "ct-asym-g32": ("compressed-tensors", "llama", {"group_size": 32}),
+    "ct-sym-channel": ("compressed-tensors", "qwen2", {"group_size": None, "symmetric": True}),
+    "awq-g32": ("awq", "qwen2", {"group_size": 32}),
+    "gptq-g32-act-order": ("gptq", "llama", {"group_size": 32, "act_order": True}),
+    "gptq-sym-g64": ("gptq", "qwen2", {"group_size": 64, "symmetric": True}),
+}
+HF_RUNS_CHECKPOINT = {"ct-sym-channel"}  # transformers 5.24 + compressed-tensors 0.20 reject packed zero points
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list, list]:
+    fmt, family, options = FORMATS[request.param]
+    folder, dense = build_quantized_model(tmp_path_factory.mktemp(request.param), fmt, family, seed=3, **options)
+    prompts = make_prompts(seed=4, n=8)
+    reference = folder if request.param in HF_RUNS_CHECKPOINT else dense
+    return folder, prompts, hf_greedy(reference, prompts, MAX_TOKENS)
+
+
+def test_greedy_equals_reference_in_one_continuous_batch(checkpoint: tuple[Path, list, list]) -> None:
+    folder, prompts, expected = checkpoint
+    got, _ = run_engine(folder, prompts, max_num_batched_tokens=24, max_num_seqs=6)
+    assert got == expected
+
+
+def test_greedy_equals_reference_under_preemption(checkpoint: tuple[Path, list, list]) -> None:
+    folder, prompts, expected = checkpoint
+    got, llm = run_engine(
+        folder, prompts, block_size=8, num_gpu_blocks_override=10, max_model_len=80, max_num_batched_tokens=64
+    )
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == expected
+
+
+def test_quantization_flag_must_match_the_checkpoint(tmp_path: Path) -> None:
+    folder, dense = build_quantized_model(tmp_path, "awq", "llama", group_size=32)
+    with pytest.raises(ValueError, match="quantization_config says 'awq'"):
+        LLM(str(folder), device="cpu", quantization="gptq")
+    with pytest.raises(ValueError, match="no quantization_config"):
+        LLM(str(dense), device="cpu", quantization="awq")
+    LLM(str(folder), device="cpu", quantization="awq", max_model_len=64)  # the named method loads
+
+
+@pytest.mark.parametrize("name", ["ct-asym-g32", "gptq-g32-act-order"])
+def test_tp2_equals_tp1(tmp_path: Path, name: str) -> None:
+    fmt, family, options = FORMATS[name]
+    folder, _ = build_quantized_model(tmp_path, fmt, family, seed=5, **options)
+    kwargs = {"block_size": 8, "num_gpu_blocks_override": 10, "max_model_len": 64, "max_num_batched_tokens": 32}
+    expected, preempted_1 = greedy_tokens(folder, 1, **kwargs)
+    got, preempted_2 = greedy_tokens(folder, 2, **kwargs)
+    assert preempted_1 > 0 and preempted_2 > 0
+    assert got == expected

@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from arq.connections import ArqRedis, RedisSettings, create_pool
 from fastapi import FastAPI
@@ -24,9 +25,10 @@ from api.middleware import BodySizeLimit
 from api.page import install_page
 from api.reaper import QueueReaper
 from api.relay import EventRelay
+from api.request_id import RequestIdHeader
 from api.routes import router
 from api.service import CompletionService
-from api.settings import ApiSettings
+from api.settings import ApiSettings, load_chat_template, model_max_len
 from api.tokenizer import PromptTokenizer
 from api.tracing import setup_api_tracing
 from api.validation import install_openapi
@@ -46,8 +48,9 @@ async def connect_redis(redis_url: str) -> ArqRedis:
 
 def _build_service(app: FastAPI, settings: ApiSettings, redis: ArqRedis) -> CompletionService:
     files = modelfiles.resolve(settings.model or None, settings.served_model_name)
-    tokenizer = PromptTokenizer(files.folder)
-    max_model_len = settings.max_model_len or tokenizer.model_max_len or 2048
+    tokenizer_folder = Path(settings.tokenizer) if settings.tokenizer else files.folder
+    tokenizer = PromptTokenizer(tokenizer_folder, load_chat_template(settings.chat_template))
+    max_model_len = settings.max_model_len or model_max_len(files.folder) or 2048
     queue = JobQueue(
         redis, settings.max_queue_depth, settings.retry_after_s, settings.worker_ttl_s, settings.queue_without_workers_s
     )
@@ -101,6 +104,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             allow_origins=list(settings.cors_origins),
             allow_methods=["*"],
             allow_headers=["*"],
-            expose_headers=["Retry-After"],
+            expose_headers=["Retry-After", "X-Request-Id"],
         )
+    app.add_middleware(RequestIdHeader)  # outermost: every response carries it, 413s and CORS preflights too
     return app

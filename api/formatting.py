@@ -8,7 +8,7 @@ from typing import Any
 
 from api.protocol import Kind
 from api.tokenizer import PromptTokenizer
-from wire.messages import ChoiceResult, DeltaEvent, FinalEvent, JobResult, TokenLogprob
+from wire.messages import ChoiceDelta, ChoiceResult, DeltaEvent, FinalEvent, JobResult, TokenLogprob
 
 
 def usage_dict(result: JobResult) -> dict[str, Any]:
@@ -94,7 +94,13 @@ class ResponseFormatter:
         if self.kind == "chat":
             logprobs = _chat_logprobs(c.logprobs, self._tok) if c.logprobs is not None else None
             message = {"role": "assistant", "content": c.text}
-            return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
+            return {
+                "index": c.index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,  # vLLM's: the stop string or token id that ended it, else null
+            }
         logprobs = _completion_logprobs(c.logprobs, self._tok, 0) if c.logprobs is not None else None
         return {
             "index": c.index,
@@ -129,7 +135,12 @@ class ResponseFormatter:
         ]
 
     def _choice_chunk(
-        self, index: int, text: str, lps: list[TokenLogprob] | None, finish_reason: str | None
+        self,
+        index: int,
+        text: str,
+        lps: list[TokenLogprob] | None,
+        finish_reason: str | None,
+        stop_reason: int | str | None = None,
     ) -> dict[str, Any]:
         offset = self._sent_chars.get(index, 0)
         self._sent_chars[index] = offset + len(text)
@@ -137,12 +148,21 @@ class ResponseFormatter:
         if self.kind == "chat":
             logprobs = _chat_logprobs(lps, self._tok) if lps else None
             delta = {"content": text} if text or finish_reason is None else {}
-            return self.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            if finish_reason is not None:  # as vLLM: on the last chunk of a choice only
+                choice["stop_reason"] = stop_reason
+            return self.chunk([choice])
         logprobs = _completion_logprobs(lps, self._tok, offset) if lps else None
         if self.echo is not None and index not in self._echoed:
             self._echoed.add(index)
             text = self.echo + text
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
         return self.chunk([choice])
 
     def delta_chunks(self, event: DeltaEvent) -> list[dict[str, Any]]:
@@ -154,7 +174,42 @@ class ResponseFormatter:
         for c in sorted(event.result.choices, key=lambda c: c.index):
             rest = c.text[self._sent_chars.get(c.index, 0) :]
             lps = c.logprobs[self._sent_tokens.get(c.index, 0) :] if c.logprobs is not None else None
-            chunks.append(self._choice_chunk(c.index, rest, lps, c.finish_reason))
+            chunks.append(self._choice_chunk(c.index, rest, lps, c.finish_reason, c.stop_reason))
         if include_usage:
             chunks.append(self.chunk([], usage_dict(event.result)))
         return chunks
+
+
+def replay_deltas(result: JobResult, tok: PromptTokenizer, skip_special_tokens: bool = True) -> list[DeltaEvent]:
+    """A stored result as the deltas of a stream, one per token that adds text (the worker's stream with
+    ``--stream-interval 1``), for a streamed response-cache hit. Tokens are decoded in a short window as an
+    incremental detokenizer does (a character split over tokens comes whole); the pieces only ever spell a
+    prefix of the stored text, and whatever is left (a stop string cut, a decoding that differs) comes with
+    the final event (``final_chunks``)."""
+    by_step: list[list[ChoiceDelta]] = []
+    for c in sorted(result.choices, key=lambda c: c.index):
+        for step, delta in enumerate(_choice_pieces(c, tok, skip_special_tokens)):
+            if step == len(by_step):
+                by_step.append([])
+            by_step[step].append(delta)
+    return [DeltaEvent(seq, choices) for seq, choices in enumerate(by_step, start=1)]
+
+
+def _choice_pieces(c: ChoiceResult, tok: PromptTokenizer, skip_special_tokens: bool) -> list[ChoiceDelta]:
+    pieces: list[ChoiceDelta] = []
+    sent_chars = sent_tokens = 0
+    prefix_offset = read_offset = 0  # the window: tokens [prefix, read) were decoded, [read, i] are new
+    for i in range(len(c.token_ids)):
+        before = tok.decode(c.token_ids[prefix_offset:read_offset], skip_special_tokens)
+        after = tok.decode(c.token_ids[prefix_offset : i + 1], skip_special_tokens)
+        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
+            continue  # nothing new yet, or half a character
+        piece = after[len(before) :]
+        if c.text[sent_chars : sent_chars + len(piece)] != piece:
+            break  # past a stop string, or not the stored text: the rest goes with the final event
+        lps = c.logprobs[sent_tokens : i + 1] if c.logprobs is not None else None
+        pieces.append(ChoiceDelta(c.index, piece, list(c.token_ids[sent_tokens : i + 1]), lps))
+        sent_chars += len(piece)
+        sent_tokens = i + 1
+        prefix_offset, read_offset = read_offset, i + 1
+    return pieces

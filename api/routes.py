@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,12 +19,18 @@ from api.batch import batch_stream, collect_all, response_body, start_all
 from api.errors import ApiError, bad_request
 from api.formatting import ResponseFormatter
 from api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, JobRequest, TokenizeRequest
+from api.request_id import log_request
 from api.service import CompletionService, PreparedRequest
 from api.streams import collect, formatter_for, job_event_stream, openai_stream
 from api.tracing import annotate_request
 from api.validation import BodyRoute
 from wire import keys
 from wire.messages import FinalEvent, JobMeta, encode_event
+
+try:
+    VERSION = importlib.metadata.version("pagedserve")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    VERSION = "unknown"
 
 # bodies are the protocol's pydantic models (declared in the OpenAPI schema), read by api.validation;
 # no Content-Type is read as JSON, as before bodies were typed
@@ -74,6 +81,8 @@ def _openai_sse(payloads: AsyncIterator[str]) -> StreamingResponse:
 async def _serve(request: Request, prep: PreparedRequest) -> Response:
     # on the request's server span (FastAPI instrumentation); its context rides in the job payload to the worker
     annotate_request(prep.request_id, prompt_tokens=len(prep.prompt_token_ids), stream=prep.stream)
+    if _svc(request).settings.log_requests:
+        log_request(request, prep.request_id, prep.kind, len(prep.prompt_token_ids), prep.params)
     response = await _serve_traced(request, prep)
     response.headers["X-Cache"] = "hit" if prep.is_cache_hit else "miss"
     return response
@@ -97,6 +106,8 @@ async def _serve_batch(request: Request, preps: list[PreparedRequest]) -> Respon
     svc = _svc(request)
     batch_id = f"cmpl-{uuid.uuid4().hex}"
     annotate_request(batch_id, prompts=len(preps))
+    if svc.settings.log_requests:
+        log_request(request, batch_id, "completion batch", sum(len(p.prompt_token_ids) for p in preps), preps[0].params)
     sources = await start_all(svc, preps)
     headers = {"X-Cache": "hit" if all(p.is_cache_hit for p in preps) else "miss"}
     if preps[0].stream:
@@ -248,6 +259,19 @@ async def cancel_job(request: Request, job_id: str) -> dict[str, Any]:
 @router.get("/health")
 async def health() -> dict[str, str]:
     return {"status": "ok"}
+
+
+@router.get("/ping", operation_id="ping_get")
+@router.post("/ping", operation_id="ping_post")
+async def ping() -> Response:
+    """vLLM's (SageMaker's) liveness check: 200 with an empty body, as vLLM's /health."""
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    """vLLM's /version: this server's package version."""
+    return {"version": VERSION}
 
 
 @router.get("/ready")

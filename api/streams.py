@@ -16,7 +16,7 @@ from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 
 from api.errors import ApiError, error_body
-from api.formatting import ResponseFormatter
+from api.formatting import ResponseFormatter, replay_deltas
 from api.relay import Subscription
 from api.service import CompletionService, PreparedRequest
 from wire.messages import ErrorEvent, Event, FinalEvent, JobMeta, JobResult
@@ -95,7 +95,10 @@ async def job_chunks(
     try:
         for chunk in fmt.start_chunks(prep.n):
             yield chunk
-        if cached is not None:
+        if cached is not None:  # the stored answer, streamed as its deltas then its final event
+            for delta in replay_deltas(cached, svc.tokenizer, prep.params.skip_special_tokens):
+                for chunk in fmt.delta_chunks(delta):
+                    yield chunk
             for chunk in fmt.final_chunks(FinalEvent(0, cached), prep.include_usage):
                 yield chunk
             return

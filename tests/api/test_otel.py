@@ -26,6 +26,7 @@ from api.tracing import default_sampler, exporter_names
 from deploy.redis_server import RedisServer, free_port
 from tests.api.conftest import MODEL
 from tests.api.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.modelfiles.test_api_without_torch import api_cache, api_venv  # noqa: F401 - the torch-free venv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -147,10 +148,17 @@ def test_serve_traces_one_request_across_api_and_worker(receiver: OtlpReceiver) 
 
 
 @pytest.mark.slow
-def test_otel_variables_alone_trace_the_api(receiver: OtlpReceiver, redis_server: RedisServer) -> None:
+def test_otel_variables_alone_trace_an_api_node(
+    receiver: OtlpReceiver,
+    redis_server: RedisServer,
+    api_venv: Path,  # noqa: F811
+    api_cache: Path,  # noqa: F811
+) -> None:
+    """``pip install ".[api]"`` (no torch) has the OTLP exporter and the instrumentations: OTEL_* alone, no flag."""
     port = free_port()
-    argv = [sys.executable, "-m", "deploy.cli", "api", "--redis-url", redis_server.url, "--port", str(port)]
-    env = _env(receiver, OTEL_TRACES_EXPORTER="otlp", OTEL_SERVICE_NAME="edge-api")
+    argv = [str(api_venv / "bin" / "pagedserve"), "api", "--redis-url", redis_server.url, "--port", str(port)]
+    env = _env(receiver, OTEL_TRACES_EXPORTER="otlp", OTEL_SERVICE_NAME="edge-api", PAGEDSERVE_CACHE=str(api_cache))
+    env = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     proc = subprocess.Popen([*argv, "--log-level", "warning"], env=env, cwd=ROOT)
     try:
         _wait_ready(proc, f"http://127.0.0.1:{port}/ready/api")

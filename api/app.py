@@ -19,6 +19,7 @@ from fastapi import FastAPI
 import modelfiles
 from api.auth import Authenticator
 from api.errors import CatchAll, install_error_handlers
+from api.generation_config import load_generation_defaults
 from api.jobs import JobQueue
 from api.metrics import ApiMetrics
 from api.middleware import BodySizeLimit
@@ -51,6 +52,7 @@ def _build_service(app: FastAPI, settings: ApiSettings, redis: ArqRedis) -> Comp
     tokenizer_folder = Path(settings.tokenizer) if settings.tokenizer else files.folder
     tokenizer = PromptTokenizer(tokenizer_folder, load_chat_template(settings.chat_template))
     max_model_len = settings.max_model_len or model_max_len(files.folder) or 2048
+    app.state.generation_defaults = load_generation_defaults(settings.generation_config, files.folder)
     queue = JobQueue(
         redis, settings.max_queue_depth, settings.retry_after_s, settings.worker_ttl_s, settings.queue_without_workers_s
     )

@@ -18,6 +18,7 @@ from api.auth import Authenticator
 from api.batch import batch_stream, collect_all, response_body, start_all
 from api.errors import ApiError, bad_request
 from api.formatting import ResponseFormatter
+from api.generation_config import with_defaults
 from api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, JobRequest, TokenizeRequest
 from api.request_id import log_request
 from api.service import CompletionService, PreparedRequest
@@ -120,12 +121,13 @@ async def _serve_batch(request: Request, preps: list[PreparedRequest]) -> Respon
 
 @router.post("/v1/completions")
 async def completions(request: Request, req: CompletionRequest, tenant: Tenant) -> Response:
-    preps = _svc(request).prepare_completions(req, tenant)
+    preps = _svc(request).prepare_completions(with_defaults(req, request.app.state.generation_defaults), tenant)
     return await (_serve(request, preps[0]) if len(preps) == 1 else _serve_batch(request, preps))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, req: ChatCompletionRequest, tenant: Tenant) -> Response:
+    req = with_defaults(req, request.app.state.generation_defaults)  # --generation-config
     return await _serve(request, _svc(request).prepare_chat(req, tenant))
 
 
@@ -186,6 +188,7 @@ async def models(request: Request) -> dict[str, Any]:
 async def create_job(request: Request, req: JobRequest, tenant: Tenant) -> dict[str, Any]:
     """Queue a chat (``messages``) or completion (``prompt``) request; read it from ``events_url``."""
     svc = _svc(request)
+    req = with_defaults(req, request.app.state.generation_defaults)
     if isinstance(req, ChatCompletionRequest):
         prep = svc.prepare_chat(req, tenant)
     else:

@@ -7,12 +7,6 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-# vLLM's --generation-config: "auto" (its default) takes a checkpoint's generation_config.json as the request
-# defaults, a folder takes that folder's; this server implements only "vllm" (its own defaults, the file ignored)
-GENERATION_CONFIG_REFUSAL = (
-    "--generation-config {!r} is not supported: only 'vllm' (sampling defaults are the server's own; the model's "
-    "generation_config.json is not read). Send temperature, top_p, ... with each request instead"
-)
 _JINJA_CHARS = "{}\n"  # vLLM's test: a --chat-template value with none of these is a path, not a template
 
 
@@ -69,9 +63,9 @@ class ApiSettings:
     cors_origins: tuple[str, ...] = ()  # --allowed-origins; empty = no CORS headers (vLLM's default is "*")
     tokenizer: str = ""  # a tokenizer folder apart from the model's (--tokenizer); "" = the model's own
     chat_template: str | None = None  # --chat-template: a file or the template itself; None = the model's
-    generation_config: str = (
-        "vllm"  # vllm = the server's sampling defaults; auto / a folder: refused (GENERATION_CONFIGS)
-    )
+    # request defaults (api.generation_config): auto = the model's generation_config.json, as vLLM; vllm = the
+    # server's own; or a folder holding a generation_config.json
+    generation_config: str = "auto"
     log_requests: bool = True  # one INFO line per request (id, X-Request-Id, sizes); --disable-log-requests
 
     def __post_init__(self) -> None:
@@ -85,8 +79,8 @@ class ApiSettings:
             raise ValueError(f"queue_without_workers_s must be >= 0, got {self.queue_without_workers_s}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.generation_config != "vllm":
-            raise ValueError(GENERATION_CONFIG_REFUSAL.format(self.generation_config))
+        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
+            raise ValueError(f"generation_config must be auto, vllm or a folder, got {self.generation_config!r}")
         if self.otel_exporter not in ("", "none", "console", "otlp"):
             raise ValueError(f"otel_exporter must be none, console or otlp, got {self.otel_exporter!r}")
 

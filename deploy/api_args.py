@@ -9,9 +9,11 @@ import argparse
 import dataclasses
 import json
 import os
+from pathlib import Path
 from typing import Any
 
-from api.settings import GENERATION_CONFIG_REFUSAL, ApiSettings, load_chat_template
+from api.generation_config import load_generation_defaults
+from api.settings import ApiSettings, load_chat_template
 
 _DEFAULTS = ApiSettings()
 KV_CACHE_DTYPES = ("auto",)  # the KV cache always has the model's dtype (--dtype)
@@ -52,7 +54,11 @@ def add_vllm_api_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--generation-config",
-        help=default_help("vllm: the server's sampling defaults (auto and folders are refused)", "generation_config"),
+        help=default_help(
+            "request defaults: auto = the model's generation_config.json (as vLLM), vllm = the server's own, "
+            "or a folder with a generation_config.json",
+            "generation_config",
+        ),
     )
     logs = g.add_mutually_exclusive_group()
     logs.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=None)
@@ -184,8 +190,8 @@ def check_vllm_args(args: argparse.Namespace) -> None:
             f"--kv-cache-dtype {args.kv_cache_dtype!r} is not supported: the KV cache has the model's dtype "
             "(--dtype); use auto"
         )
-    if getattr(args, "generation_config", None) not in (None, "vllm"):
-        raise ValueError(GENERATION_CONFIG_REFUSAL.format(args.generation_config))
+    if getattr(args, "generation_config", None) not in (None, "auto", "vllm"):
+        load_generation_defaults(args.generation_config, Path())  # a folder without the file fails here
     if hasattr(args, "chat_template"):
         load_chat_template(args.chat_template)  # a path that is none fails here, not in the API child
     if bool(getattr(args, "ssl_keyfile", None)) != bool(getattr(args, "ssl_certfile", None)):

@@ -43,8 +43,7 @@ def test_model_flag_still_works_and_agrees_with_the_positional() -> None:
     [
         (["serve", "--trust-remote-code"], "--trust-remote-code is refused"),
         (["worker", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype 'fp8' is not supported"),
-        (["serve", "--generation-config", "auto"], "--generation-config 'auto' is not supported"),
-        (["api", "--generation-config", "/models/m"], "only 'vllm'"),
+        (["api", "--generation-config", "/no/such/folder"], "no generation_config.json in that folder"),
         (["serve", "--tokenizer", "/t"], "--tokenizer is not supported by `pagedserve serve`"),
         (["api", "--chat-template", "/no/such/template.jinja"], "looks like a file path"),
         (["api", "--ssl-keyfile", "k.pem"], "both --ssl-keyfile and --ssl-certfile"),
@@ -127,9 +126,11 @@ def test_chat_template_from_a_file_or_inline(tmp_path: Path) -> None:
         load_chat_template(os.fspath(tmp_path / "missing.jinja"))
 
 
-def test_settings_refuse_generation_configs_they_do_not_implement() -> None:
-    with pytest.raises(ValueError, match="only 'vllm'"):
-        ApiSettings(generation_config="auto")
+def test_settings_take_auto_vllm_or_a_folder_as_generation_config(tmp_path: Path) -> None:
+    assert ApiSettings().generation_config == "auto"  # vLLM's default
+    assert ApiSettings(generation_config=str(tmp_path)).generation_config == str(tmp_path)
+    with pytest.raises(ValueError, match="auto, vllm or a folder"):
+        ApiSettings(generation_config="hf")
 
 
 def test_serve_gives_both_tiers_the_model_of_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:

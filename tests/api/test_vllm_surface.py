@@ -234,3 +234,26 @@ def test_https_and_root_path_through_uvicorns_keywords(redis_server: RedisServer
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@pytest.mark.parametrize("setting", ["auto", "vllm"])
+async def test_generation_config_gives_the_defaults_a_request_leaves_out(
+    redis_server: RedisServer, redis_url: str, folder: Path, tmp_path: Path, setting: str
+) -> None:
+    model = tmp_path / "my-model"  # the default model's folder, with a generation_config.json
+    shutil.copytree(folder, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.25, "top_k": 7, "max_new_tokens": 9}))
+    server = start_api(redis_server, model=str(model), generation_config=setting)
+    worker = ScriptedWorker(redis_url)
+    try:
+        chat = {"model": "my-model", "messages": [{"role": "user", "content": "hi"}]}
+        for body in (chat, {**chat, "temperature": 0.5, "max_completion_tokens": 3}):
+            assert httpx.post(server.url + "/v1/jobs", json=body).status_code == 202
+        left_out, given = (await worker.take()).params, (await worker.take()).params
+    finally:
+        server.stop()
+    if setting == "auto":
+        assert (left_out.temperature, left_out.top_k, left_out.max_tokens) == (0.25, 7, 9)
+    else:  # the server's own defaults
+        assert (left_out.temperature, left_out.top_k) == (1.0, 0) and left_out.max_tokens > 9
+    assert (given.temperature, given.top_k, given.max_tokens) == (0.5, 7 if setting == "auto" else 0, 3)

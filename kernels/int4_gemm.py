@@ -154,9 +154,11 @@ def _num_sms(device_index: int) -> int:
 
 def pick_config(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4GemmConfig:
     """Decode (M <= 16): a 16-row tile (tl.dot's minimum) and split-K until there are ~2 programs per SM,
-    as the work is reading the weight once; prefill: big tiles, no split (compute bound)."""
+    as the work is reading the weight once; up to M = 256 split-K still fills the SMs; prefill: big tiles,
+    no split (compute bound). From one H200 run (loadtest/int4_bench.py, 8B shapes): block_k 64 beat 128 by
+    ~20 % at M <= 16, and split-K 4 halved down_proj at M = 256."""
     if m <= 16:
-        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+        bm, bn, bk, warps, stages = 16, 64, 64, 4, 4
     elif m <= 64:
         bm, bn, bk, warps, stages = 32 if m <= 32 else 64, 64, 64, 4, 4
     else:
@@ -169,7 +171,7 @@ def pick_config(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int
         tiles = -(-m // bm) * -(-n // bn)
         k_tiles = -(-k // bk)
         split = 1
-        if m <= 64:
+        if m <= 256:
             while tiles * split < 2 * num_sms and split * 2 <= k_tiles and split < 16:
                 split *= 2
     return Int4GemmConfig(bm, bn, bk, split, user.num_warps or warps, user.num_stages or stages)

@@ -192,7 +192,7 @@ def replay_deltas(result: JobResult, tok: PromptTokenizer, skip_special_tokens: 
             if step == len(by_step):
                 by_step.append([])
             by_step[step].append(delta)
-    return [DeltaEvent(seq, choices) for seq, choices in enumerate(by_step, start=1)]
+    return [DeltaEvent(seq, choices) for seq, choices in enumerate(by_step)]  # seq 0..: a job's events
 
 
 def _choice_pieces(c: ChoiceResult, tok: PromptTokenizer, skip_special_tokens: bool) -> list[ChoiceDelta]:

@@ -17,7 +17,7 @@ from sse_starlette import EventSourceResponse
 from api.auth import Authenticator
 from api.batch import batch_stream, collect_all, response_body, start_all
 from api.errors import ApiError, bad_request
-from api.formatting import ResponseFormatter
+from api.formatting import ResponseFormatter, replay_deltas
 from api.generation_config import with_defaults
 from api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, JobRequest, TokenizeRequest
 from api.request_id import log_request
@@ -197,12 +197,14 @@ async def create_job(request: Request, req: JobRequest, tenant: Tenant) -> dict[
     status = "queued"
     if cached is None:
         await svc.enqueue_detached(prep)
-    else:  # write the stored answer as the job's only event: the events endpoint reads it like any other
+    else:  # the stored answer as a job's events (its deltas, then the final): read like any other job's
         ttl = svc.settings.events_ttl_s
         redis = request.app.state.redis
+        deltas = replay_deltas(cached, svc.tokenizer, prep.params.skip_special_tokens)
+        events = [*map(encode_event, deltas), encode_event(FinalEvent(len(deltas), cached))]
         async with redis.pipeline(transaction=True) as pipe:
             pipe.set(keys.job_meta_key(prep.request_id), prep.meta().to_json(), ex=ttl)
-            pipe.rpush(keys.events_key(prep.request_id), encode_event(FinalEvent(0, cached)))
+            pipe.rpush(keys.events_key(prep.request_id), *events)
             pipe.expire(keys.events_key(prep.request_id), ttl)
             await pipe.execute()
         status = "completed"

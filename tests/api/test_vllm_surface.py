@@ -257,3 +257,23 @@ async def test_generation_config_gives_the_defaults_a_request_leaves_out(
     else:  # the server's own defaults
         assert (left_out.temperature, left_out.top_k) == (1.0, 0) and left_out.max_tokens > 9
     assert (given.temperature, given.top_k, given.max_tokens) == (0.5, 7 if setting == "auto" else 0, 3)
+
+
+async def test_a_cached_job_streams_its_deltas_over_eventsource(
+    api: ServerThread, redis_url: str, folder: Path
+) -> None:
+    worker = ScriptedWorker(redis_url)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+
+    async def serve_one() -> list[str]:
+        return await _answer_by_token(redis_url, await worker.take(), ANSWER, folder)
+
+    job = asyncio.ensure_future(serve_one())
+    await asyncio.to_thread(_stream_chat, api.url)  # the same request, streamed: its answer is cached
+    sent = [piece for piece in await job if piece]
+    second = httpx.post(api.url + "/v1/jobs", json=body).json()
+    assert second["status"] == "completed" and len(worker.payloads) == 1
+    text = (await asyncio.to_thread(httpx.get, api.url + second["events_url"], timeout=10)).text
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert _contents(chunks) == sent
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"

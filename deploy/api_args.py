@@ -61,7 +61,13 @@ def add_vllm_api_args(p: argparse.ArgumentParser) -> None:
         ),
     )
     logs = g.add_mutually_exclusive_group()
-    logs.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=None)
+    logs.add_argument(
+        "--enable-log-requests",
+        dest="log_requests",
+        action="store_true",
+        default=None,
+        help="an INFO line per request: job id, X-Request-Id, prompt tokens, sampling parameters (not the text)",
+    )
     logs.add_argument(
         "--disable-log-requests",
         dest="log_requests",

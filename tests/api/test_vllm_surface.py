@@ -25,13 +25,14 @@ from tokenizers.decoders import DecodeStream
 
 import modelfiles
 from api.app import create_app
+from api.formatting import ResponseFormatter, replay_deltas
 from api.settings import ApiSettings
 from api.tokenizer import PromptTokenizer
 from deploy.api_args import uvicorn_kwargs
 from deploy.cli import build_parser
 from deploy.redis_server import RedisServer, free_port
 from tests.api.conftest import MODEL, ScriptedWorker, ServerThread, start_api
-from wire.messages import ChoiceDelta, ChoiceResult, JobPayload, JobResult
+from wire.messages import ChoiceDelta, ChoiceResult, FinalEvent, JobPayload, JobResult, TokenLogprob
 from wire.publisher import JobEventWriter
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
@@ -277,3 +278,20 @@ async def test_a_cached_job_streams_its_deltas_over_eventsource(
     chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
     assert _contents(chunks) == sent
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_replay_splits_by_token_and_leaves_a_cut_tail_to_the_final_event(folder: Path) -> None:
+    tok = PromptTokenizer(folder)
+    ids = tok.encode(ANSWER, add_special_tokens=False)
+    logprobs = [TokenLogprob(t, -0.5) for t in ids]
+    cut = ANSWER[: ANSWER.index(" done")] + " do"  # a stop string cut mid-token: " done" never fits the text
+    result = JobResult("r", MODEL, [ChoiceResult(0, cut, ids, "stop", logprobs, "ne")], 3, len(ids))
+    deltas = replay_deltas(result, tok)
+    pieces = [d.choices[0].text for d in deltas]
+    assert "".join(pieces) == ANSWER[: ANSWER.index(" done")] and "🙂" in pieces[-1]  # whole characters only
+    assert [d.seq for d in deltas] == list(range(len(deltas)))
+    fmt = ResponseFormatter("chat", "r", MODEL, 0, tok)
+    chunks = [c for d in deltas for c in fmt.delta_chunks(d)] + fmt.final_chunks(FinalEvent(len(deltas), result), False)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == cut  # the tail with the final
+    assert sum(len(c["choices"][0]["logprobs"]["content"]) for c in chunks if c["choices"][0]["logprobs"]) == len(ids)
+    assert chunks[-1]["choices"][0]["stop_reason"] == "ne"

@@ -85,7 +85,7 @@ def _int4_gemm_kernel(
     stride_os, stride_om, stride_on,
     GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, UNPACK_IN_REGISTERS: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -105,11 +105,18 @@ def _int4_gemm_kernel(
             mask=mask_m[:, None] & mask_k[None, :], other=0.0,
         )  # [BM, BK]  # fmt: skip
         mask_w = mask_k[:, None] & mask_n[None, :]
-        # each int32 is read by its 8 rows of the tile (cache hits); nibble (k % 8) is row k's code
-        packed = tl.load(
-            qw_ptr + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask_w, other=0
-        )
-        codes = (packed >> ((offs_k % 8) * 4)[:, None]) & 0xF  # [BK, BN] int32
+        if UNPACK_IN_REGISTERS:  # load each int32 once, replicate it to its 8 rows in registers
+            offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            mask_words = (offs_w * 8 < k_end)[:, None] & mask_n[None, :]
+            words = tl.load(
+                qw_ptr + offs_w[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask_words, other=0
+            )
+            packed = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)), (BLOCK_K, BLOCK_N))
+        else:  # each int32 is read by its 8 rows of the tile (cache hits)
+            packed = tl.load(
+                qw_ptr + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask_w, other=0
+            )
+        codes = (packed >> ((offs_k % 8) * 4)[:, None]) & 0xF  # [BK, BN] int32: nibble k % 8 is row k's code
         if HAS_G_IDX:
             g = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
             s = tl.load(s_ptr + g[:, None] * stride_sg + offs_n[None, :] * stride_sn, mask=mask_w, other=0.0)
@@ -143,6 +150,9 @@ class Int4GemmConfig:
     split_k: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    # load each packed word once and replicate it in registers, instead of once per row (8 loads that hit
+    # the cache); off by default until measured on the GPU (loadtest/int4_bench.py has it as a variant)
+    unpack_in_registers: bool = False
 
 
 @lru_cache(maxsize=8)
@@ -174,7 +184,9 @@ def pick_config(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int
         if m <= 256:
             while tiles * split < 2 * num_sms and split * 2 <= k_tiles and split < 16:
                 split *= 2
-    return Int4GemmConfig(bm, bn, bk, split, user.num_warps or warps, user.num_stages or stages)
+    return Int4GemmConfig(
+        bm, bn, bk, split, user.num_warps or warps, user.num_stages or stages, user.unpack_in_registers
+    )
 
 
 def _check_inputs(
@@ -246,6 +258,7 @@ def int4_gemm(
         GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None, ONE_GROUP_PER_TILE=one_group,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         UPCAST=upcast, DOT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
+        UNPACK_IN_REGISTERS=cfg.unpack_in_registers,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1:

@@ -49,6 +49,9 @@ VARIANTS: list[dict[str, Any]] = [
     {"block_k": 64},
     {"num_stages": 2},
     {"num_warps": 8},
+    {"unpack_in_registers": True},
+    {"unpack_in_registers": True, "block_n": 128},
+    {"unpack_in_registers": True, "block_k": 128},
 ]
 
 

@@ -61,6 +61,8 @@ CASES = [
     (16, K, False, Int4GemmConfig(split_k=4, block_k=32)),  # channel-wise, split-K over several groups
     (33, 64, False, Int4GemmConfig(block_k=16)),  # 4 tiles per group: scale rows gathered per tile
     (70, 32, False, None),  # prefill tile
+    (1, 32, False, Int4GemmConfig(unpack_in_registers=True)),
+    (40, 32, True, Int4GemmConfig(unpack_in_registers=True, split_k=3, block_k=16)),
 ]
 
 

@@ -23,7 +23,7 @@ class Int4Config:
     method: str  # awq | gptq | compressed-tensors
     group_size: int | None  # input features per scale; None = one scale per output channel
     has_zeros: bool  # asymmetric: zero points in the checkpoint (else the code offset 8 is the zero)
-    act_order: bool  # GPTQ desc_act / compressed-tensors actorder "group": a g_idx tensor maps inputs to groups
+    act_order: bool  # GPTQ desc_act: a g_idx tensor maps input features to groups
     zeros_minus_one: bool = False  # GPTQ v1 checkpoints store zero - 1
 
 
@@ -95,12 +95,15 @@ def _compressed_tensors(qc: dict[str, Any]) -> Int4Config:
     if strategy not in ("group", "channel"):
         raise ValueError(f"compressed-tensors strategy {strategy!r} is not supported: use group or channel")
     actorder = w.get("actorder")
-    if actorder not in (None, "weight", "group", "static", "dynamic"):
-        raise ValueError(f"compressed-tensors actorder {actorder!r} is not supported")
+    if actorder not in (None, False, "weight", "static"):  # these reorder at quantization time: no g_idx saved
+        raise ValueError(
+            f"compressed-tensors actorder {actorder!r} (a weight_g_idx per layer) is not supported: "
+            "use actorder 'weight' or none"
+        )
     _check_not_converted("compressed-tensors", qc.get("ignore"))
     group = _group("compressed-tensors", w.get("group_size")) if strategy == "group" else None
     symmetric = bool(w.get("symmetric", True))
-    return Int4Config("compressed-tensors", group, not symmetric, actorder in ("group", "dynamic"))
+    return Int4Config("compressed-tensors", group, not symmetric, act_order=False)
 
 
 def parse_quantization(hf_config: Any, requested: str = "auto") -> Int4Config | None:

@@ -32,7 +32,6 @@ _NAMES: dict[str, dict[str, str | None]] = {
         "weight_packed": "qweight",
         "weight_scale": "scales",
         "weight_zero_point": "zeros",
-        "weight_g_idx": "g_idx",
         "weight_shape": None,
     },
 }

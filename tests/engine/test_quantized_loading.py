@@ -158,6 +158,13 @@ def _with(base: dict[str, Any], **changes: Any) -> Any:
             "'float-quantized'",
         ),
         ({**CT_W4A16, "ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "only lm_head may be left dense"),
+        (
+            {
+                **CT_W4A16,
+                "config_groups": {"g": {"weights": {**CT_W4A16["config_groups"]["g"]["weights"], "actorder": "group"}}},
+            },
+            "actorder 'group'",
+        ),
     ],
 )
 def test_unsupported_configs_fail_clearly(qc: dict[str, Any], message: str) -> None:

@@ -84,3 +84,14 @@ def test_greedy_output_is_the_same_whatever_the_preemption(
     if mode.get("swap_space") == 6 * BLOCK_BYTES / 2**30:
         assert stats.num_recompute_preemptions > 0  # the host pool was full
     assert stats.num_preemptions == stats.num_swap_preemptions + stats.num_recompute_preemptions
+
+
+def test_tensor_parallel_ranks_swap_their_own_shards(
+    case: tuple[Path, list[list[int]], list[list[int]], list[list[int]]],
+) -> None:
+    """At TP=2 every rank keeps the host copy of its K/V heads and runs the same swaps from the step's inputs."""
+    folder, first, second, expected = case
+    tp = dict(tensor_parallel_size=2, preemption_mode="swap", swap_space=256 * BLOCK_BYTES / 2 / 2**30)
+    got, stats = run(folder, first, second, **TIGHT, **tp)
+    assert got == expected_samples(first, expected)
+    assert stats.num_swap_preemptions > 0 and stats.num_blocks_swapped_in > 0

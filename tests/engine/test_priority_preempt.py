@@ -53,6 +53,29 @@ def test_a_higher_priority_arrival_swaps_out_lower_ones_when_blocks_run_out() ->
     assert sched.num_swap_preemptions == 1
 
 
+def test_fcfs_a_swapped_request_keeps_its_place_and_its_computed_tokens() -> None:
+    kv = SwapKVCacheManager(5, 4, 16)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, preemption_mode="swap"), kv, 1024)
+    sched.add_request(make_request("a", 7, start=10, max_tokens=6))
+    sched.add_request(make_request("b", 7, start=50, max_tokens=6))
+    run_step(sched)
+    run_step(sched)  # 8 tokens each: 4 blocks held, 1 free
+    out = run_step(sched)  # both need a third block: b (the newest) is swapped out
+    b = sched.requests["b"]
+    assert b.status == RequestStatus.SWAPPED and b.num_computed_tokens == 8 and len(out.blocks_to_swap_out) == 2
+    sched.add_request(make_request("c", 3, start=90, max_tokens=2))  # a later arrival that would fit now
+    assert [r.request_id for r in sched.waiting] == ["b", "c"]
+    while not b.block_ids:
+        out = run_step(sched)
+        assert sched.requests["c"].status == RequestStatus.WAITING or b.block_ids  # never ahead of b
+    assert [(c.request.request_id, c.num_new_tokens) for c in out.chunks] == [("b", 1), ("c", 3)]  # b resumes
+    # b's two full blocks were still cached on the device when it came back: taken there, nothing copied
+    assert out.blocks_to_swap_in == [] and kv.swap_stats.num_blocks_deduplicated == 2
+    while sched.num_unfinished:
+        run_step(sched)
+    assert [sched.requests[r].num_output_tokens for r in "abc"] == [6, 6, 2] and kv.host_usage() == 0.0
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("llama"), "llama", seed=4)

@@ -180,12 +180,6 @@ def check_vllm_args(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     if args.command == "serve":
         _shared_from_env(args)
-    if args.tokenizer and args.command != "api":
-        raise ValueError(
-            f"--tokenizer is not supported by `pagedserve {args.command}`: workers read the tokenizer from the "
-            "model's folder (copy tokenizer.json and tokenizer_config.json there); `pagedserve api --tokenizer` "
-            "takes one for the API tier"
-        )
     if getattr(args, "trust_remote_code", False):
         raise ValueError(
             "--trust-remote-code is refused: this server runs no code from a checkpoint; its models (Llama, "

@@ -42,7 +42,7 @@ def _add_common(p: argparse.ArgumentParser, redis_default: str | None) -> None:
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: from the path)")
     p.add_argument("--redis-url", default=redis_default, help="Redis for the queue, streams and caches")
     p.add_argument(
-        "--tokenizer", default=None, help="api: a tokenizer folder apart from the model's (serve/worker refuse it)"
+        "--tokenizer", default=None, help="a tokenizer folder apart from the model's (API and workers)"
     )
     p.add_argument("--log-level", default="info")
     p.add_argument(

@@ -31,6 +31,7 @@ class EngineArgs:
 
     # model
     model: str = _opt("", "HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    tokenizer: str | None = _opt(None, "a tokenizer folder apart from the model's (vLLM's --tokenizer)")
     dtype: str = _opt("auto", "auto | float32 | float16 | bfloat16")
     max_model_len: int | None = _opt(None, "context length (default: the model's)")
     load_format: str = _opt("auto", "auto | dummy (random weights)")
@@ -67,11 +68,11 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, with_model: bool = True) -> argparse.ArgumentParser:
         """Add one flag per field (``--max-num-seqs``...) to ``parser`` in its own group. Bools that default
         to True get ``--x / --no-x``, the others ``--x``. ``with_model=False`` leaves ``--model`` to the
-        caller (``pagedserve``'s common flags define it)."""
+        caller (``pagedserve``'s common flags define both, with ``--tokenizer``)."""
         group = parser.add_argument_group(_GROUP_TITLE)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if f.name == "model" and not with_model:
+            if f.name in ("model", "tokenizer") and not with_model:
                 continue
             names = [_flag(f.name), *f.metadata.get("aliases", [])]
             kind = _scalar_type(hints[f.name])
@@ -108,6 +109,7 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(
                 model=self.model,
+                tokenizer=self.tokenizer,
                 dtype=self.dtype,
                 max_model_len=self.max_model_len,
                 load_format=self.load_format,

@@ -14,6 +14,7 @@ from engine.quantization.config import QUANTIZATION_METHODS
 @dataclass
 class ModelConfig:
     model: str = ""  # local HF folder (config.json + safetensors + tokenizer) or a .gguf file; "" = default
+    tokenizer: str | None = None  # a tokenizer folder apart from the model's; None = the model's
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 ; auto follows the checkpoint (float32 on CPU)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     load_format: str = "auto"  # auto | dummy (random weights of the config's shape, for benchmarks)

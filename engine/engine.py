@@ -48,7 +48,7 @@ class Engine:
         self.files = modelfiles.resolve(config.model.model)
         self.tokenizer: Any = None
         if not config.model.skip_tokenizer_init:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.files.folder)
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer or self.files.folder)
         self.executor: Executor = make_executor(config, self.files)
         spec = self.executor.kv_spec
         hf_config = self.executor.hf_config

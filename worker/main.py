@@ -30,7 +30,7 @@ def load_tokenizer(config: EngineConfig) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(modelfiles.resolve(config.model.model).folder)
+    return AutoTokenizer.from_pretrained(config.model.tokenizer or modelfiles.resolve(config.model.model).folder)
 
 
 async def connect(redis_url: str, max_delay_s: float = 5.0) -> ArqRedis:

@@ -44,7 +44,6 @@ def test_model_flag_still_works_and_agrees_with_the_positional() -> None:
         (["serve", "--trust-remote-code"], "--trust-remote-code is refused"),
         (["worker", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype 'fp8' is not supported"),
         (["api", "--generation-config", "/no/such/folder"], "no generation_config.json in that folder"),
-        (["serve", "--tokenizer", "/t"], "--tokenizer is not supported by `pagedserve serve`"),
         (["api", "--chat-template", "/no/such/template.jinja"], "looks like a file path"),
         (["api", "--ssl-keyfile", "k.pem"], "both --ssl-keyfile and --ssl-certfile"),
     ],
@@ -61,6 +60,17 @@ def test_accepted_vllm_values() -> None:
     assert args.enable_chunked_prefill and args.generation_config == "vllm"
     assert not _parse("serve", "--no-enable-chunked-prefill").enable_chunked_prefill
     assert _parse("api", "--tokenizer", "/t").tokenizer == "/t"
+
+
+def test_tokenizer_reaches_the_api_child_and_the_workers() -> None:
+    from deploy.launcher import _api_argv, _worker_argv
+    from engine.args import EngineArgs
+
+    args = _parse("serve", "/m", "--tokenizer", "/t")
+    assert EngineArgs.from_cli_args(args).create_engine_config().model.tokenizer == "/t"
+    for argv in (_api_argv(args, "redis://x"), _worker_argv(args, "redis://x", 0)):
+        assert argv[argv.index("--tokenizer") + 1] == "/t"
+    assert _parse("worker", "/m").tokenizer is None
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ FIELDS = [f.name for f in dataclasses.fields(EngineArgs)]
 # a value other than the default for every field (not all valid together: the argv side does not validate)
 NON_DEFAULT: dict[str, Any] = {
     "model": "/models/llama",
+    "tokenizer": "/models/llama-tokenizer",
     "dtype": "bfloat16",
     "max_model_len": 4096,
     "load_format": "dummy",
@@ -56,6 +57,7 @@ CONFIG_PATH = {
     "max_model_len": "model.max_model_len",
     "load_format": "model.load_format",
     "quantization": "model.quantization",
+    "tokenizer": "model.tokenizer",
     "seed": "model.seed",
     "trust_remote_code": "model.trust_remote_code",
     "skip_tokenizer_init": "model.skip_tokenizer_init",

@@ -97,8 +97,10 @@ def test_api_node_without_torch_builds_the_default_model_folder(
     reference = PromptTokenizer(reference_default_folder)
     assert out["ids"] == [reference.encode(t) for t in TEXTS]
     assert out["chats"] == [reference.apply_chat_template(c, True) for c in CONVERSATIONS]
-    # the CLI reads EngineArgs' flags (engine.args, engine.config: plain dataclasses); nothing else of engine/
-    assert set(out["engine_modules"]) <= {"engine", "engine.args", "engine.config"}
+    # the CLI reads EngineArgs' flags (engine.args, engine.config and the --quantization names it checks: plain
+    # dataclasses); nothing else of engine/
+    light = {"engine", "engine.args", "engine.config", "engine.quantization", "engine.quantization.config"}
+    assert set(out["engine_modules"]) <= light
 
 
 def test_pagedserve_api_starts_and_tokenizes_without_torch(

@@ -41,9 +41,7 @@ def _add_common(p: argparse.ArgumentParser, redis_default: str | None) -> None:
     p.add_argument("--model", default="", help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: from the path)")
     p.add_argument("--redis-url", default=redis_default, help="Redis for the queue, streams and caches")
-    p.add_argument(
-        "--tokenizer", default=None, help="a tokenizer folder apart from the model's (API and workers)"
-    )
+    p.add_argument("--tokenizer", default=None, help="a tokenizer folder apart from the model's (API and workers)")
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--otel-exporter",

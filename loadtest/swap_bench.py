@@ -28,6 +28,7 @@ from engine.engine import Engine
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from loadtest.shapes import shape_folder
+from loadtest.throughput import sync
 from loadtest.workloads import WORKLOADS, BenchRequest, make_workload
 
 
@@ -65,11 +66,6 @@ def build(args: argparse.Namespace, num_blocks: int) -> Engine:
         device=args.device,
     )
     return Engine(engine_args.create_engine_config())
-
-
-def sync(engine: Engine) -> None:
-    if engine.executor.device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def percentile(values: list[float], q: float) -> float:

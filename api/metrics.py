@@ -93,6 +93,14 @@ class _WorkerCollector(Collector):
                 "KV-cache usage, 0..1 (highest of the workers).",
                 max((b.kv_cache_usage for b in beats), default=0.0),
             ),
+            "num_requests_swapped": (
+                "Requests with their KV cache swapped out to CPU memory.",
+                sum(b.num_swapped for b in beats),
+            ),
+            "cpu_cache_usage_perc": (
+                "CPU swap-space KV-cache usage, 0..1 (highest of the workers).",
+                max((b.cpu_kv_cache_usage for b in beats), default=0.0),
+            ),
             "num_workers": ("Workers with a live heartbeat.", len(beats)),
         }
         for name, (doc, value) in gauges.items():

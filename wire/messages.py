@@ -251,7 +251,13 @@ class WorkerHeartbeat:
     kv_cache_usage: float = 0.0  # 0..1
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # all kinds: swap + recompute
+    num_swap_preemptions: int = 0  # swap space (cache.swap): the request's KV blocks copied to host memory
+    num_recompute_preemptions: int = 0  # blocks freed, the prompt prefilled again on resume
+    num_blocks_swapped_out: int = 0  # running totals of KV blocks copied device -> host, host -> device
+    num_blocks_swapped_in: int = 0
+    cpu_kv_cache_usage: float = 0.0  # 0..1 of the host pool
+    num_swapped: int = 0  # waiting requests whose KV blocks are on the host
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     jobs_done: int = 0

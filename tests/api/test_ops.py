@@ -97,6 +97,8 @@ def test_ready_follows_worker_heartbeats(api: ServerThread, redis_url: str) -> N
         num_running=3,
         kv_cache_usage=0.25,
         prompt_tokens_total=100,
+        num_swapped=2,
+        cpu_kv_cache_usage=0.5,
         time=time.time(),
     )
     r.set(keys.worker_key("w1"), beat.to_json(), ex=10)
@@ -107,6 +109,8 @@ def test_ready_follows_worker_heartbeats(api: ServerThread, redis_url: str) -> N
     for line in (
         "pagedserve:num_requests_running 3.0",
         "pagedserve:kv_cache_usage_perc 0.25",
+        "pagedserve:num_requests_swapped 2.0",
+        "pagedserve:cpu_cache_usage_perc 0.5",
         "pagedserve:prompt_tokens_total 100.0",
         "pagedserve:num_workers 1.0",
     ):

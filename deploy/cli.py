@@ -31,6 +31,7 @@ BENCHES = {
     "stack": "loadtest.stack_bench",
     "relay": "loadtest.relay_bench",
     "soak": "loadtest.soak",
+    "swap": "loadtest.swap_bench",
 }
 
 
@@ -134,9 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker_args(worker)
     EngineArgs.add_cli_args(worker, with_model=False)
     add_vllm_engine_args(worker)
-    bench = sub.add_parser(
-        "bench", help="benchmarks: kernels | throughput | latency | suite | overhead | serve (-h after the name)"
-    )
+    bench = sub.add_parser("bench", help=f"benchmarks: {' | '.join(BENCHES)} (-h after the name)")
     bench.add_argument("kind", choices=sorted(BENCHES))
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     return parser

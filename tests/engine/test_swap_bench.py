@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy import cli
 from loadtest import swap_bench
 
 
@@ -24,3 +25,12 @@ def test_swap_bench_on_cpu(tmp_path: Path) -> None:
     assert runs["recompute"]["preemptions_recompute"] > 0 and runs["recompute"]["blocks_swapped_out"] == 0
     assert runs["recompute"]["computed_tokens"] > runs["swap"]["computed_tokens"]
     assert result["swap_path"]["swap_out_gb_s"] > 0
+
+
+def test_pagedserve_bench_swap_is_the_swap_bench(capsys: pytest.CaptureFixture[str]) -> None:
+    """``pagedserve bench swap`` reaches this bench's own flags (its run is the slow test above)."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", "swap", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "--swap-space" in out and "--block-fraction" in out and "swap vs recompute" in out

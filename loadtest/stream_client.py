@@ -11,8 +11,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
-
-import httpx
+from urllib.parse import urlsplit
 
 
 @dataclass
@@ -89,20 +88,77 @@ class SSEReader:
         return "no usage chunk" if self.num_tokens is None else None
 
 
-async def _send(client: httpx.AsyncClient, job: StreamJob, sse: SSEReader) -> str | None:
-    async with client.stream("POST", "/v1/completions", json=job.body) as resp:
-        if resp.status_code != 200:
-            return f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:500]}"
-        async for data in resp.aiter_raw():
-            sse.feed(data, time.perf_counter())
+class ChunkedBody:
+    """HTTP/1.1 ``Transfer-Encoding: chunked`` decoding as bytes arrive: ``feed`` returns the payload bytes of
+    the chunks completed so far; ``done`` once the last (empty) chunk arrived."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.done = False
+
+    def feed(self, data: bytes) -> bytes:
+        self.buf += data
+        out = []
+        while not self.done:
+            head_end = self.buf.find(b"\r\n")
+            if head_end < 0:
+                break
+            size = int(self.buf[:head_end].split(b";", 1)[0], 16)
+            end = head_end + 2 + size
+            if len(self.buf) < end + 2:
+                break
+            out.append(self.buf[head_end + 2 : end])
+            self.buf = self.buf[end + 2 :]
+            self.done = size == 0
+        return b"".join(out)
+
+
+def _request_bytes(host: str, path: str, body: dict[str, Any]) -> bytes:
+    data = json.dumps(body, separators=(",", ":")).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    return (head + f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    raw = await reader.readuntil(b"\r\n\r\n")
+    status_line, *lines = raw.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines:
+        name, sep, value = line.partition(":")
+        if sep:
+            headers[name.strip().lower()] = value.strip()
+    return int(status_line.split()[1]), headers
+
+
+async def _send(base_url: str, job: StreamJob, sse: SSEReader) -> str | None:
+    """One POST on its own connection, read with asyncio streams (no HTTP library: httpx's connection pool and
+    response machinery cost the client ~1 ms of CPU per request and more per chunk at 256 streams, so a
+    client process measured itself, not the server)."""
+    url = urlsplit(base_url)
+    host, port = url.hostname or "127.0.0.1", url.port or 80
+    reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
+    try:
+        writer.write(_request_bytes(f"{host}:{port}", "/v1/completions", job.body))
+        status, headers = await _read_head(reader)
+        chunked = headers.get("transfer-encoding", "").lower() == "chunked"
+        if status != 200:
+            rest = await reader.read(1 << 16)
+            return f"HTTP {status}: {(ChunkedBody().feed(rest) if chunked else rest).decode(errors='replace')[:500]}"
+        body = ChunkedBody() if chunked else None
+        while data := await reader.read(1 << 16):
+            sse.feed(body.feed(data) if body is not None else data, time.perf_counter())
+            if body is not None and body.done:
+                break
+    finally:
+        writer.close()
     return sse.reason()
 
 
-async def stream_one(client: httpx.AsyncClient, job: StreamJob) -> Record:
+async def stream_one(base_url: str, job: StreamJob) -> Record:
     """One streaming request; any failure (status, error event, missing [DONE], exception) is its reason."""
     rec, sse = Record(job.wave, job.index, start_s=time.perf_counter()), SSEReader()
     try:
-        rec.reason = await _send(client, job, sse)
+        rec.reason = await _send(base_url, job, sse)
     except Exception as exc:  # noqa: BLE001 - every failure is reported with its request, never raised
         rec.reason = f"{type(exc).__name__}: {exc}"[:500]
     rec.end_s = time.perf_counter()
@@ -112,13 +168,10 @@ async def stream_one(client: httpx.AsyncClient, job: StreamJob) -> Record:
 
 async def _client_loop(conn: Connection, base_url: str) -> None:
     loop = asyncio.get_running_loop()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(None, connect=60.0)  # a stream at high concurrency may wait long for its next token
     while (jobs := await loop.run_in_executor(None, conn.recv)) is not None:
-        # a fresh client per wave: a keep-alive connection left idle since the last wave may be closed by the
-        # server (uvicorn's 5 s keep-alive timeout) just as it is reused, which fails that request (ReadError)
-        async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
-            conn.send(await asyncio.gather(*(stream_one(client, job) for job in jobs)))
+        # a fresh connection per request: one left idle since the last wave may be closed by the server
+        # (uvicorn's 5 s keep-alive timeout) just as it is reused, which fails that request
+        conn.send(await asyncio.gather(*(stream_one(base_url, job) for job in jobs)))
 
 
 def _client_process(conn: Connection, base_url: str) -> None:

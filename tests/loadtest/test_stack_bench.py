@@ -8,12 +8,11 @@ import asyncio
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 
 from deploy.redis_server import free_port
 from loadtest.stack_bench import main
-from loadtest.stream_client import StreamJob, stream_one
+from loadtest.stream_client import ChunkedBody, SSEReader, StreamJob, stream_one
 
 LEVELS = [1, 4]
 OUTPUT_LEN = 8
@@ -48,9 +47,31 @@ def test_stack_bench_engine_and_stack_side_by_side(tmp_path: Path, monkeypatch: 
 
 def test_a_failed_stream_is_reported_with_its_reason() -> None:
     async def refused() -> str | None:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{free_port()}") as client:  # nothing listens
-            rec = await stream_one(client, StreamJob(0, 3, {"prompt": [1, 2], "max_tokens": OUTPUT_LEN}))
+        base_url = f"http://127.0.0.1:{free_port()}"  # nothing listens
+        rec = await stream_one(base_url, StreamJob(0, 3, {"prompt": [1, 2], "max_tokens": OUTPUT_LEN}))
         assert (rec.wave, rec.index, rec.num_tokens, rec.ttft_s) == (0, 3, 0, None)
         return rec.reason
 
-    assert (asyncio.run(refused()) or "").startswith("ConnectError")
+    assert (asyncio.run(refused()) or "").startswith("ConnectionRefusedError")
+
+
+def test_chunked_body_decodes_chunks_split_anywhere() -> None:
+    """The client's chunked decoding: the payload comes out whole however the bytes are cut on the wire."""
+    wire = b"5\r\nhello\r\n1a;ext=1\r\n" + b"x" * 26 + b"\r\n0\r\n\r\n"
+    for cut in range(1, len(wire)):
+        body = ChunkedBody()
+        got = body.feed(wire[:cut]) + body.feed(wire[cut:])
+        assert got == b"hello" + b"x" * 26 and body.done
+
+
+def test_sse_reader_times_text_chunks_and_reads_usage() -> None:
+    sse = SSEReader()
+    events = [
+        {"choices": [{"text": "a"}]},
+        {"choices": [{"text": ""}]},
+        {"choices": [], "usage": {"completion_tokens": 2}},
+    ]
+    wire = b"".join(b"data: " + json.dumps(e).encode() + b"\r\n\r\n" for e in events) + b"data: [DONE]\r\n\r\n"
+    sse.feed(wire[:17], 1.0)
+    sse.feed(wire[17:], 2.0)
+    assert sse.times_s == [2.0] and sse.num_tokens == 2 and sse.reason() is None

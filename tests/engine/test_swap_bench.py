@@ -25,6 +25,8 @@ def test_swap_bench_on_cpu(tmp_path: Path) -> None:
     assert runs["recompute"]["preemptions_recompute"] > 0 and runs["recompute"]["blocks_swapped_out"] == 0
     assert runs["recompute"]["computed_tokens"] > runs["swap"]["computed_tokens"]
     assert result["swap_path"]["swap_out_gb_s"] > 0
+    for mode in ("recompute", "auto"):  # fp32: every mode's tokens are the first mode's, request by request
+        assert result["agreement"][mode] == {"identical_requests": 6, "requests": 6, "mean_common_prefix": 1.0}
 
 
 def test_pagedserve_bench_swap_is_the_swap_bench(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import check_float, require_triton, tl, triton
+from kernels._triton import check_float, next_pow2, require_triton, tl, triton
+from kernels.int4_gemv import finish_split, finish_tile, int4_gemv_launch, split_target
 
 PACK = 8  # 4-bit codes per int32
 _SHIFTS = tuple(range(0, 32, 4))
@@ -74,18 +76,36 @@ def int4_gemm_ref(
     return F.linear(x, w.to(x.dtype))
 
 
-# ---- Triton ----
+# ---- Triton: the tl.dot path (M above the GEMV's; the GEMV is kernels.int4_gemv) ----
 
 
 @triton.jit
+def _codes_tile(qw_ptr, k0, k_end, offs_k, offs_n, mask_n, stride_qk, stride_qn, UNPACK_IN_REGISTERS: tl.constexpr):
+    """The codes ``[BK, BN]`` int32 of input features ``offs_k`` (``k0 + arange(BK)``)."""
+    BLOCK_K: tl.constexpr = offs_k.shape[0]
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    if UNPACK_IN_REGISTERS:  # load each int32 once, replicate it to its 8 rows in registers
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        mask_words = (offs_w * 8 < k_end)[:, None] & mask_n[None, :]
+        words = tl.load(qw_ptr + offs_w[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask_words, other=0)
+        packed = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)), (BLOCK_K, BLOCK_N))
+    else:  # each int32 is read by its 8 rows of the tile (cache hits)
+        mask_w = (offs_k < k_end)[:, None] & mask_n[None, :]
+        packed = tl.load(
+            qw_ptr + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask_w, other=0
+        )
+    return (packed >> ((offs_k % 8) * 4)[:, None]) & 0xF  # nibble k % 8 is row k's code
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile per tile for every M (M = 1 would be its own)
 def _int4_gemm_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, K_PER_SPLIT,
-    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
-    stride_os, stride_om, stride_on,
+    stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_om,
     GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, UNPACK_IN_REGISTERS: tl.constexpr,
+    SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -104,19 +124,8 @@ def _int4_gemm_kernel(
             x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
             mask=mask_m[:, None] & mask_k[None, :], other=0.0,
         )  # [BM, BK]  # fmt: skip
+        codes = _codes_tile(qw_ptr, k0, k_end, offs_k, offs_n, mask_n, stride_qk, stride_qn, UNPACK_IN_REGISTERS)
         mask_w = mask_k[:, None] & mask_n[None, :]
-        if UNPACK_IN_REGISTERS:  # load each int32 once, replicate it to its 8 rows in registers
-            offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            mask_words = (offs_w * 8 < k_end)[:, None] & mask_n[None, :]
-            words = tl.load(
-                qw_ptr + offs_w[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask_words, other=0
-            )
-            packed = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)), (BLOCK_K, BLOCK_N))
-        else:  # each int32 is read by its 8 rows of the tile (cache hits)
-            packed = tl.load(
-                qw_ptr + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask_w, other=0
-            )
-        codes = (packed >> ((offs_k % 8) * 4)[:, None]) & 0xF  # [BK, BN] int32: nibble k % 8 is row k's code
         if HAS_G_IDX:
             g = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
             s = tl.load(s_ptr + g[:, None] * stride_sg + offs_n[None, :] * stride_sn, mask=mask_w, other=0.0)
@@ -136,23 +145,72 @@ def _int4_gemm_kernel(
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision=DOT_PRECISION)
         else:
             acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
-    out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tile = pid_m * tl.num_programs(1) + pid_n
+    finish_tile(
+        acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, tile, pid_k, tl.num_programs(2),
+        SPLIT_MODE, SPLIT_CHUNK,
+    )  # fmt: skip
+
+
+# ---- launch choices ----
+
+Kernel = Literal["dot", "gemv"]
+SplitReduce = Literal["counter", "atomic", "torch"]
+KERNELS: tuple[Kernel, ...] = ("dot", "gemv")
+SPLIT_REDUCES: tuple[SplitReduce, ...] = ("counter", "atomic", "torch")
+GEMV_MAX_M = 4  # the default kernel is the GEMV up to this many rows (pick_config says why)
+GEMV_LIMIT_M = 16  # the GEMV holds a tile's [M, BLOCK_K / 8, BLOCK_N] fp32 products in registers
+GEMV_PROGRAMS_PER_SM = 4  # GEMV split-K target: enough programs per SM to keep loads in flight
 
 
 @dataclass(frozen=True)
 class Int4GemmConfig:
-    """Tile sizes and split-K of one launch; ``None`` fields are picked by :func:`pick_config`."""
+    """Launch choices of :func:`int4_gemm`; ``None`` fields are picked by :func:`pick_config`."""
 
-    block_m: int | None = None
+    # "gemv" (kernels.int4_gemv: CUDA cores, all M rows in one program) or "dot" (tl.dot tiles);
+    # None: the GEMV up to GEMV_MAX_M rows
+    kernel: Kernel | None = None
+    block_m: int | None = None  # dot only: a GEMV program holds all M rows
     block_n: int | None = None
     block_k: int | None = None
     split_k: int | None = None
+    split_reduce: SplitReduce | None = None  # how split-K partials are summed (kernels.int4_gemv's docstring)
     num_warps: int | None = None
     num_stages: int | None = None
-    # load each packed word once and replicate it in registers, instead of once per row (8 loads that hit
-    # the cache); off by default until measured on the GPU (loadtest/int4_bench.py has it as a variant)
-    unpack_in_registers: bool = False
+    # dot: load each packed word once and replicate it to its 8 rows in registers, instead of one load per row
+    unpack_in_registers: bool | None = None
+    # gemv: scale and zero applied per group to sums instead of per weight (without g_idx only)
+    factored: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.kernel not in (None, *KERNELS):
+            raise ValueError(f"kernel must be one of {KERNELS} or None, got {self.kernel!r}")
+        if self.split_reduce not in (None, *SPLIT_REDUCES):
+            raise ValueError(f"split_reduce must be one of {SPLIT_REDUCES} or None, got {self.split_reduce!r}")
+        for name, block in (("block_m", self.block_m), ("block_n", self.block_n), ("block_k", self.block_k)):
+            if block is not None and (block < 1 or block & (block - 1)):
+                raise ValueError(f"{name} must be a power of two, got {block}")
+        if self.block_k is not None and self.block_k < PACK:
+            raise ValueError(f"block_k must be at least {PACK} (one packed word), got {self.block_k}")
+        for name, count in (("split_k", self.split_k), ("num_warps", self.num_warps), ("num_stages", self.num_stages)):
+            if count is not None and count < 1:
+                raise ValueError(f"{name} must be at least 1, got {count}")
+
+
+@dataclass(frozen=True)
+class Int4Launch:
+    """One launch of :func:`int4_gemm` with every choice made (what :func:`pick_config` returns)."""
+
+    kernel: Kernel
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    split_reduce: SplitReduce
+    num_warps: int
+    num_stages: int
+    unpack_in_registers: bool
+    factored: bool
 
 
 @lru_cache(maxsize=8)
@@ -162,11 +220,68 @@ def _num_sms(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
-def pick_config(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4GemmConfig:
-    """Decode (M <= 16): a 16-row tile (tl.dot's minimum) and split-K until there are ~2 programs per SM,
-    as the work is reading the weight once; up to M = 256 split-K still fills the SMs; prefill: big tiles,
-    no split (compute bound). From one H200 run (loadtest/int4_bench.py, 8B shapes): block_k 64 beat 128 by
-    ~20 % at M <= 16, and split-K 4 halved down_proj at M = 256."""
+def _fill_split(tiles: int, k_tiles: int, target: int, max_split: int) -> int:
+    """Split-K doubled until ``tiles * split`` reaches ``target`` programs, keeping a K tile per split."""
+    split = 1
+    while tiles * split < target and split * 2 <= k_tiles and split < max_split:
+        split *= 2
+    return split
+
+
+def _reduce(user: Int4GemmConfig, split: int) -> SplitReduce:
+    """The user's reduction or the counter; "counter" when nothing is split (one launch, one description)."""
+    return (user.split_reduce or "counter") if split > 1 else "counter"
+
+
+def pick_config(
+    m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig, has_g_idx: bool = False
+) -> Int4Launch:
+    """The GEMV up to GEMV_MAX_M rows, the tl.dot path above. From the sm_90 SASS of both (compiled on a
+    CPU, loop body per thread): the GEMV spends ~4 instructions per weight at M = 1 and ~2.3 more per extra
+    row, the dot path ~15 per weight for its 16-row tile whatever M is, so they cross near M = 4-6;
+    int4_bench measures both at M = 1-16 to move the line."""
+    kernel = user.kernel or ("gemv" if m <= GEMV_MAX_M else "dot")
+    if kernel == "gemv":
+        return _pick_gemv(m, n, k, group_size, num_sms, user, has_g_idx)
+    return _pick_dot(m, n, k, group_size, num_sms, user)
+
+
+_GEMV_BLOCK_K = {1: 128, 2: 64, 4: 32, 8: 32, 16: 16}  # by block_m: fewest instructions per weight and row
+
+
+def _pick_gemv(
+    m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig, has_g_idx: bool
+) -> Int4Launch:
+    """block_n 256 with 4 warps: 8 columns per thread share each activation's conversion and sum (3.98
+    instructions per weight at M = 1 against 4.27 at block_n 128); block_k shrinks as rows are added so
+    the [M, block_k / 8, block_n] products stay in registers (96 at M = 1, 128 at M = 2, 96 at M = 4, 196
+    at M = 8); the tile stays inside one group. Split-K until ~4 programs per SM (one wave that keeps
+    loads in flight), reduced by the counter: one launch, a result independent of arrival order. Two
+    stages: one stage is not pipelined and spills (255 registers)."""
+    if m > GEMV_LIMIT_M:
+        raise ValueError(f"the GEMV holds all M rows in registers: M={m} > {GEMV_LIMIT_M}; use kernel='dot'")
+    block_m = next_pow2(m)
+    bk = user.block_k or _GEMV_BLOCK_K[block_m]
+    group_pow2 = group_size & -group_size  # largest power of two dividing the group
+    if not has_g_idx and group_pow2 >= PACK:
+        bk = min(bk, group_pow2)  # every tile inside one group
+    bn = user.block_n or 256
+    split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), GEMV_PROGRAMS_PER_SM * num_sms, 32)
+    factored = (user.factored is None or user.factored) and not has_g_idx and group_size % bk == 0
+    return Int4Launch(
+        "gemv", block_m, bn, bk, split, _reduce(user, split), user.num_warps or 4, user.num_stages or 2,
+        unpack_in_registers=False, factored=factored,
+    )  # fmt: skip
+
+
+def _pick_dot(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:
+    """Tiles from one H200 run (block_k 64 beat 128 by ~20 % at M <= 16; prefill: big tiles, no split);
+    split-K until ~2 programs per SM up to M = 256 (split 4 halved down_proj at M = 256), reduced by the
+    counter (one launch instead of the kernel, a sum and a copy). unpack_in_registers: loading each packed
+    word once per row of the tile moves 8x the weight through L2 and shared memory (4 B per weight), and
+    the old path's 340-550 GB/s at M = 16 and 224 TFLOP/s at M = 4096 (~3.6 TB/s of such traffic) look
+    bound by it; the replication costs ~15 % more instructions (sm_90 SASS). Unmeasured: int4_bench has
+    both ("dot", "dot rows")."""
     if m <= 16:
         bm, bn, bk, warps, stages = 16, 64, 64, 4, 4
     elif m <= 64:
@@ -174,19 +289,18 @@ def pick_config(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int
     else:
         bm, bn, bk, warps, stages = 128 if m >= 128 else 64, 128, 64, 8, 3
     bm, bn, bk = user.block_m or bm, user.block_n or bn, user.block_k or bk
+    if bm < 16 or bk < 16:
+        raise ValueError(f"tl.dot needs block_m and block_k >= 16, got {bm} and {bk}")
     if group_size < bk and group_size >= 16 and group_size & (group_size - 1) == 0:
         bk = group_size  # one scale row per tile
     split = user.split_k
     if split is None:
-        tiles = -(-m // bm) * -(-n // bn)
-        k_tiles = -(-k // bk)
-        split = 1
-        if m <= 256:
-            while tiles * split < 2 * num_sms and split * 2 <= k_tiles and split < 16:
-                split *= 2
-    return Int4GemmConfig(
-        bm, bn, bk, split, user.num_warps or warps, user.num_stages or stages, user.unpack_in_registers
-    )
+        split = _fill_split(-(-m // bm) * -(-n // bn), -(-k // bk), 2 * num_sms, 16) if m <= 256 else 1
+    unpack = user.unpack_in_registers is None or user.unpack_in_registers
+    return Int4Launch(
+        "dot", bm, bn, bk, split, _reduce(user, split), user.num_warps or warps, user.num_stages or stages,
+        unpack_in_registers=unpack, factored=False,
+    )  # fmt: skip
 
 
 def _check_inputs(
@@ -241,26 +355,46 @@ def int4_gemm(
     if m == 0 or n == 0:
         return out
     device_index = x.device.index if x.device.type == "cuda" and x.device.index is not None else 0
-    cfg = pick_config(m, n, k, group_size, _num_sms(device_index), config or Int4GemmConfig())
-    assert cfg.block_m and cfg.block_n and cfg.block_k and cfg.split_k  # filled by pick_config
+    cfg = pick_config(m, n, k, group_size, _num_sms(device_index), config or Int4GemmConfig(), g_idx is not None)
+    if cfg.kernel == "gemv":
+        int4_gemv_launch(
+            x, qweight, scales, zeros, group_size, g_idx, out,
+            block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, split_reduce=cfg.split_reduce,
+            factored=cfg.factored, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    else:
+        _launch_dot(x, qweight, scales, zeros, group_size, g_idx, out, cfg)
+    return out
+
+
+def _launch_dot(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    g_idx: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: Int4Launch,
+) -> None:
+    m, k = x.shape
+    n = qweight.shape[1]
     k_per_split = -(-k // (cfg.split_k * cfg.block_k)) * cfg.block_k  # whole tiles per split
     split = -(-k // k_per_split)
-    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (-(-m // cfg.block_m), -(-n // cfg.block_n), split)
+    target = split_target(cfg.split_reduce, split, grid[0] * grid[1], cfg.block_m * cfg.block_n, out)
     upcast = x.device.type == "cpu" and x.dtype == torch.bfloat16  # see kernels.paged_attention._upcast
     one_group = g_idx is None and group_size % cfg.block_k == 0  # tiles start at multiples of block_k
-    grid = (-(-m // cfg.block_m), -(-n // cfg.block_n), split)
     _int4_gemm_kernel[grid](
-        x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, target,
+        x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, target.workspace, target.counters,
         m, n, k, k_per_split,
         x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
-        zeros.stride(0), zeros.stride(1),
-        target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
+        zeros.stride(0), zeros.stride(1), out.stride(0),
         GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None, ONE_GROUP_PER_TILE=one_group,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         UPCAST=upcast, DOT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
         UNPACK_IN_REGISTERS=cfg.unpack_in_registers,
+        SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split > 1:
-        out.copy_(target.sum(dim=0))
-    return out
+    finish_split(target, out)

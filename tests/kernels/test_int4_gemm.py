@@ -1,6 +1,8 @@
-"""The W4A16 GEMM: the torch reference equals dequantize-then-matmul exactly (fp32), and the Triton kernel
-(under the interpreter on CPU) equals the reference on tiny shapes: decode-sized M with split-K, prefill-sized
-M, groups, channel-wise scales, GPTQ act-order g_idx, strided activations, N not a multiple of the tile."""
+"""The W4A16 GEMM: the torch reference equals dequantize-then-matmul exactly (fp32), and both Triton kernels
+(under the interpreter on CPU) equal the reference on tiny shapes: the GEMV (M <= 16: factored or exact
+dequantization) and the tl.dot path, each split-K reduced in the kernel (counter, atomic) or by torch, or not
+split; groups (one or several tiles per group, a group that is not a power of two), channel-wise scales,
+GPTQ act-order g_idx, asymmetric zeros, strided activations, N not a multiple of the tile."""
 
 from __future__ import annotations
 
@@ -8,7 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.int4_gemm import Int4GemmConfig, dequantize_int4, int4_gemm, int4_gemm_ref, pack_int4, unpack_int4
+from kernels.int4_gemm import (
+    GEMV_MAX_M,
+    Int4GemmConfig,
+    dequantize_int4,
+    int4_gemm,
+    int4_gemm_ref,
+    pack_int4,
+    pick_config,
+    unpack_int4,
+)
+from kernels.int4_gemv import zeroed_scratch
 from tests.kernels.helpers import DEVICE, rel_err, tolerance
 
 K, N = 128, 48
@@ -53,33 +65,97 @@ def test_reference_equals_dequantize_then_matmul_exactly(
     assert torch.equal(int4_gemm_ref(x, qweight, scales, zeros, group_size, g_idx), F.linear(x, w))
 
 
+Cfg = Int4GemmConfig
 CASES = [
-    # (m, group_size, act_order, config)
-    (1, 32, False, None),  # decode: split-K picked
-    (3, 32, False, Int4GemmConfig(split_k=1)),
-    (5, 32, True, None),
-    (16, K, False, Int4GemmConfig(split_k=4, block_k=32)),  # channel-wise, split-K over several groups
-    (33, 64, False, Int4GemmConfig(block_k=16)),  # 4 tiles per group: scale rows gathered per tile
-    (70, 32, False, None),  # prefill tile
-    (1, 32, False, Int4GemmConfig(unpack_in_registers=True)),
-    (40, 32, True, Int4GemmConfig(unpack_in_registers=True, split_k=3, block_k=16)),
+    # (m, k, n, group_size, act_order, config): the tl.dot path
+    (5, K, N, 32, False, None),  # above GEMV_MAX_M: split-K picked, counter reduction
+    (3, K, N, 32, False, Cfg(kernel="dot", split_k=1)),
+    (5, K, N, 32, True, Cfg(split_reduce="atomic")),
+    (16, K, N, K, False, Cfg(split_k=4, block_k=32, split_reduce="torch")),  # channel-wise, split over groups
+    (33, K, N, 64, False, Cfg(block_k=16, unpack_in_registers=False)),  # 4 tiles per group, per-row loads
+    (70, K, N, 32, False, None),  # prefill tile
+    (1, K, N, 32, False, Cfg(kernel="dot", unpack_in_registers=False)),
+    (40, K, N, 32, True, Cfg(split_k=3, block_k=16)),
+    # the GEMV
+    (1, K, N, 32, False, None),  # default: factored, split-K picked, counter reduction
+    (1, 2 * K, 40, K, False, Cfg(split_reduce="atomic")),  # channel-wise
+    (2, K, N, 32, True, None),  # g_idx: exact dequantization
+    (3, K, N, K, False, Cfg(split_k=1)),  # no split
+    (4, K, N, 32, False, Cfg(factored=False, split_reduce="torch")),
+    (8, K, N, 64, False, Cfg(kernel="gemv", block_n=16, block_k=16, split_k=2)),  # 3 column tiles, 4 per group
+    (16, K, N, 32, False, Cfg(kernel="gemv", split_reduce="atomic")),
+    (3, 192, N, 96, False, None),  # group 96: 32-wide tiles, 3 per group
+    (1, 192, N, 96, True, Cfg(block_k=64, split_k=2)),  # g_idx tile spanning groups
+    (2, K, N, 4, False, None),  # groups narrower than a word: exact, scales gathered per feature
+    (1, K, 256, 32, False, Cfg(split_k=2)),  # every tile full: the unmasked loads
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("m", "group_size", "act_order", "config"), CASES)
+@pytest.mark.parametrize(("m", "k", "n", "group_size", "act_order", "config"), CASES)
 def test_triton_matches_reference(
-    dtype: torch.dtype, m: int, group_size: int, act_order: bool, config: Int4GemmConfig | None, gen: torch.Generator
+    dtype: torch.dtype,
+    m: int,
+    k: int,
+    n: int,
+    group_size: int,
+    act_order: bool,
+    config: Int4GemmConfig | None,
+    gen: torch.Generator,
 ) -> None:
-    _, qweight, scales, zeros, g_idx = _weights(K, N, group_size, act_order, dtype, gen)
-    x_wide = torch.randn(m, 2 * K, generator=gen).to(dtype)
+    _, qweight, scales, zeros, g_idx = _weights(k, n, group_size, act_order, dtype, gen)
+    x_wide = torch.randn(m, 2 * k, generator=gen).to(dtype)
     x = x_wide[:, ::2]  # strided along K
     x, qweight, scales, zeros = (t.to(DEVICE) for t in (x, qweight, scales, zeros))
     g = g_idx.to(DEVICE) if g_idx is not None else None
     out = int4_gemm(x, qweight, scales, zeros, group_size, g, config=config)
     ref = int4_gemm_ref(x, qweight, scales, zeros, group_size, g)
-    assert out.dtype == dtype and out.shape == (m, N)
+    assert out.dtype == dtype and out.shape == (m, n)
     assert rel_err(out, ref) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("split_reduce", ["counter", "atomic"])
+@pytest.mark.parametrize("kernel", ["gemv", "dot"])
+def test_in_kernel_split_leaves_its_scratch_zeroed(kernel: str, split_reduce: str, gen: torch.Generator) -> None:
+    """The arrival counters (and the atomic accumulator) are shared by every call and every captured graph:
+    each launch must hand them back zeroed, and a second call gives the same result."""
+    _, qweight, scales, zeros, _ = _weights(K, N, 32, False, torch.float32, gen)
+    x = torch.randn(4, K, generator=gen)
+    x, qweight, scales, zeros = (t.to(DEVICE) for t in (x, qweight, scales, zeros))
+    cfg = Int4GemmConfig(kernel=kernel, split_k=4, split_reduce=split_reduce)  # type: ignore[arg-type]
+    first = int4_gemm(x, qweight, scales, zeros, 32, config=cfg)
+    second = int4_gemm(x, qweight, scales, zeros, 32, config=cfg)
+    if split_reduce == "counter":  # partials summed in split order, whatever order the programs finish in
+        assert torch.equal(second, first)
+    for dtype in (torch.int32, torch.float32):
+        assert not zeroed_scratch(x.device, dtype, 1).any()
+    assert rel_err(first, int4_gemm_ref(x, qweight, scales, zeros, 32)) < tolerance(torch.float32)
+
+
+def test_pick_config_routes_small_m_to_the_gemv() -> None:
+    auto = Int4GemmConfig()
+    assert pick_config(GEMV_MAX_M, 4096, 4096, 128, 132, auto).kernel == "gemv"
+    assert pick_config(GEMV_MAX_M + 1, 4096, 4096, 128, 132, auto).kernel == "dot"
+    gemv = pick_config(1, 4096, 4096, 128, 132, auto)
+    assert gemv.factored and gemv.block_k <= 128 and 4096 // gemv.block_n * gemv.split_k >= 132
+    assert not pick_config(1, 4096, 4096, 128, 132, auto, has_g_idx=True).factored
+    assert pick_config(1, 4096, 4096, 96, 132, auto).block_k == 32  # tiles inside a group of 96
+    assert pick_config(8, 4096, 4096, 128, 132, Int4GemmConfig(kernel="gemv")).block_m == 8
+    with pytest.raises(ValueError, match="holds all M rows"):
+        pick_config(17, 4096, 4096, 128, 132, Int4GemmConfig(kernel="gemv"))
+
+
+def test_config_rejects_bad_choices() -> None:
+    with pytest.raises(ValueError, match="kernel must be"):
+        Int4GemmConfig(kernel="gemm")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="split_reduce must be"):
+        Int4GemmConfig(split_reduce="sum")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        Int4GemmConfig(block_n=96)
+    with pytest.raises(ValueError, match="split_k must be at least 1"):
+        Int4GemmConfig(split_k=0)
+    with pytest.raises(ValueError, match="tl.dot needs"):
+        pick_config(32, 64, 64, 32, 8, Int4GemmConfig(kernel="dot", block_k=8))
 
 
 def test_wrapper_rejects_bad_inputs(gen: torch.Generator) -> None:
@@ -99,3 +175,24 @@ def test_wrapper_rejects_bad_inputs(gen: torch.Generator) -> None:
         int4_gemm(x, qweight, scales.t().contiguous().t(), zeros, 32)
     with pytest.raises(ValueError, match="g_idx must be int32"):
         int4_gemm(x, qweight, scales, zeros, 32, torch.zeros(K, dtype=torch.int64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("split_reduce", [None, "atomic"])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_real_size_replayed_from_a_cuda_graph(m: int, split_reduce: str | None, gen: torch.Generator) -> None:
+    """8B down_proj (K = 14336, split-K) captured in a CUDA graph after one eager call and replayed with new
+    activations: the in-kernel reductions must hand their counters back zeroed for every replay."""
+    _, qweight, scales, zeros, _ = _weights(14336, 4096, 128, False, torch.bfloat16, gen)
+    qweight, scales, zeros = qweight.cuda(), scales.cuda(), zeros.cuda()
+    cfg = Int4GemmConfig(split_reduce=split_reduce)  # type: ignore[arg-type]
+    x = torch.zeros(m, 14336, dtype=torch.bfloat16, device="cuda")
+    int4_gemm(x, qweight, scales, zeros, 128, config=cfg)  # compiles, grows the shared scratch
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int4_gemm(x, qweight, scales, zeros, 128, config=cfg)
+    for _ in range(5):
+        x.copy_(torch.randn(m, 14336, generator=gen).to(torch.bfloat16))
+        graph.replay()
+        assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 128)) < tolerance(torch.bfloat16)

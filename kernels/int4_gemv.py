@@ -1,0 +1,312 @@
+"""Decode path of the W4A16 GEMM (``kernels.int4_gemm``, same weight layout) and the one-launch split-K
+reduction both of its kernels share.
+
+GEMV (small M, no ``tl.dot``): a program owns ``BLOCK_N`` output columns of all M rows and one K range. Per
+tile it loads the packed words ``[BLOCK_K // 8, BLOCK_N]`` once (contiguous along N) and the activations as
+``[M, BLOCK_K // 8, 8]`` (row ``i`` of the words holds the codes of ``x[:, 8 i : 8 i + 8]``), unpacks nibble
+``j`` of every word in registers and accumulates into ``[M, BLOCK_K // 8, BLOCK_N]`` fp32; the sum over the
+word rows happens once, after the K loop. At M = 1 a weight costs a few instructions while the GPU streams
+only half a byte of it, so the kernel counts instructions:
+
+- factored (the default without g_idx): a tile lies inside one group, so ``sum_k (c_k - z) s x_k =
+  s (sum_k c_k x_k - z sum_k x_k)``; scale and zero are applied once per word row and column, not per
+  weight. A code becomes a float without an int->float conversion (a quarter-rate instruction): shifted to
+  the top 4 mantissa bits of 1.0 it reads as ``1 + c / 16`` (one shift and one and-or), and the ``1`` is
+  taken back out with ``sum_k x_k``. Not bit-identical to the reference, which rounds every weight to the
+  scales' dtype first; closer to the exact sum than that rounding (fp32 throughout).
+- exact (g_idx act-order, or ``factored=False``): each weight ``(c - z) * s`` rounded to the scales' dtype
+  and then to x's, as the reference computes it, before the fp32 multiply-add.
+
+Split-K (``SPLIT_MODE``) when N alone does not give every SM enough programs:
+
+- ``counter``: each program stores its fp32 partial ``[M, BLOCK_N]`` to a workspace ``[split, M, N]`` and
+  counts itself in on a per-tile counter; the last to arrive sums the partials in split order (the result
+  does not depend on the arrival order) and writes the output in x's dtype; one launch.
+- ``atomic``: fp32 atomic adds into a zeroed ``[M, N]`` accumulator; the last to arrive writes the output
+  and zeroes the accumulator again; one launch, no ``[split, M, N]`` traffic, summation order varies.
+- ``torch``: fp32 partials, then ``sum`` and ``copy_`` (three launches; the old path, kept to compare).
+
+The counters (and the atomic accumulator) are left at zero by every launch, so one zeroed buffer per device
+serves every GEMM, eager or replayed from a CUDA graph; kernels that use them must not overlap on two
+streams of one device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels._triton import next_pow2, tl, triton
+
+SPLIT_MODES = {"none": 0, "torch": 1, "counter": 2, "atomic": 3}
+SPLIT_CHUNK_ELEMS = 4096  # fp32 partials the last program of a tile loads at once: [chunk, BM, BN]
+
+# ---- split-K ----
+
+
+@triton.jit
+def _sum_partials(total, ws_ptr, mn, mask, plane, num_splits, SPLIT_CHUNK: tl.constexpr):
+    """Adds the ``num_splits`` partials ``ws[s, m, n]``, ``SPLIT_CHUNK`` of them per load (one L2 round trip
+    each); ``.cg`` reads L2, where the other programs' stores are, not this SM's L1."""
+    offs_s = tl.arange(0, SPLIT_CHUNK)
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        sp = s0 + offs_s
+        parts = tl.load(
+            ws_ptr + sp[:, None, None] * plane + mn[None, :, :],
+            mask=(sp < num_splits)[:, None, None] & mask[None, :, :], other=0.0, cache_modifier=".cg",
+        )  # [chunk, BM, BN]  # fmt: skip
+        total += tl.sum(parts, axis=0)
+    return total
+
+
+@triton.jit
+def finish_tile(
+    acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, tile, pid_k, num_splits,
+    SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Writes a program's fp32 ``acc [BM, BN]`` (rows ``offs_m``, columns ``offs_n``, unit stride along N)
+    as the module docstring's split modes say; ``tile`` numbers the output tile for its counter."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    mn = offs_m[:, None] * N + offs_n[None, :]  # [BM, BN] offsets in a contiguous fp32 [M, N] plane
+    if SPLIT_MODE == 0:  # none
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif SPLIT_MODE == 1:  # torch: the host sums
+        tl.store(ws_ptr + pid_k * M * N + mn, acc, mask=mask)
+    else:
+        if SPLIT_MODE == 2:  # counter
+            tl.store(ws_ptr + pid_k * M * N + mn, acc, mask=mask)
+        else:  # atomic
+            tl.atomic_add(ws_ptr + mn, acc, mask=mask, sem="relaxed")
+        # one thread does the atomic below: the barrier orders every thread's part before its release
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == num_splits - 1:  # the last program of this tile: every other part is visible
+            if SPLIT_MODE == 2:
+                total = _sum_partials(tl.zeros_like(acc), ws_ptr, mn, mask, M * N, num_splits, SPLIT_CHUNK)
+            else:
+                total = tl.load(ws_ptr + mn, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(ws_ptr + mn, tl.zeros_like(acc), mask=mask)
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(cnt_ptr + tile, 0)  # ready for the next launch
+
+
+_ZEROED: dict[tuple[str, int | None, torch.dtype], list[torch.Tensor]] = {}
+
+
+def zeroed_scratch(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """At least ``numel`` zeros of ``dtype`` that every kernel using them leaves zero. Grown on demand and
+    never freed, as a captured CUDA graph keeps the address; growing inside a capture is refused (the
+    zeroing would only be recorded, not run), and the engine runs each shape before capturing it."""
+    bufs = _ZEROED.setdefault((device.type, device.index, dtype), [])
+    if not bufs or bufs[-1].numel() < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("int4_gemm split-K: run this shape once before capturing it in a CUDA graph")
+        size = max(numel, 2 * bufs[-1].numel() if bufs else 1 << 14)
+        bufs.append(torch.zeros(size, dtype=dtype, device=device))
+    return bufs[-1]
+
+
+@dataclass(frozen=True)
+class SplitTarget:
+    """Where a launch's programs put their partials (``workspace``/``counters`` are ``out`` when unused)."""
+
+    mode: int  # SPLIT_MODES value
+    workspace: torch.Tensor
+    counters: torch.Tensor
+    chunk: int  # SPLIT_CHUNK of the counter mode
+
+
+def split_target(reduce: str, split: int, num_tiles: int, tile_elems: int, out: torch.Tensor) -> SplitTarget:
+    m, n = out.shape
+    if split == 1:
+        return SplitTarget(SPLIT_MODES["none"], out, out, 1)
+    if reduce == "torch":
+        return SplitTarget(
+            SPLIT_MODES["torch"], torch.empty((split, m, n), dtype=torch.float32, device=out.device), out, 1
+        )
+    counters = zeroed_scratch(out.device, torch.int32, num_tiles)
+    if reduce == "counter":
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
+        chunk = max(1, min(32, SPLIT_CHUNK_ELEMS // tile_elems))  # not from split: one compile per tile
+        return SplitTarget(SPLIT_MODES["counter"], ws, counters, chunk)
+    return SplitTarget(SPLIT_MODES["atomic"], zeroed_scratch(out.device, torch.float32, m * n), counters, 1)
+
+
+def finish_split(target: SplitTarget, out: torch.Tensor) -> None:
+    """The host half of the ``torch`` mode (the other modes finish inside the kernel)."""
+    if target.mode == SPLIT_MODES["torch"]:
+        out.copy_(target.workspace.sum(dim=0))
+
+
+# ---- GEMV ----
+
+
+@triton.jit
+def _load(ptrs, mask, EVEN: tl.constexpr):
+    """``tl.load`` masked (zeros outside) unless ``EVEN`` says no element is outside."""
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
+def _nibble(words, J: tl.constexpr, one_bits):
+    """Nibble ``J`` of every word as the fp32 ``1 + code / 16``: the code moved to bits 19..22 (the top of
+    the mantissa) and or-ed with ``one_bits`` (1.0's bits), instead of an int->float conversion. The bits
+    come in as a kernel argument: with the literal, ptxas emits the and and the or as two LOP3s, not one."""
+    bits = (words << (19 - 4 * J)) if 4 * J <= 19 else (words >> (4 * J - 19))
+    return ((bits & 0x780000) | one_bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split8(x, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
+    """``[BM, R, 8]`` -> its 8 slices ``[BM, R]`` along the last dim (register moves, no data movement)."""
+    even, odd = tl.split(tl.reshape(x, (BLOCK_M, ROWS, 4, 2)))  # j = 2 a + b: b = 0 | 1
+    e0, e1 = tl.split(tl.reshape(even, (BLOCK_M, ROWS, 2, 2)))  # a = 2 c + d: j in {0, 4} | {2, 6}
+    o0, o1 = tl.split(tl.reshape(odd, (BLOCK_M, ROWS, 2, 2)))  # j in {1, 5} | {3, 7}
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _factored_tile(
+    words, x, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, one_bits,
+    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """One tile of group ``g``: ``s (sum_k c_k x_k - z sum_k x_k)`` ``[BM, BN]`` (x fp32 ``[BM, R, 8]``)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x, BLOCK_M, ROWS)
+    t = _nibble(words, 0, one_bits)[None, :, :] * x0[:, :, None]  # [BM, R, BN]: sum_j (1 + c_j / 16) x_j
+    t += _nibble(words, 1, one_bits)[None, :, :] * x1[:, :, None]
+    t += _nibble(words, 2, one_bits)[None, :, :] * x2[:, :, None]
+    t += _nibble(words, 3, one_bits)[None, :, :] * x3[:, :, None]
+    t += _nibble(words, 4, one_bits)[None, :, :] * x4[:, :, None]
+    t += _nibble(words, 5, one_bits)[None, :, :] * x5[:, :, None]
+    t += _nibble(words, 6, one_bits)[None, :, :] * x6[:, :, None]
+    t += _nibble(words, 7, one_bits)[None, :, :] * x7[:, :, None]
+    xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [BM, R]
+    s = _load(s_ptr + g * stride_sg + offs_n, offs_n < N, EVEN).to(tl.float32)
+    z = _load(z_ptr + g * stride_zg + offs_n, offs_n < N, EVEN).to(tl.float32)
+    # sum_k (c_k - z) x_k = 16 sum t - (16 + z) sum xs; summed over the tile's word rows here, not after
+    # the loop: a loop-carried [BM, R, BN] accumulator made Triton spread N one column per thread
+    return (16.0 * s)[None, :] * tl.sum(t, axis=1) - (s * (16.0 + z))[None, :] * tl.sum(xs, axis=1)[:, None]
+
+
+@triton.jit
+def _exact_tile(
+    words, x_ptr, s_ptr, z_ptr, g_ptr, k0, k_end, offs_m, offs_n, M, N,
+    stride_xm, stride_xk, stride_sg, stride_zg,
+    GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
+):  # fmt: skip
+    """One tile's ``sum_k w_k x_k`` ``[BM, BN]``, every weight dequantized and rounded as the reference does."""
+    ROWS: tl.constexpr = words.shape[0]
+    offs_i = tl.arange(0, ROWS)
+    t = tl.zeros((offs_m.shape[0], ROWS, offs_n.shape[0]), dtype=tl.float32)
+    mask_n = offs_n < N
+    if ONE_GROUP_PER_TILE:
+        g0 = k0 // GROUP_SIZE
+        s = tl.load(s_ptr + g0 * stride_sg + offs_n, mask=mask_n, other=0.0)[None, :]
+        z = tl.load(z_ptr + g0 * stride_zg + offs_n, mask=mask_n, other=0)[None, :]
+    for j in tl.static_range(8):
+        k = k0 + 8 * offs_i + j  # [R]: the input feature of nibble j of each word row
+        mask_k = k < k_end
+        xj = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
+            mask=(offs_m < M)[:, None] & mask_k[None, :], other=0.0,
+        )  # [BM, R]  # fmt: skip
+        if not ONE_GROUP_PER_TILE:
+            g = tl.load(g_ptr + k, mask=mask_k, other=0) if HAS_G_IDX else k // GROUP_SIZE
+            mask_w = mask_k[:, None] & mask_n[None, :]
+            s = tl.load(s_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask_w, other=0.0)
+            z = tl.load(z_ptr + g[:, None] * stride_zg + offs_n[None, :], mask=mask_w, other=0)
+        c = (words >> (4 * j)) & 0xF
+        w = ((c - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)).to(s.dtype)
+        wx = w.to(xj.dtype).to(tl.float32)[None, :, :] * xj.to(tl.float32)[:, :, None]  # [BM, R, BN]
+        t += wx
+    return tl.sum(t, axis=1)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every M of a block_m (M = 1 would be its own)
+def _int4_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, K_PER_SPLIT, one_bits,
+    stride_xm, stride_xk, stride_qk, stride_sg, stride_zg, stride_om,
+    GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, FACTORED: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    ROWS: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_i = tl.arange(0, ROWS)
+    mask_n = offs_n < N
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # a dot-free loop is software-pipelined only when the loop itself carries num_stages
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        rows = k0 // 8 + offs_i  # [R] word rows
+        w_ptrs = qw_ptr + rows[:, None] * stride_qk + offs_n[None, :]
+        words = _load(w_ptrs, (rows * 8 < k_end)[:, None] & mask_n[None, :], EVEN)  # [R, BN] int32
+        if FACTORED:
+            xk = k0 + 8 * offs_i[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
+            mask_x = (offs_m < M)[:, None, None] & ((xk < k_end)[None, :, :] | EVEN)  # rows past M: always
+            x = tl.load(x_ptr + offs_m[:, None, None] * stride_xm + xk[None, :, :] * stride_xk, mask=mask_x, other=0.0)
+            g = k0 // GROUP_SIZE
+            acc += _factored_tile(
+                words, x.to(tl.float32), s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, one_bits, BLOCK_M, ROWS, EVEN
+            )  # fmt: skip
+        else:
+            acc += _exact_tile(
+                words, x_ptr, s_ptr, z_ptr, g_ptr, k0, k_end, offs_m, offs_n, M, N,
+                stride_xm, stride_xk, stride_sg, stride_zg, GROUP_SIZE, HAS_G_IDX, ONE_GROUP_PER_TILE,
+            )  # fmt: skip
+    finish_tile(
+        acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k, tl.num_programs(1),
+        SPLIT_MODE, SPLIT_CHUNK,
+    )  # fmt: skip
+
+
+def int4_gemv_launch(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [K // 8, N] int32, contiguous along N
+    scales: torch.Tensor,  # [num_groups, N], contiguous along N
+    zeros: torch.Tensor,  # [num_groups, N] uint8, contiguous along N
+    group_size: int,
+    g_idx: torch.Tensor | None,  # [K] int32
+    out: torch.Tensor,  # [M, N] contiguous, x.dtype
+    *,
+    block_n: int,
+    block_k: int,
+    split_k: int,
+    split_reduce: str,
+    factored: bool,
+    num_warps: int,
+    num_stages: int,
+) -> None:
+    """Launches the GEMV on inputs ``kernels.int4_gemm.int4_gemm`` has checked; ``factored`` needs each
+    ``block_k`` tile inside one group (no g_idx, ``group_size % block_k == 0``) and falls back to exact."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    block_m = next_pow2(m)
+    k_per_split = -(-k // (split_k * block_k)) * block_k  # whole tiles per split
+    split = -(-k // k_per_split)
+    num_tiles = -(-n // block_n)
+    target = split_target(split_reduce, split, num_tiles, block_m * block_n, out)
+    one_group = g_idx is None and group_size % block_k == 0
+    _int4_gemv_kernel[(num_tiles, split)](
+        x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, target.workspace, target.counters,
+        m, n, k, k_per_split, 0x3F800000,
+        x.stride(0), x.stride(1), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
+        GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None, FACTORED=factored and one_group,
+        ONE_GROUP_PER_TILE=one_group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
+        SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk, EVEN=n % block_n == 0 and k % k_per_split == 0,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    finish_split(target, out)

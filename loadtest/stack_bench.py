@@ -193,8 +193,50 @@ def _body(model: str, prompt: list[int], output_len: int) -> dict[str, Any]:
     }
 
 
+# the worker's own view of a request's start (its --metrics-port): enqueue -> taken, enqueue -> first token
+_WORKER_TIMES = {
+    "worker_queue_mean_ms": "pagedserve:worker_queue_time_seconds",
+    "worker_ttft_mean_ms": "pagedserve:worker_time_to_first_token_seconds",
+}
+
+
+def worker_histograms(metrics_url: str | None) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the worker's start-time histograms, to split the stack's TTFT by where it went."""
+    if metrics_url is None:
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(metrics_url, timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    found: dict[str, list[float]] = {name: [0.0, 0.0] for name in _WORKER_TIMES.values()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for name, acc in found.items():
+                if sample.name == name + "_sum":
+                    acc[0] += sample.value
+                elif sample.name == name + "_count":
+                    acc[1] += sample.value
+    return {name: (acc[0], acc[1]) for name, acc in found.items()}
+
+
+def worker_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """Per-level means (ms) of the worker's histograms, from two scrapes."""
+    out: dict[str, Any] = {}
+    for key, name in _WORKER_TIMES.items():
+        if name in before and name in after and after[name][1] > before[name][1]:
+            out[key] = round(1e3 * (after[name][0] - before[name][0]) / (after[name][1] - before[name][1]), 2)
+    return out
+
+
 def stack_levels(
-    pool: ClientPool, args: argparse.Namespace, model: str, vocab_size: int, profiler: StackProfiler | None = None
+    pool: ClientPool,
+    args: argparse.Namespace,
+    model: str,
+    vocab_size: int,
+    profiler: StackProfiler | None = None,
+    metrics_url: str | None = None,
 ) -> list[dict[str, Any]]:
     """The warm-up, then every level's waves through the pool (profiled from --profile-from streams on)."""
     for level in sorted({min(args.concurrency), max(args.concurrency)}):
@@ -207,6 +249,7 @@ def stack_levels(
         profiling = profiler is not None and level >= args.profile_from
         if profiling:
             profiler.start(str(level))  # type: ignore[union-attr]
+        hist_before = worker_histograms(metrics_url)
         for wave in range(args.waves):
             prompts = make_prompts(vocab_size, level, wave, args.prompt_len, args.seed)
             recs = pool.run([StreamJob(wave, i, _body(model, p, args.output_len)) for i, p in enumerate(prompts)])
@@ -214,7 +257,7 @@ def stack_levels(
             records += recs
         if profiling:
             print("\n".join(profiler.stop()), flush=True)  # type: ignore[union-attr]
-        summary = summarize(level, records, walls)
+        summary = summarize(level, records, walls) | worker_means(hist_before, worker_histograms(metrics_url))
         print(json.dumps({"stack": {k: v for k, v in summary.items() if k != "failures"}}), flush=True)
         levels.append(summary)
     return levels
@@ -260,8 +303,9 @@ def run_stack(args: argparse.Namespace, vocab_size: int, log: Path) -> dict[str,
     """Start ``pagedserve serve``, wait for /ready, run every level through the client pool, stop it."""
     from deploy.redis_server import free_port
 
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     argv = [sys.executable, "-m", "deploy.cli", "serve", "--port", str(port), "--log-level", args.log_level]
+    argv += ["--metrics-port", str(metrics_port)]  # the (first) worker's
     argv += ["--api-workers", str(args.api_workers), "--drain-timeout-s", "30", *engine_args(args).to_argv()]
     argv += shlex.split(args.serve_args)
     res: dict[str, Any] = {"command": " ".join(["python", *argv[1:]]), "log": str(log)}
@@ -276,7 +320,8 @@ def run_stack(args: argparse.Namespace, vocab_size: int, log: Path) -> dict[str,
         pool = ClientPool(args.client_procs, base_url)
         profiler = StackProfiler(proc.pid, Path(args.profile_dir)) if args.profile_dir else None
         try:
-            res["levels"] = stack_levels(pool, args, res["ready"]["model"], vocab_size, profiler)
+            metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            res["levels"] = stack_levels(pool, args, res["ready"]["model"], vocab_size, profiler, metrics_url)
         finally:
             pool.close()
     finally:
@@ -296,6 +341,8 @@ def compare(engine: list[dict[str, Any]], stack: list[dict[str, Any]]) -> list[d
         row: dict[str, Any] = {"concurrency": e["concurrency"], "engine_step_ms": e["mean_step_ms"]}
         for key in ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms", "failed"):
             row[f"engine_{key}"], row[f"stack_{key}"] = e[key], s[key]
+        for key in _WORKER_TIMES:
+            row[key] = s.get(key)
         row["tok_s_ratio"] = _ratio(s["output_tok_s"], e["output_tok_s"])
         row["stack_itl_p99_over_step"] = _ratio(s["itl_p99_ms"], e["mean_step_ms"])
         rows.append(row)
@@ -309,11 +356,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     cols += [("TPOT50 eng", "engine_tpot_p50_ms"), ("TPOT50 stack", "stack_tpot_p50_ms")]
     cols += [("ITL99 eng", "engine_itl_p99_ms"), ("ITL99 stack", "stack_itl_p99_ms"), ("step eng", "engine_step_ms")]
     cols += [("ITL99/step", "stack_itl_p99_over_step"), ("fail eng", "engine_failed"), ("fail stack", "stack_failed")]
+    cols += [("queue mean", "worker_queue_mean_ms"), ("wTTFT mean", "worker_ttft_mean_ms")]
     cell = lambda v: "-" if v is None else f"{v:.4g}" if isinstance(v, float) and abs(v) < 1e4 else f"{v:.0f}"  # noqa: E731
     widths = [max(len(title), *(len(cell(r[key])) for r in rows)) for title, key in cols]
     lines = ["  ".join(t.rjust(w) for (t, _), w in zip(cols, widths, strict=True))]
     lines += ["  ".join(cell(r[k]).rjust(w) for (_, k), w in zip(cols, widths, strict=True)) for r in rows]
-    return "\n".join(lines) + "\n(times in ms; ratio = stack / engine; ITL99/step = stack ITL p99 / engine step)"
+    return "\n".join(lines) + (
+        "\n(times in ms; ratio = stack / engine; ITL99/step = stack ITL p99 / engine step; queue / wTTFT mean: the"
+        " worker's enqueue -> job start / -> first token, per level)"
+    )
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -80,6 +81,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         app.state.reaper = QueueReaper(redis, settings.queue_deadline_s, settings.events_ttl_s)
         sweeper = asyncio.create_task(app.state.reaper.run(), name="queue-reaper")
         logger.info("serving %s (max_model_len %d) on queue %s", svc.model_name, svc.max_model_len, keys.QUEUE)
+        gc.collect()  # start-up objects (tokenizer, app, modules) out of the collector's reach, as in the worker
+        gc.freeze()  # (worker.main.freeze_startup_heap: full collections walked them on every request burst)
         try:
             yield
         finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -182,6 +183,8 @@ def run_engine_core(
     )
     outputs[0].send(output_encoder.encode(ready))  # to the front that started the core; it tells the others
     core = EngineCore(engine, commands, outputs, parent_pid)
+    gc.collect()  # the loaded engine's objects out of the collector's reach: full collections would walk them
+    gc.freeze()  # from the busy loop (as worker.main.freeze_startup_heap does for the front)
     signal.signal(signal.SIGTERM, lambda *_: core.stop())
     try:
         core.run()

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -36,9 +37,49 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)  # hashed by identity: one per reader
 class Subscription:
+    """One reader's events of a job, pushed by the relay as they are routed and taken by the reader."""
+
     job_id: str
     own_channel: bool  # subscribed to the job's own channel (else it comes through the reply channel)
-    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    _pending: deque[Event] = field(default_factory=deque)
+    _waiter: asyncio.Future[None] | None = None
+    _waiting_since: float = 0.0  # loop time
+    _timer: asyncio.TimerHandle | None = None
+
+    def push(self, event: Event) -> None:
+        self._pending.append(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self, idle_s: float) -> list[Event]:
+        """What was pushed since the last take, once there is something; [] after ``idle_s`` without (a quiet
+        channel). A wait has no timer of its own (``asyncio.timeout`` per wait cost more than the rest of an
+        event's trip through the relay): one per reader, due ``idle_s`` after the wait that set it, moves on
+        to the current wait's deadline when it finds the reader has been woken since."""
+        if not self._pending:
+            loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
+            self._waiting_since = loop.time()
+            if self._timer is None:
+                self._timer = loop.call_at(self._waiting_since + idle_s, self._check_idle, idle_s)
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        events = list(self._pending)
+        self._pending.clear()
+        return events
+
+    def _check_idle(self, idle_s: float) -> None:
+        self._timer = None
+        if self._waiter is None or self._waiter.done():  # not waiting: the next wait sets a timer
+            return
+        loop = asyncio.get_running_loop()
+        due = self._waiting_since + idle_s
+        if loop.time() >= due:
+            self._waiter.set_result(None)
+        else:
+            self._timer = loop.call_at(due, self._check_idle, idle_s)
 
 
 class EventRelay:
@@ -107,7 +148,7 @@ class EventRelay:
         self.num_events += len(items)
         for job_id, event in items:
             for sub in self._subs.get(job_id, ()):
-                sub.queue.put_nowait(event)
+                sub.push(event)
 
     async def subscribe(self, job_id: str, own_channel: bool = True, timeout_s: float = 5.0) -> Subscription:
         """Start receiving a job's events. ``own_channel`` False: the job publishes to ``reply_channel``."""
@@ -177,6 +218,19 @@ class EventRelay:
         """Events of the job from ``from_seq`` on, in order, each once, ending after the final or error event.
         ``merge``: deltas that queued up while the reader was busy come out as one (a slow client gets fewer,
         larger chunks instead of falling further behind); their seq is the last one's."""
+        async for batch in self.batches(sub, from_seq, timeout_s, catch_up, merge):
+            for ev in batch:
+                yield ev
+
+    async def batches(
+        self,
+        sub: Subscription,
+        from_seq: int = 0,
+        timeout_s: float = 600.0,
+        catch_up: bool = False,
+        merge: bool = False,
+    ) -> AsyncIterator[list[Event]]:
+        """``events``, as the lists that were ready together (never empty): a stream writes each in one send."""
         next_seq = from_seq
         deadline = time.monotonic() + timeout_s
         pending: list[Event] = await self._read_or_error(sub.job_id, next_seq) if catch_up else []
@@ -194,29 +248,22 @@ class EventRelay:
                 next_seq += 1
                 if ev.kind != "delta":
                     break
-            for out in merge_deltas(ready) if merge else ready:
-                yield out
-            if ready and ready[-1].kind != "delta":
-                return
+            if ready:
+                yield merge_deltas(ready) if merge else ready
+                if ready[-1].kind != "delta":
+                    return
             if gap:
                 pending = await self._read_or_error(sub.job_id, next_seq)
                 if not any(ev.seq == next_seq for ev in pending):  # the list is written first: it was lost
                     pending = [_lost(next_seq, "Redis lost some of its events")]
                 continue
-            queue, pending = sub.queue, []
-            if queue.empty():  # wait (asyncio.timeout: no task per wait, as wait_for would create)
-                try:
-                    async with asyncio.timeout(self.idle_poll_s):
-                        pending.append(await queue.get())
-                except TimeoutError:
-                    check_job, num_outages = num_outages != self.num_outages, self.num_outages
-                    pending = await self._read_or_error(sub.job_id, next_seq, check_job)
-                    if not pending and time.monotonic() > deadline:
-                        yield ErrorEvent(next_seq, f"no result within {timeout_s:.0f} s", "timeout", "timeout", 504)
-                        return
-                    continue
-            while not queue.empty():  # all that queued up: merged, or yielded one by one
-                pending.append(queue.get_nowait())
+            pending = await sub.take(self.idle_poll_s)  # all that queued up: merged, or yielded one by one
+            if not pending:  # quiet for idle_poll_s: read the list (a lost message, Redis back after an outage)
+                check_job, num_outages = num_outages != self.num_outages, self.num_outages
+                pending = await self._read_or_error(sub.job_id, next_seq, check_job)
+                if not pending and time.monotonic() > deadline:
+                    yield [ErrorEvent(next_seq, f"no result within {timeout_s:.0f} s", "timeout", "timeout", 504)]
+                    return
 
 
 def _lost(seq: int, why: str) -> ErrorEvent:
@@ -225,6 +272,8 @@ def _lost(seq: int, why: str) -> ErrorEvent:
 
 def merge_deltas(events: list[Event]) -> list[Event]:
     """Consecutive delta events as one (per choice: text, token ids and logprobs joined); others as they are."""
+    if len(events) == 1:
+        return events
     merged: list[Event] = []
     run: list[DeltaEvent] = []
     for ev in events:

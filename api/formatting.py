@@ -3,12 +3,20 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 from api.protocol import Kind
 from api.tokenizer import PromptTokenizer
 from wire.messages import ChoiceDelta, ChoiceResult, DeltaEvent, FinalEvent, JobResult, TokenLogprob
+
+_quoted = json.encoder.encode_basestring  # type: ignore[attr-defined]  # a str as json.dumps writes it, in C
+
+
+def dumps_chunk(body: dict[str, Any]) -> str:
+    """A body as compact JSON, non-ASCII text as it is (what every streamed chunk is written as)."""
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
 
 
 def usage_dict(result: JobResult) -> dict[str, Any]:
@@ -73,10 +81,21 @@ class ResponseFormatter:
         self._sent_chars: dict[int, int] = {}
         self._sent_tokens: dict[int, int] = {}
         self._echoed: set[int] = set()
+        # a delta chunk's JSON around its index, text and logprobs (``delta_json``), in ``chunk``'s key order
+        head = dumps_chunk({"id": request_id, "object": self._chunk_object, "created": created, "model": model})
+        self._delta_head = head[:-1] + ',"choices":[{"index":'
+        if kind == "chat":
+            self._delta_parts = (',"delta":{"content":', '},"logprobs":', ',"finish_reason":null}]}')
+        else:
+            self._delta_parts = (',"text":', ',"logprobs":', ',"finish_reason":null,"stop_reason":null}]}')
 
     @property
     def _object(self) -> str:
         return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
     # -- non-streaming -------------------------------------------------------------------------------------
     def response(self, result: JobResult) -> dict[str, Any]:
@@ -114,7 +133,7 @@ class ResponseFormatter:
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": self.request_id,
-            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "object": self._chunk_object,
             "created": self.created,
             "model": self.model,
             "choices": choices,
@@ -134,6 +153,22 @@ class ResponseFormatter:
             for i in range(n)
         ]
 
+    def _advance(self, index: int, text: str, lps: list[TokenLogprob] | None) -> tuple[int, str]:
+        """Count a chunk of choice ``index`` as sent: its text offset before it, and its text (a completion's
+        echo first, once)."""
+        offset = self._sent_chars.get(index, 0)
+        self._sent_chars[index] = offset + len(text)
+        self._sent_tokens[index] = self._sent_tokens.get(index, 0) + (len(lps) if lps else 0)
+        if self.kind != "chat" and self.echo is not None and index not in self._echoed:
+            self._echoed.add(index)
+            text = self.echo + text
+        return offset, text
+
+    def _logprobs(self, lps: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
+        if not lps:
+            return None
+        return _chat_logprobs(lps, self._tok) if self.kind == "chat" else _completion_logprobs(lps, self._tok, offset)
+
     def _choice_chunk(
         self,
         index: int,
@@ -142,20 +177,14 @@ class ResponseFormatter:
         finish_reason: str | None,
         stop_reason: int | str | None = None,
     ) -> dict[str, Any]:
-        offset = self._sent_chars.get(index, 0)
-        self._sent_chars[index] = offset + len(text)
-        self._sent_tokens[index] = self._sent_tokens.get(index, 0) + (len(lps) if lps else 0)
+        offset, text = self._advance(index, text, lps)
+        logprobs = self._logprobs(lps, offset)
         if self.kind == "chat":
-            logprobs = _chat_logprobs(lps, self._tok) if lps else None
             delta = {"content": text} if text or finish_reason is None else {}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             if finish_reason is not None:  # as vLLM: on the last chunk of a choice only
                 choice["stop_reason"] = stop_reason
             return self.chunk([choice])
-        logprobs = _completion_logprobs(lps, self._tok, offset) if lps else None
-        if self.echo is not None and index not in self._echoed:
-            self._echoed.add(index)
-            text = self.echo + text
         choice = {
             "index": index,
             "text": text,
@@ -167,6 +196,19 @@ class ResponseFormatter:
 
     def delta_chunks(self, event: DeltaEvent) -> list[dict[str, Any]]:
         return [self._choice_chunk(c.index, c.text, c.logprobs, None) for c in event.choices if c.text or c.logprobs]
+
+    def delta_json(self, event: DeltaEvent) -> list[str]:
+        """``delta_chunks`` as ``dumps_chunk`` writes them, from the stream's template: only the index, the
+        text and the logprobs are encoded per chunk (a tenth of building and dumping the whole body)."""
+        head, (before_text, before_logprobs, tail) = self._delta_head, self._delta_parts
+        texts = []
+        for c in event.choices:
+            if c.text or c.logprobs:
+                offset, text = self._advance(c.index, c.text, c.logprobs)
+                logprobs = self._logprobs(c.logprobs, offset)
+                lp = "null" if logprobs is None else dumps_chunk(logprobs)
+                texts.append(f"{head}{c.index:d}{before_text}{_quoted(text)}{before_logprobs}{lp}{tail}")
+        return texts
 
     def final_chunks(self, event: FinalEvent, include_usage: bool) -> list[dict[str, Any]]:
         """Whatever text was not streamed yet (all of it for a cache hit), then each choice's finish reason."""

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette import EventSourceResponse
+from starlette.types import Send
 
 from api.auth import Authenticator
 from api.batch import batch_stream, collect_all, response_body, start_all
@@ -22,7 +23,7 @@ from api.generation_config import with_defaults
 from api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, JobRequest, TokenizeRequest
 from api.request_id import log_request
 from api.service import CompletionService, PreparedRequest
-from api.streams import collect, formatter_for, job_event_stream, openai_stream
+from api.streams import collect, formatter_for, job_event_stream, openai_stream, sse_frames
 from api.tracing import annotate_request
 from api.validation import BodyRoute
 from wire import keys
@@ -62,21 +63,34 @@ def _sse(content: Any) -> EventSourceResponse:
     return EventSourceResponse(content, sep="\n", ping=15, headers=_SSE_HEADERS)
 
 
-def _openai_sse(payloads: AsyncIterator[str]) -> StreamingResponse:
-    """OpenAI streams: ``data: <chunk>`` lines only (as OpenAI and vLLM send them). Plain Starlette streaming
-    costs far less per event than sse-starlette's per-send cancel scope and encoding, and the client's
-    disconnect still cancels the stream (and so aborts the job)."""
+class _OpenAIStream(StreamingResponse):
+    """OpenAI streams: the body's SSE bytes as they are (``data: <chunk>`` lines only, as OpenAI and vLLM send
+    them). Plain Starlette streaming costs far less per event than sse-starlette's per-send cancel scope and
+    encoding; the client's disconnect still cancels the stream, and the body is closed at once however the
+    response ends, so a job whose client left is aborted."""
 
-    async def body() -> AsyncIterator[bytes]:
+    async def stream_response(self, send: Send) -> None:
         try:
-            async for payload in payloads:
-                yield b"data: " + payload.encode() + b"\n\n"
+            await super().stream_response(send)
         finally:
-            aclose = getattr(payloads, "aclose", None)
+            aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+def _openai_sse(frames: AsyncIterator[bytes]) -> StreamingResponse:
+    return _OpenAIStream(frames, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+async def _framed(payloads: AsyncIterator[str]) -> AsyncIterator[bytes]:
+    """``data:`` payloads (a batch's chunks, ``[DONE]``) as SSE events."""
+    try:
+        async for payload in payloads:
+            yield sse_frames([payload])
+    finally:
+        aclose = getattr(payloads, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 async def _serve(request: Request, prep: PreparedRequest) -> Response:
@@ -112,7 +126,7 @@ async def _serve_batch(request: Request, preps: list[PreparedRequest]) -> Respon
     sources = await start_all(svc, preps)
     headers = {"X-Cache": "hit" if all(p.is_cache_hit for p in preps) else "miss"}
     if preps[0].stream:
-        response = _openai_sse(batch_stream(svc, batch_id, sources, preps[0].include_usage))
+        response = _openai_sse(_framed(batch_stream(svc, batch_id, sources, preps[0].include_usage)))
         response.headers.update(headers)
         return response
     results = await collect_all(svc, sources, request)

@@ -4,30 +4,33 @@ and the EventSource stream of /v1/jobs/{id}/events (``id:`` on every event, resu
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 
 from api.errors import ApiError, error_body
-from api.formatting import ResponseFormatter, replay_deltas
+from api.formatting import ResponseFormatter, dumps_chunk, replay_deltas
 from api.relay import Subscription
 from api.service import CompletionService, PreparedRequest
-from wire.messages import ErrorEvent, Event, FinalEvent, JobMeta, JobResult
+from wire.messages import DeltaEvent, ErrorEvent, Event, FinalEvent, JobMeta, JobResult
 
+T = TypeVar("T")
 DONE = "[DONE]"
 REDIS_DOWN_MESSAGE = "the job queue (Redis) failed under this request; its outcome is unknown: retry it"
 logger = logging.getLogger(__name__)
 
 
-def _dumps(body: dict[str, Any]) -> str:
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+def sse_frames(payloads: list[str]) -> bytes:
+    """``data: <payload>`` events, as sent (OpenAI's streams have no ``id:`` or ``event:`` lines)."""
+    return "".join([f"data: {p}\n\n" for p in payloads]).encode()
+
+
+DONE_FRAME = sse_frames([DONE])
 
 
 def _error_from_event(ev: ErrorEvent) -> ApiError:
@@ -79,66 +82,87 @@ async def collect(svc: CompletionService, prep: PreparedRequest, sub: Subscripti
     return ev.result
 
 
-@dataclass
-class _Progress:
-    finished: bool  # the job's final or error event arrived (else the job is aborted when the stream stops)
+async def _rendered(
+    svc: CompletionService,
+    prep: PreparedRequest,
+    sub: Subscription | None,
+    cached: JobResult | None,
+    render: Callable[[list[Event]], T],
+) -> AsyncGenerator[T, None]:
+    """``render`` of each batch of a job's events for its OpenAI stream, as the relay hands them over
+    (``EventRelay.batches``: deltas that queued up merged), with the metrics and the cache seen to; of an error
+    event last if it fails (also when Redis fails under it, or anything else: a stream never just stops). A job
+    not finished when the consumer stops is aborted."""
+    finished, next_seq = sub is None, 0
+    try:
+        if cached is not None:  # the stored answer, streamed as its deltas then its final event
+            deltas = replay_deltas(cached, svc.tokenizer, prep.params.skip_special_tokens)
+            yield render([*deltas, FinalEvent(len(deltas), cached)])
+            return
+        assert sub is not None
+        last = None
+        async for batch in svc.relay.batches(sub, timeout_s=svc.settings.request_timeout_s, merge=True):
+            now = time.monotonic()
+            for ev in batch:
+                if ev.kind == "delta":
+                    metric, since = (svc.metrics.ttft, prep.arrival) if last is None else (svc.metrics.itl, last)
+                    metric.observe(now - since)
+                    last = now
+                elif isinstance(ev, FinalEvent):
+                    finished = True
+                    _observe_final(svc, prep, ev.result)
+                    await _remember(svc, prep, ev.result)
+                elif isinstance(ev, ErrorEvent):
+                    finished = True
+                    svc.metrics.errors.labels(str(ev.status)).inc()
+            next_seq = batch[-1].seq + 1
+            yield render(batch)
+    except (RedisError, OSError) as exc:
+        logger.warning("stream %s: Redis failed under it (%s)", prep.request_id, exc)
+        svc.metrics.errors.labels("503").inc()
+        yield render([ErrorEvent(next_seq, REDIS_DOWN_MESSAGE, "service_unavailable", "redis_unavailable", 503)])
+    except Exception:
+        logger.exception("stream %s failed", prep.request_id)
+        svc.metrics.errors.labels("500").inc()
+        yield render([ErrorEvent(next_seq, "internal server error", "server_error")])
+    finally:
+        if sub is not None:
+            svc.spawn(_release(svc, sub, abort=not finished))
+
+
+def _event_bodies(fmt: ResponseFormatter, ev: Event, include_usage: bool) -> list[dict[str, Any]]:
+    if isinstance(ev, DeltaEvent):
+        return fmt.delta_chunks(ev)
+    if isinstance(ev, FinalEvent):
+        return fmt.final_chunks(ev, include_usage)
+    return [error_body(ev.message, ev.type, code=ev.code)]
+
+
+def _event_json(fmt: ResponseFormatter, ev: Event, include_usage: bool) -> list[str]:
+    """``_event_bodies`` as JSON texts; a delta's from the formatter's template."""
+    if isinstance(ev, DeltaEvent):
+        return fmt.delta_json(ev)
+    return [dumps_chunk(c) for c in _event_bodies(fmt, ev, include_usage)]
 
 
 async def job_chunks(
     svc: CompletionService, prep: PreparedRequest, sub: Subscription | None, cached: JobResult | None = None
 ) -> AsyncGenerator[dict[str, Any], None]:
-    """The chunk bodies of one job's OpenAI stream, an error body last if it fails (also when Redis fails
-    under it, or anything else: a stream never just stops); a job not finished when the consumer stops is
-    aborted."""
+    """The chunk bodies of one job's OpenAI stream, an error body last if it fails (``_rendered``)."""
     fmt = formatter_for(svc, prep)
-    state = _Progress(finished=sub is None)
+    for chunk in fmt.start_chunks(prep.n):
+        yield chunk
+
+    def render(batch: list[Event]) -> list[dict[str, Any]]:
+        return [chunk for ev in batch for chunk in _event_bodies(fmt, ev, prep.include_usage)]
+
+    rendered = _rendered(svc, prep, sub, cached, render)
     try:
-        for chunk in fmt.start_chunks(prep.n):
-            yield chunk
-        if cached is not None:  # the stored answer, streamed as its deltas then its final event
-            for delta in replay_deltas(cached, svc.tokenizer, prep.params.skip_special_tokens):
-                for chunk in fmt.delta_chunks(delta):
-                    yield chunk
-            for chunk in fmt.final_chunks(FinalEvent(0, cached), prep.include_usage):
+        async for chunks in rendered:
+            for chunk in chunks:
                 yield chunk
-            return
-        assert sub is not None
-        async for chunk in _relayed_chunks(svc, prep, sub, fmt, state):
-            yield chunk
-    except (RedisError, OSError) as exc:
-        logger.warning("stream %s: Redis failed under it (%s)", prep.request_id, exc)
-        svc.metrics.errors.labels("503").inc()
-        yield error_body(REDIS_DOWN_MESSAGE, "service_unavailable", code="redis_unavailable")
-    except Exception:
-        logger.exception("stream %s failed", prep.request_id)
-        svc.metrics.errors.labels("500").inc()
-        yield error_body("internal server error", "server_error")
     finally:
-        if sub is not None:
-            svc.spawn(_release(svc, sub, abort=not state.finished))
-
-
-async def _relayed_chunks(
-    svc: CompletionService, prep: PreparedRequest, sub: Subscription, fmt: ResponseFormatter, state: _Progress
-) -> AsyncGenerator[dict[str, Any], None]:
-    last = None
-    async for ev in svc.relay.events(sub, timeout_s=svc.settings.request_timeout_s, merge=True):
-        now = time.monotonic()
-        if ev.kind == "delta":
-            svc.metrics.ttft.observe(now - prep.arrival) if last is None else svc.metrics.itl.observe(now - last)
-            last = now
-            for chunk in fmt.delta_chunks(ev):
-                yield chunk
-        elif isinstance(ev, FinalEvent):
-            state.finished = True
-            _observe_final(svc, prep, ev.result)
-            await _remember(svc, prep, ev.result)
-            for chunk in fmt.final_chunks(ev, prep.include_usage):
-                yield chunk
-        elif isinstance(ev, ErrorEvent):
-            state.finished = True
-            svc.metrics.errors.labels(str(ev.status)).inc()
-            yield error_body(ev.message, ev.type, code=ev.code)
+        await rendered.aclose()  # at once, not at garbage collection: a client that left gets its job aborted
 
 
 async def _release(svc: CompletionService, sub: Subscription, abort: bool) -> None:
@@ -159,15 +183,25 @@ async def _remember(svc: CompletionService, prep: PreparedRequest, result: JobRe
 
 async def openai_stream(
     svc: CompletionService, prep: PreparedRequest, sub: Subscription | None, cached: JobResult | None = None
-) -> AsyncIterator[str]:
-    """``data:`` payloads of an OpenAI stream, ``[DONE]`` last."""
-    chunks = job_chunks(svc, prep, sub, cached)
+) -> AsyncIterator[bytes]:
+    """The SSE bytes of an OpenAI stream, ``data: [DONE]`` last: the chunks of events that came together in one
+    write (one ASGI send), a delta's JSON from the formatter's template."""
+    fmt = formatter_for(svc, prep)
+    start = fmt.start_chunks(prep.n)
+    if start:
+        yield sse_frames([dumps_chunk(c) for c in start])
+
+    def render(batch: list[Event]) -> bytes:
+        return sse_frames([text for ev in batch for text in _event_json(fmt, ev, prep.include_usage)])
+
+    rendered = _rendered(svc, prep, sub, cached, render)
     try:
-        async for chunk in chunks:
-            yield _dumps(chunk)
-        yield DONE
+        async for frames in rendered:
+            if frames:
+                yield frames
+        yield DONE_FRAME
     finally:
-        await chunks.aclose()  # at once, not at garbage collection: a client that left gets its job aborted
+        await rendered.aclose()  # at once, not at garbage collection: a client that left gets its job aborted
 
 
 def parse_last_event_id(value: str | None) -> tuple[int, int]:
@@ -182,16 +216,9 @@ def parse_last_event_id(value: str | None) -> tuple[int, int]:
 
 
 def _event_chunks(fmt: ResponseFormatter, ev: Event, n: int, include_usage: bool) -> list[str]:
-    if ev.kind == "delta":
-        chunks = fmt.delta_chunks(ev)  # type: ignore[arg-type]
-    elif isinstance(ev, FinalEvent):
-        chunks = fmt.final_chunks(ev, include_usage)
-    else:
-        assert isinstance(ev, ErrorEvent)
-        chunks = [error_body(ev.message, ev.type, code=ev.code)]
-    if ev.seq == 0:
-        chunks = fmt.start_chunks(n) + chunks
-    return [_dumps(c) for c in chunks]
+    """An event's chunks as JSON texts, the stream's start chunks first on the job's first event."""
+    texts = _event_json(fmt, ev, include_usage)
+    return [dumps_chunk(c) for c in fmt.start_chunks(n)] + texts if ev.seq == 0 else texts
 
 
 async def job_event_stream(
@@ -205,7 +232,8 @@ async def job_event_stream(
             yield event
     except (RedisError, OSError) as exc:
         logger.warning("job events %s: Redis failed under the stream (%s)", job_id, exc)
-        yield ServerSentEvent(_dumps(error_body(REDIS_DOWN_MESSAGE, "service_unavailable", code="redis_unavailable")))
+        body = error_body(REDIS_DOWN_MESSAGE, "service_unavailable", code="redis_unavailable")
+        yield ServerSentEvent(dumps_chunk(body))
         yield ServerSentEvent(DONE)
     finally:
         svc.spawn(svc.relay.unsubscribe(sub))

@@ -119,8 +119,10 @@ async def _read(relay: EventRelay, sub: Subscription, merge: bool, stats: Reader
     async for ev in relay.events(sub, merge=merge):
         if isinstance(ev, DeltaEvent):
             ids = ev.choices[0].token_ids
-            if ids != list(range(stats.delivered, stats.delivered + len(ids))):
-                stats.problems.append(f"{sub.job_id}: deltas {ids[:4]}... where {stats.delivered} was next")
+            expected = list(range(stats.delivered, stats.delivered + len(ids)))
+            if ids != expected:  # the first wrong one (a merged delta may hold many)
+                got, want = next((a, b) for a, b in zip(ids, expected, strict=True) if a != b)
+                stats.problems.append(f"{sub.job_id}: delta {got} where {want} was next")
             stats.delivered = ids[-1] + 1 if ids else stats.delivered
             stats.yielded += 1
             stats.latencies_s.append(time.time() - float(ev.choices[0].text[:STAMP]))

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import check_float, next_pow2, require_triton, tl, triton
-from kernels.int4_gemv import finish_split, finish_tile, int4_gemv_launch, split_target
+from kernels.int4_gemv import finish_tile, int4_gemv_launch, split_target
 
 PACK = 8  # 4-bit codes per int32
 _SHIFTS = tuple(range(0, 32, 4))
@@ -155,10 +155,13 @@ def _int4_gemm_kernel(
 # ---- launch choices ----
 
 Kernel = Literal["dot", "gemv"]
-SplitReduce = Literal["counter", "atomic", "torch"]
+SplitReduce = Literal["counter", "atomic"]
 KERNELS: tuple[Kernel, ...] = ("dot", "gemv")
-SPLIT_REDUCES: tuple[SplitReduce, ...] = ("counter", "atomic", "torch")
+SPLIT_REDUCES: tuple[SplitReduce, ...] = ("counter", "atomic")
 GEMV_MAX_M = 4  # the default kernel is the GEMV up to this many rows (pick_config says why)
+ATOMIC_MAX_M = 64  # the default split-K reduction is "atomic" up to this many rows, "counter" above
+ROWS_M = (65, 256)  # tl.dot without unpack_in_registers by default at these M (_pick_dot says why)
+PREFILL_M = 1024  # tl.dot tiles of 256 rows from this M on
 GEMV_LIMIT_M = 16  # the GEMV holds a tile's [M, BLOCK_K / 8, BLOCK_N] fp32 products in registers
 GEMV_PROGRAMS_PER_SM = 4  # GEMV split-K target: enough programs per SM to keep loads in flight
 
@@ -174,7 +177,8 @@ class Int4GemmConfig:
     block_n: int | None = None
     block_k: int | None = None
     split_k: int | None = None
-    split_reduce: SplitReduce | None = None  # how split-K partials are summed (kernels.int4_gemv's docstring)
+    # how split-K partials are summed (kernels.int4_gemv's docstring); None: atomic up to ATOMIC_MAX_M rows
+    split_reduce: SplitReduce | None = None
     num_warps: int | None = None
     num_stages: int | None = None
     # dot: load each packed word once and replicate it to its 8 rows in registers, instead of one load per row
@@ -228,36 +232,44 @@ def _fill_split(tiles: int, k_tiles: int, target: int, max_split: int) -> int:
     return split
 
 
-def _reduce(user: Int4GemmConfig, split: int) -> SplitReduce:
-    """The user's reduction or the counter; "counter" when nothing is split (one launch, one description)."""
-    return (user.split_reduce or "counter") if split > 1 else "counter"
+def _reduce(user: Int4GemmConfig, m: int, split: int) -> SplitReduce:
+    """The user's reduction or the default for M; "counter" when nothing is split (one description of
+    one launch)."""
+    if split == 1:
+        return "counter"
+    return user.split_reduce or ("atomic" if m <= ATOMIC_MAX_M else "counter")
 
 
 def pick_config(
     m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig, has_g_idx: bool = False
 ) -> Int4Launch:
-    """The GEMV up to GEMV_MAX_M rows, the tl.dot path above. From the sm_90 SASS of both (compiled on a
-    CPU, loop body per thread): the GEMV spends ~4 instructions per weight at M = 1 and ~2.3 more per extra
-    row, the dot path ~15 per weight for its 16-row tile whatever M is, so they cross near M = 4-6;
-    int4_bench measures both at M = 1-16 to move the line."""
+    """The GEMV up to GEMV_MAX_M rows, the tl.dot path above; split-K summed by atomics up to ATOMIC_MAX_M
+    rows. The defaults are the winners of one H200 run (``int4_bench --mixed`` at 7f8955d, Llama-3-8B layer
+    shapes; per M, the geometric mean over the shapes of time / the best variant's): the GEMV beat tl.dot
+    2.8x at M = 1 and 1.4x at M = 4, tl.dot beat the GEMV 1.2x at M = 8 and 2.5x at M = 16; the atomic
+    reduction beat the counter by 6 % at M = 1, 13 % at M = 2, 33 % at M = 4 and 4-5 % at M = 8-64 (the
+    atomic results at M = 4-8 and 256 were wrong then, fixed since; M = 256 keeps the counter it was
+    measured with)."""
     kernel = user.kernel or ("gemv" if m <= GEMV_MAX_M else "dot")
     if kernel == "gemv":
         return _pick_gemv(m, n, k, group_size, num_sms, user, has_g_idx)
     return _pick_dot(m, n, k, group_size, num_sms, user)
 
 
-_GEMV_BLOCK_K = {1: 128, 2: 64, 4: 32, 8: 32, 16: 16}  # by block_m: fewest instructions per weight and row
+# by block_m: the fewest instructions per weight and row (sm_90 SASS), but M = 1: 64, not 128, was 4-6 % faster
+# on qkv, gate_up and down_proj at 7f8955d (H200; 72 registers instead of 96)
+_GEMV_BLOCK_K = {1: 64, 2: 64, 4: 32, 8: 32, 16: 16}
 
 
 def _pick_gemv(
     m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig, has_g_idx: bool
 ) -> Int4Launch:
     """block_n 256 with 4 warps: 8 columns per thread share each activation's conversion and sum (3.98
-    instructions per weight at M = 1 against 4.27 at block_n 128); block_k shrinks as rows are added so
-    the [M, block_k / 8, block_n] products stay in registers (96 at M = 1, 128 at M = 2, 96 at M = 4, 196
-    at M = 8); the tile stays inside one group. Split-K until ~4 programs per SM (one wave that keeps
-    loads in flight), reduced by the counter: one launch, a result independent of arrival order. Two
-    stages: one stage is not pipelined and spills (255 registers)."""
+    instructions per weight at M = 1 against 4.27 at block_n 128; block_n 128 measured 1.13x the best at
+    M = 1); block_k shrinks as rows are added so the [M, block_k / 8, block_n] products stay in registers
+    (72 at M = 1, 128 at M = 2, 96 at M = 4, 196 at M = 8); the tile stays inside one group. Split-K until
+    ~4 programs per SM (one wave that keeps loads in flight; split 8 measured 1.30x the best at M = 1, the
+    whole K per program 3.4x). Two stages: one stage is not pipelined and spills (255 registers)."""
     if m > GEMV_LIMIT_M:
         raise ValueError(f"the GEMV holds all M rows in registers: M={m} > {GEMV_LIMIT_M}; use kernel='dot'")
     block_m = next_pow2(m)
@@ -269,25 +281,26 @@ def _pick_gemv(
     split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), GEMV_PROGRAMS_PER_SM * num_sms, 32)
     factored = (user.factored is None or user.factored) and not has_g_idx and group_size % bk == 0
     return Int4Launch(
-        "gemv", block_m, bn, bk, split, _reduce(user, split), user.num_warps or 4, user.num_stages or 2,
+        "gemv", block_m, bn, bk, split, _reduce(user, m, split), user.num_warps or 4, user.num_stages or 2,
         unpack_in_registers=False, factored=factored,
     )  # fmt: skip
 
 
 def _pick_dot(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:
-    """Tiles from one H200 run (block_k 64 beat 128 by ~20 % at M <= 16; prefill: big tiles, no split);
-    split-K until ~2 programs per SM up to M = 256 (split 4 halved down_proj at M = 256), reduced by the
-    counter (one launch instead of the kernel, a sum and a copy). unpack_in_registers: loading each packed
-    word once per row of the tile moves 8x the weight through L2 and shared memory (4 B per weight), and
-    the old path's 340-550 GB/s at M = 16 and 224 TFLOP/s at M = 4096 (~3.6 TB/s of such traffic) look
-    bound by it; the replication costs ~15 % more instructions (sm_90 SASS). Unmeasured: int4_bench has
-    both ("dot", "dot rows")."""
+    """Tiles from H200 runs: block_k 64 beat 128 by ~20 % at M <= 16 (an earlier run); at M = 4096
+    (7f8955d) block_m 256 beat 128 by 8-11 % on every shape (8 warps, 3 stages: 255 registers and ~300 B of
+    spills in the sm_90 compile, faster all the same), block_k 128 was 1.43x the best and block_n 256 lost.
+    Split-K until ~2 programs per SM up to M = 256 (split 4 halved down_proj at M = 256).
+    unpack_in_registers (each packed word loaded once and replicated to its 8 rows in registers instead of
+    loaded once per row: 8x less L2 and shared-memory traffic, ~15 % more instructions), at 7f8955d against
+    per-row loads: 2 % faster at M = 16, 1.4x at M = 64, 1.24x at M = 4096, but per-row loads were best on
+    3 of 4 shapes at M = 256 (down_proj 72.5 vs 80.8 us; 1.05 vs 1.08 of the best over the shapes): ROWS_M."""
     if m <= 16:
         bm, bn, bk, warps, stages = 16, 64, 64, 4, 4
     elif m <= 64:
         bm, bn, bk, warps, stages = 32 if m <= 32 else 64, 64, 64, 4, 4
     else:
-        bm, bn, bk, warps, stages = 128 if m >= 128 else 64, 128, 64, 8, 3
+        bm, bn, bk, warps, stages = 256 if m >= PREFILL_M else 128 if m >= 128 else 64, 128, 64, 8, 3
     bm, bn, bk = user.block_m or bm, user.block_n or bn, user.block_k or bk
     if bm < 16 or bk < 16:
         raise ValueError(f"tl.dot needs block_m and block_k >= 16, got {bm} and {bk}")
@@ -296,9 +309,11 @@ def _pick_dot(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     split = user.split_k
     if split is None:
         split = _fill_split(-(-m // bm) * -(-n // bn), -(-k // bk), 2 * num_sms, 16) if m <= 256 else 1
-    unpack = user.unpack_in_registers is None or user.unpack_in_registers
+    unpack = user.unpack_in_registers
+    if unpack is None:
+        unpack = not ROWS_M[0] <= m <= ROWS_M[1]
     return Int4Launch(
-        "dot", bm, bn, bk, split, _reduce(user, split), user.num_warps or warps, user.num_stages or stages,
+        "dot", bm, bn, bk, split, _reduce(user, m, split), user.num_warps or warps, user.num_stages or stages,
         unpack_in_registers=unpack, factored=False,
     )  # fmt: skip
 
@@ -397,4 +412,3 @@ def _launch_dot(
         SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    finish_split(target, out)

@@ -17,14 +17,14 @@ only half a byte of it, so the kernel counts instructions:
 - exact (g_idx act-order, or ``factored=False``): each weight ``(c - z) * s`` rounded to the scales' dtype
   and then to x's, as the reference computes it, before the fp32 multiply-add.
 
-Split-K (``SPLIT_MODE``) when N alone does not give every SM enough programs:
+Split-K (``SPLIT_MODE``) when N alone does not give every SM enough programs, reduced in the same launch:
 
 - ``counter``: each program stores its fp32 partial ``[M, BLOCK_N]`` to a workspace ``[split, M, N]`` and
   counts itself in on a per-tile counter; the last to arrive sums the partials in split order (the result
-  does not depend on the arrival order) and writes the output in x's dtype; one launch.
+  does not depend on the arrival order) and writes the output in x's dtype.
 - ``atomic``: fp32 atomic adds into a zeroed ``[M, N]`` accumulator; the last to arrive writes the output
-  and zeroes the accumulator again; one launch, no ``[split, M, N]`` traffic, summation order varies.
-- ``torch``: fp32 partials, then ``sum`` and ``copy_`` (three launches; the old path, kept to compare).
+  and zeroes the accumulator again; no ``[split, M, N]`` traffic, but the summation order (so the last bits
+  of the result) varies from run to run.
 
 The counters (and the atomic accumulator) are left at zero by every launch, so one zeroed buffer per device
 serves every GEMM, eager or replayed from a CUDA graph; kernels that use them must not overlap on two
@@ -39,7 +39,7 @@ import torch
 
 from kernels._triton import next_pow2, tl, triton
 
-SPLIT_MODES = {"none": 0, "torch": 1, "counter": 2, "atomic": 3}
+SPLIT_MODES = {"none": 0, "counter": 1, "atomic": 2}
 SPLIT_CHUNK_ELEMS = 4096  # fp32 partials the last program of a tile loads at once: [chunk, BM, BN]
 
 # ---- split-K ----
@@ -72,21 +72,26 @@ def finish_tile(
     mn = offs_m[:, None] * N + offs_n[None, :]  # [BM, BN] offsets in a contiguous fp32 [M, N] plane
     if SPLIT_MODE == 0:  # none
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    elif SPLIT_MODE == 1:  # torch: the host sums
-        tl.store(ws_ptr + pid_k * M * N + mn, acc, mask=mask)
     else:
-        if SPLIT_MODE == 2:  # counter
+        if SPLIT_MODE == 1:  # counter
             tl.store(ws_ptr + pid_k * M * N + mn, acc, mask=mask)
         else:  # atomic
             tl.atomic_add(ws_ptr + mn, acc, mask=mask, sem="relaxed")
-        # one thread does the atomic below: the barrier orders every thread's part before its release
+        # Ordering (PTX memory model, the pattern of a cooperative-groups grid sync): the barrier makes
+        # every thread's part above visible to thread 0, whose acq_rel add below releases them at GPU
+        # scope. In the last program that add acquires the other programs' parts; every thread learns its
+        # result through shared memory behind a barrier, so their loads below come after the acquire.
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if arrived == num_splits - 1:  # the last program of this tile: every other part is visible
-            if SPLIT_MODE == 2:
+            if SPLIT_MODE == 1:
                 total = _sum_partials(tl.zeros_like(acc), ws_ptr, mn, mask, M * N, num_splits, SPLIT_CHUNK)
             else:
                 total = tl.load(ws_ptr + mn, mask=mask, other=0.0, cache_modifier=".cg")
+                # Triton may give this load and the zeroing store different thread layouts (it does for
+                # the 4- and 8-row GEMV and the 64- and 128-row dot tiles): without the barrier a warp
+                # zeroes sums that another warp has yet to read (wrong outputs on an H200 at 7f8955d)
+                tl.debug_barrier()
                 tl.store(ws_ptr + mn, tl.zeros_like(acc), mask=mask)
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.store(cnt_ptr + tile, 0)  # ready for the next launch
@@ -122,22 +127,12 @@ def split_target(reduce: str, split: int, num_tiles: int, tile_elems: int, out: 
     m, n = out.shape
     if split == 1:
         return SplitTarget(SPLIT_MODES["none"], out, out, 1)
-    if reduce == "torch":
-        return SplitTarget(
-            SPLIT_MODES["torch"], torch.empty((split, m, n), dtype=torch.float32, device=out.device), out, 1
-        )
     counters = zeroed_scratch(out.device, torch.int32, num_tiles)
     if reduce == "counter":
         ws = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
         chunk = max(1, min(32, SPLIT_CHUNK_ELEMS // tile_elems))  # not from split: one compile per tile
         return SplitTarget(SPLIT_MODES["counter"], ws, counters, chunk)
     return SplitTarget(SPLIT_MODES["atomic"], zeroed_scratch(out.device, torch.float32, m * n), counters, 1)
-
-
-def finish_split(target: SplitTarget, out: torch.Tensor) -> None:
-    """The host half of the ``torch`` mode (the other modes finish inside the kernel)."""
-    if target.mode == SPLIT_MODES["torch"]:
-        out.copy_(target.workspace.sum(dim=0))
 
 
 # ---- GEMV ----
@@ -309,4 +304,3 @@ def int4_gemv_launch(
         SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk, EVEN=n % block_n == 0 and k % k_per_split == 0,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    finish_split(target, out)

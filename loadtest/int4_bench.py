@@ -5,7 +5,7 @@
    Every variant of ``VARIANTS`` that applies at M (aliases of one launch run once) is checked against the
    torch reference, then timed in CUDA graphs cycling through weight copies that overflow the L2
    (``kernels_bench.time_graph``); then the defaults are replayed from CUDA graphs and checked. Printed
-   last: per shape and M the default, the old path, the best variant and cuBLAS; per M each variant's time
+   last: per shape and M the default, the best variant and cuBLAS; per M each variant's time
    over the best (geometric mean over the shapes), to pick ``kernels.int4_gemm.pick_config``'s defaults.
 2. Model: batch-1 time per output token of an 8B-shape random int4 model (dummy weights, same layers)
    against its own 4-bit floor (bytes of every weight read per token / measured copy bandwidth) and against
@@ -57,28 +57,26 @@ class Variant:
     m_range: tuple[int, int] = (1, 1 << 30)
 
 
-# the path before the GEMV: tl.dot with 8 loads per packed word, split-K summed by torch (sum + copy)
-OLD = {"kernel": "dot", "split_reduce": "torch", "unpack_in_registers": False}
+# the defaults (kernels.int4_gemm.pick_config) and the alternatives that came close in the H200 run at 7f8955d
+# or were the defaults before it; where one is the default's launch at an M it is timed once, as an alias
 VARIANTS = [
     Variant("default"),
-    Variant("old", OLD),
     Variant("gemv", {"kernel": "gemv"}, DECODE),
+    Variant("gemv counter", {"kernel": "gemv", "split_reduce": "counter"}, (1, 8)),
     Variant("gemv atomic", {"kernel": "gemv", "split_reduce": "atomic"}, (1, 8)),
-    Variant("gemv no-split bn32", {"kernel": "gemv", "split_k": 1, "block_n": 32}, (1, 4)),
     Variant("gemv bn128", {"kernel": "gemv", "block_n": 128}, (1, 8)),
-    Variant("gemv bk64", {"kernel": "gemv", "block_k": 64}, (1, 1)),
-    Variant("gemv split8", {"kernel": "gemv", "split_k": 8}, (1, 4)),
+    Variant("gemv bk128", {"kernel": "gemv", "block_k": 128}, (1, 1)),
     Variant("gemv split32", {"kernel": "gemv", "split_k": 32}, (1, 4)),
     Variant("gemv stages3", {"kernel": "gemv", "num_stages": 3}, (1, 2)),
     Variant("gemv exact", {"kernel": "gemv", "factored": False}, (1, 1)),  # what g_idx checkpoints run
     Variant("dot", {"kernel": "dot"}),
-    Variant("dot rows", {"kernel": "dot", "unpack_in_registers": False}, (16, 1 << 30)),
+    Variant("dot counter", {"kernel": "dot", "split_reduce": "counter"}, (8, 256)),
     Variant("dot atomic", {"kernel": "dot", "split_reduce": "atomic"}, (8, 256)),
+    Variant("dot rows", {"kernel": "dot", "unpack_in_registers": False}, (8, 1 << 30)),  # no unpack_in_registers
+    Variant("dot unpack", {"kernel": "dot", "unpack_in_registers": True}, (8, 1 << 30)),
     Variant("dot bn128", {"kernel": "dot", "block_n": 128}, (16, 64)),
-    Variant("dot bk128", {"kernel": "dot", "block_k": 128}, PREFILL),
     Variant("dot stages4", {"kernel": "dot", "num_stages": 4}, PREFILL),
-    Variant("dot bm256", {"kernel": "dot", "block_m": 256}, PREFILL),
-    Variant("dot bn256", {"kernel": "dot", "block_n": 256}, PREFILL),
+    Variant("dot bm128", {"kernel": "dot", "block_m": 128}, PREFILL),
 ]
 
 
@@ -198,7 +196,7 @@ def _add_rates(row: dict[str, Any], t_cublas: float) -> None:
     best = min(us, key=us.__getitem__)
     gb = int4_bytes(m, n, k) / 1e9
     row["best"] = best
-    for key, t in (("default", us["default"]), ("best", us[best]), ("old", us.get("old", math.nan))):
+    for key, t in (("default", us["default"]), ("best", us[best])):
         row[f"{key}_gb_s"] = round(gb / (t * 1e-6), 1)
         row[f"{key}_vs_cublas"] = round(t_cublas / t, 2)  # > 1: faster than bf16 cuBLAS
     row["default_tflops"] = round(2 * m * n * k / (us["default"] * 1e-6) / 1e12, 1)
@@ -222,10 +220,11 @@ def bench_gemm(args: argparse.Namespace, device: torch.device) -> list[dict[str,
     return rows
 
 
-GRAPH_CHECKS: dict[str, dict[str, Any]] = {  # the defaults (gemv up to M = 4, dot above) and the other reduction
+# at M = 1, 4 (gemv) and 16 (dot): the default (atomic), the counter and the other kernel
+GRAPH_CHECKS: dict[str, dict[str, Any]] = {
     "default": {},
-    "gemv atomic": {"kernel": "gemv", "split_reduce": "atomic"},
-    "dot atomic": {"kernel": "dot", "split_reduce": "atomic"},
+    "counter": {"split_reduce": "counter"},
+    "dot": {"kernel": "dot"},
 }
 
 
@@ -253,17 +252,17 @@ def check_graph_replay(device: torch.device) -> dict[str, float]:
 
 
 def gemm_summary(rows: list[dict[str, Any]]) -> list[str]:
-    """Per shape and M: default, old path, best variant, cuBLAS; per M: each variant's time over the
+    """Per shape and M: default, best variant, cuBLAS; per M: each variant's time over the
     case's best, geometric mean over the shapes that ran it (1.00 = best everywhere)."""
     lines = [
-        "layer    M    | default us  GB/s TFLOP/s x-cublas | old us  GB/s | best variant           us   GB/s x-cublas"
+        "layer    M    | default us  GB/s TFLOP/s x-cublas | best variant           us   GB/s x-cublas"
         " | cublas us TFLOP/s"
     ]
     for r in (r for r in rows if "best" in r):
         us = r["us"]
         lines.append(
             f"{r['layer']:8s} {r['m']:<4d} | {us['default']:8.1f} {r['default_gb_s']:6.0f} {r['default_tflops']:6.1f} "
-            f"{r['default_vs_cublas']:6.2f} | {us.get('old', math.nan):6.1f} {r['old_gb_s']:5.0f} | {r['best']:20s} "
+            f"{r['default_vs_cublas']:6.2f} | {r['best']:20s} "
             f"{us[r['best']]:6.1f} {r['best_gb_s']:6.0f} {r['best_vs_cublas']:6.2f} | {r['cublas_us']:8.1f} "
             f"{r['cublas_tflops']:6.1f}"
         )

@@ -1,10 +1,17 @@
 """The W4A16 GEMM: the torch reference equals dequantize-then-matmul exactly (fp32), and both Triton kernels
 (under the interpreter on CPU) equal the reference on tiny shapes: the GEMV (M <= 16: factored or exact
-dequantization) and the tl.dot path, each split-K reduced in the kernel (counter, atomic) or by torch, or not
-split; groups (one or several tiles per group, a group that is not a power of two), channel-wise scales,
-GPTQ act-order g_idx, asymmetric zeros, strided activations, N not a multiple of the tile."""
+dequantization) and the tl.dot path, each split-K reduced in the kernel (counter, atomic) or not split;
+groups (one or several tiles per group, a group that is not a power of two), channel-wise scales, GPTQ
+act-order g_idx, asymmetric zeros, strided activations, N not a multiple of the tile. The atomic
+reduction's GPU race (the interpreter runs programs one by one) is checked in the code compiled for sm_90."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +27,7 @@ from kernels.int4_gemm import (
     pick_config,
     unpack_int4,
 )
-from kernels.int4_gemv import zeroed_scratch
+from kernels.int4_gemv import SPLIT_MODES, zeroed_scratch
 from tests.kernels.helpers import DEVICE, rel_err, tolerance
 
 K, N = 128, 48
@@ -68,20 +75,24 @@ def test_reference_equals_dequantize_then_matmul_exactly(
 Cfg = Int4GemmConfig
 CASES = [
     # (m, k, n, group_size, act_order, config): the tl.dot path
-    (5, K, N, 32, False, None),  # above GEMV_MAX_M: split-K picked, counter reduction
+    (5, K, N, 32, False, None),  # above GEMV_MAX_M: split-K picked, atomic reduction
+    (5, K, N, 32, False, Cfg(split_reduce="counter")),
     (3, K, N, 32, False, Cfg(kernel="dot", split_k=1)),
-    (5, K, N, 32, True, Cfg(split_reduce="atomic")),
-    (16, K, N, K, False, Cfg(split_k=4, block_k=32, split_reduce="torch")),  # channel-wise, split over groups
+    (16, K, N, K, False, Cfg(split_k=4, block_k=32, split_reduce="counter")),  # channel-wise, split over groups
     (33, K, N, 64, False, Cfg(block_k=16, unpack_in_registers=False)),  # 4 tiles per group, per-row loads
-    (70, K, N, 32, False, None),  # prefill tile
+    (70, K, N, 32, False, None),  # per-row loads, counter reduction
+    (256, K, 160, 32, False, Cfg(block_m=128, block_n=128, split_reduce="atomic")),  # a tile of the H200 failure
+    (1024, K, N, 32, False, None),  # prefill: 256-row tiles, no split
     (1, K, N, 32, False, Cfg(kernel="dot", unpack_in_registers=False)),
     (40, K, N, 32, True, Cfg(split_k=3, block_k=16)),
     # the GEMV
-    (1, K, N, 32, False, None),  # default: factored, split-K picked, counter reduction
-    (1, 2 * K, 40, K, False, Cfg(split_reduce="atomic")),  # channel-wise
+    (1, K, N, 32, False, None),  # default: factored, split-K picked, atomic reduction
+    (1, K, N, 32, False, Cfg(split_reduce="counter")),
+    (1, 2 * K, 40, K, False, None),  # channel-wise
     (2, K, N, 32, True, None),  # g_idx: exact dequantization
     (3, K, N, K, False, Cfg(split_k=1)),  # no split
-    (4, K, N, 32, False, Cfg(factored=False, split_reduce="torch")),
+    (4, K, N, 32, False, Cfg(factored=False, split_reduce="counter")),
+    (4, K, 300, 32, False, Cfg(block_k=32, split_k=4)),  # the tile of the H200 failure (4 x 256, 32 deep)
     (8, K, N, 64, False, Cfg(kernel="gemv", block_n=16, block_k=16, split_k=2)),  # 3 column tiles, 4 per group
     (16, K, N, 32, False, Cfg(kernel="gemv", split_reduce="atomic")),
     (3, 192, N, 96, False, None),  # group 96: 32-wide tiles, 3 per group
@@ -132,6 +143,68 @@ def test_in_kernel_split_leaves_its_scratch_zeroed(kernel: str, split_reduce: st
     assert rel_err(first, int4_gemm_ref(x, qweight, scales, zeros, 32)) < tolerance(torch.float32)
 
 
+# Compiles a split-K kernel for sm_90 (no GPU needed) with the launcher's specialization of 16-aligned
+# pointers and sizes, and prints its TTGIR: argv = kernel ("gemv" | "dot"), constexprs (JSON), num_warps.
+_COMPILE_SM90 = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.int4_gemm import _int4_gemm_kernel
+from kernels.int4_gemv import _int4_gemv_kernel
+
+kernel = {"gemv": _int4_gemv_kernel, "dot": _int4_gemm_kernel}[sys.argv[1]]
+constexprs = json.loads(sys.argv[2])
+pointers = {"qw_ptr": "*i32", "g_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+names = kernel.arg_names
+signature = {a: "constexpr" if a in constexprs else pointers.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+             for a in names}
+aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+           if a not in constexprs and a not in ("M", "one_bits", "stride_xk")}
+compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": int(sys.argv[3]), "num_stages": constexprs.get("NUM_STAGES", 3)})
+print(compiled.asm["ttgir"])
+"""
+
+
+def _ttgir_sm90(kernel: str, constexprs: dict[str, object], num_warps: int) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = Path(__file__).resolve().parents[2]
+    args = [sys.executable, "-c", _COMPILE_SM90, kernel, json.dumps(constexprs), str(num_warps)]
+    return subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, check=True).stdout
+
+
+_GEMV_ATOMIC = {
+    "GROUP_SIZE": 128, "HAS_G_IDX": False, "FACTORED": True, "ONE_GROUP_PER_TILE": True, "BLOCK_M": 4,
+    "BLOCK_N": 256, "BLOCK_K": 32, "NUM_STAGES": 2, "SPLIT_MODE": 2, "SPLIT_CHUNK": 1, "EVEN": True,
+}  # fmt: skip
+_DOT_ATOMIC = {
+    "GROUP_SIZE": 128, "HAS_G_IDX": False, "ONE_GROUP_PER_TILE": True, "BLOCK_M": 128, "BLOCK_N": 128,
+    "BLOCK_K": 64, "UPCAST": False, "DOT_PRECISION": "tf32", "UNPACK_IN_REGISTERS": False, "SPLIT_MODE": 2,
+    "SPLIT_CHUNK": 1,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kernel", "constexprs", "num_warps"),
+    [("gemv", _GEMV_ATOMIC, 4), ("dot", _DOT_ATOMIC, 8)],
+    ids=["gemv-4x256", "dot-128x128"],
+)
+def test_atomic_split_reads_every_sum_before_zeroing_it(
+    kernel: str, constexprs: dict[str, object], num_warps: int
+) -> None:
+    """The H200 run at 7f8955d got wrong results from the atomic reduction at exactly these tiles (GEMV
+    M = 4, gate_up; tl.dot M = 256): Triton gives the last program's load of the accumulator and its
+    zeroing store different thread layouts, so without a barrier between them one warp zeroes sums that
+    another has yet to read. The interpreter cannot show it (programs run one by one, each op on the
+    whole tile); the compiled code must have the barrier."""
+    assert SPLIT_MODES["atomic"] == constexprs["SPLIT_MODE"]
+    ir = _ttgir_sm90(kernel, constexprs, num_warps).splitlines()
+    load = next(i for i, line in enumerate(ir) if "tt.load" in line and "cacheModifier = cg" in line)
+    zeroing = next(i for i in range(load, len(ir)) if "tt.store" in ir[i])
+    assert any("barrier" in line for line in ir[load:zeroing]), "\n".join(ir[load : zeroing + 1])
+
+
 def test_pick_config_routes_small_m_to_the_gemv() -> None:
     auto = Int4GemmConfig()
     assert pick_config(GEMV_MAX_M, 4096, 4096, 128, 132, auto).kernel == "gemv"
@@ -145,11 +218,33 @@ def test_pick_config_routes_small_m_to_the_gemv() -> None:
         pick_config(17, 4096, 4096, 128, 132, Int4GemmConfig(kernel="gemv"))
 
 
+def test_pick_config_defaults_are_the_h200_winners() -> None:
+    """The winners of the H200 run at 7f8955d on the 8B shapes (pick_config's docstring has the numbers)."""
+    auto = Int4GemmConfig()
+
+    def pick(m: int, n: int = 6144, k: int = 4096) -> tuple[object, ...]:
+        c = pick_config(m, n, k, 128, 132, auto)
+        return c.kernel, c.block_m, c.block_k, c.split_reduce, c.unpack_in_registers, c.split_k > 1
+
+    assert pick(1) == ("gemv", 1, 64, "atomic", False, True)
+    assert pick(2) == ("gemv", 2, 64, "atomic", False, True)
+    assert pick(4) == ("gemv", 4, 32, "atomic", False, True)
+    assert pick(8) == ("dot", 16, 64, "atomic", True, True) and pick(64, 4096)[3:] == ("atomic", True, True)
+    assert pick(256) == ("dot", 128, 64, "counter", False, True)
+    assert pick(512) == ("dot", 128, 64, "counter", True, False)
+    assert pick(4096) == ("dot", 256, 64, "counter", True, False)
+    prefill = pick_config(4096, 6144, 4096, 128, 132, auto)
+    assert (prefill.block_n, prefill.num_warps, prefill.num_stages) == (128, 8, 3)  # what the bench timed
+    # the user's reduction wins; nothing split is described as the counter
+    assert pick_config(4, 6144, 4096, 128, 132, Int4GemmConfig(split_reduce="counter")).split_reduce == "counter"
+    assert pick_config(1, 6144, 4096, 128, 132, Int4GemmConfig(split_k=1)).split_reduce == "counter"
+
+
 def test_config_rejects_bad_choices() -> None:
     with pytest.raises(ValueError, match="kernel must be"):
         Int4GemmConfig(kernel="gemm")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="split_reduce must be"):
-        Int4GemmConfig(split_reduce="sum")  # type: ignore[arg-type]
+        Int4GemmConfig(split_reduce="torch")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         Int4GemmConfig(block_n=96)
     with pytest.raises(ValueError, match="split_k must be at least 1"):
@@ -179,7 +274,26 @@ def test_wrapper_rejects_bad_inputs(gen: torch.Generator) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("split_reduce", [None, "atomic"])
+@pytest.mark.parametrize(
+    ("kernel", "m", "n", "k"),
+    [("gemv", 4, 28672, 4096), ("gemv", 8, 28672, 4096), ("dot", 256, 6144, 4096), ("dot", 256, 4096, 14336)],
+)
+def test_atomic_split_at_the_shapes_it_failed(kernel: str, m: int, n: int, k: int, gen: torch.Generator) -> None:
+    """gate_up M = 4, 8 (GEMV) and qkv, down_proj M = 256 (tl.dot): wrong with the atomic reduction at
+    7f8955d (a race inside the last program of a tile, so run each a few times)."""
+    _, qweight, scales, zeros, _ = _weights(k, n, 128, False, torch.bfloat16, gen)
+    qweight, scales, zeros = qweight.cuda(), scales.cuda(), zeros.cuda()
+    cfg = Int4GemmConfig(kernel=kernel, split_reduce="atomic")  # type: ignore[arg-type]
+    assert pick_config(m, n, k, 128, torch.cuda.get_device_properties(0).multi_processor_count, cfg).split_k > 1
+    for _ in range(10):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+        out = int4_gemm(x, qweight, scales, zeros, 128, config=cfg)
+        assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 128)) < tolerance(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("split_reduce", [None, "counter"])
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_real_size_replayed_from_a_cuda_graph(m: int, split_reduce: str | None, gen: torch.Generator) -> None:
     """8B down_proj (K = 14336, split-K) captured in a CUDA graph after one eager call and replayed with new

@@ -4,12 +4,13 @@
 #   stage 1 (~5 min): GPU tests, kernel benchmark with tuning variants, concurrency sweep of the 8B shape
 #   stage 2 (~6 min): the suite (ceilings, latency, mixed-128, mixed, shared-prefix on/off, HF baseline)
 #   stage 3 (~6 min): the whole stack (pagedserve serve: redis, API, worker) against the engine alone, 8B shape
+#   stage 4 (~4 min): int4 GPU tests, W4A16 GEMM sweep + int4 model (INT4_ARGS, default --mixed), swap vs recompute
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2 or 3}
+stage=${1:?stage 1, 2, 3 or 4}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -32,6 +33,13 @@ elif [ "$stage" = 3 ]; then
       --output-len 256 --api-workers "$api" --commit "$commit" --out "$out/stack-api$api.json" \
       ${PROFILE_DIR:+--profile-dir "$PROFILE_DIR"} ${tok[@]+"${tok[@]}"} 2>&1 | grep -v '^{'  # PROFILE_DIR: py-spy
   done
+elif [ "$stage" = 4 ]; then
+  python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_gemm.py > "$out/int4_tests.txt" 2>&1 \
+    || echo "INT4 GPU TESTS FAILED (see int4_tests.txt)"
+  tail -3 "$out/int4_tests.txt"
+  # shellcheck disable=SC2086  # INT4_ARGS is a list of options
+  python -m loadtest.int4_bench ${INT4_ARGS---mixed} --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -60
+  python -m loadtest.swap_bench --shape 8b --workload mixed-128 --swap-space 16 --out "$out/swap.json" 2>&1 | tail -40
 else
   python -m loadtest.throughput suite --shape 8b --baseline hf --max-model-len 4096 --max-num-seqs 512 \
     --commit "$commit" --out "$out/suite.json" 2>&1 | tail -60

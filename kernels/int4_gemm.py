@@ -160,7 +160,7 @@ KERNELS: tuple[Kernel, ...] = ("dot", "gemv")
 SPLIT_REDUCES: tuple[SplitReduce, ...] = ("counter", "atomic")
 GEMV_MAX_M = 4  # the default kernel is the GEMV up to this many rows (pick_config says why)
 ATOMIC_MAX_M = 64  # the default split-K reduction is "atomic" up to this many rows, "counter" above
-ROWS_M = (65, 256)  # tl.dot without unpack_in_registers by default at these M (_pick_dot says why)
+UNPACK_M = (17, 64)  # tl.dot with unpack_in_registers by default only at these M (_pick_dot says why)
 PREFILL_M = 1024  # tl.dot tiles of 256 rows from this M on
 GEMV_LIMIT_M = 16  # the GEMV holds a tile's [M, BLOCK_K / 8, BLOCK_N] fp32 products in registers
 GEMV_PROGRAMS_PER_SM = 4  # GEMV split-K target: enough programs per SM to keep loads in flight
@@ -294,7 +294,10 @@ def _pick_dot(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     unpack_in_registers (each packed word loaded once and replicated to its 8 rows in registers instead of
     loaded once per row: 8x less L2 and shared-memory traffic, ~15 % more instructions), at 7f8955d against
     per-row loads: 2 % faster at M = 16, 1.4x at M = 64, 1.24x at M = 4096, but per-row loads were best on
-    3 of 4 shapes at M = 256 (down_proj 72.5 vs 80.8 us; 1.05 vs 1.08 of the best over the shapes): ROWS_M."""
+    3 of 4 shapes at M = 256 (down_proj 72.5 vs 80.8 us; 1.05 vs 1.08 of the best over the shapes). The
+    second H200 run (b066a95, block_m 256 at M >= 1024) turned M = 8-16 and 4096 to per-row loads (time /
+    best 1.01 vs 1.04 at M = 8 and 16, 1.00 vs 1.13 at M = 4096; 1.07 each at M = 256) and kept unpacking at
+    M = 64 (per-row 1.46x): UNPACK_M."""
     if m <= 16:
         bm, bn, bk, warps, stages = 16, 64, 64, 4, 4
     elif m <= 64:
@@ -311,7 +314,7 @@ def _pick_dot(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
         split = _fill_split(-(-m // bm) * -(-n // bn), -(-k // bk), 2 * num_sms, 16) if m <= 256 else 1
     unpack = user.unpack_in_registers
     if unpack is None:
-        unpack = not ROWS_M[0] <= m <= ROWS_M[1]
+        unpack = UNPACK_M[0] <= m <= UNPACK_M[1]
     return Int4Launch(
         "dot", bm, bn, bk, split, _reduce(user, m, split), user.num_warps or warps, user.num_stages or stages,
         unpack_in_registers=unpack, factored=False,

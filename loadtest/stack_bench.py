@@ -65,6 +65,25 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1e3, 3)
 
 
+def gaps_after_ramp(records: list[Record]) -> list[float]:
+    """The gaps that end after every request of their wave had its first token: ITL without the admission
+    ramp (requests still arriving add prefill work to the steps), to tell ramp stalls from steady ones."""
+    ramp_end: dict[int, float] = {}
+    for r in records:
+        if r.ttft_s is not None:
+            ramp_end[r.wave] = max(ramp_end.get(r.wave, 0.0), r.start_s + r.ttft_s)
+    out = []
+    for r in records:
+        if r.ttft_s is None:
+            continue
+        t = r.start_s + r.ttft_s
+        for gap in r.gaps_s:
+            t += gap
+            if t > ramp_end[r.wave]:
+                out.append(gap)
+    return out
+
+
 def summarize(level: int, records: list[Record], walls_s: list[float]) -> dict[str, Any]:
     """One side's numbers at one level; failed requests listed with their reason."""
     ok = [r for r in records if r.reason is None]
@@ -83,6 +102,7 @@ def summarize(level: int, records: list[Record], walls_s: list[float]) -> dict[s
         "tpot_p50_ms": _ms(_pct([r.tpot_s for r in ok if r.tpot_s is not None], 0.5)),
         "itl_p50_ms": _ms(_pct(gaps, 0.5)),
         "itl_p99_ms": _ms(_pct(gaps, 0.99)),
+        "itl_p99_after_ramp_ms": _ms(_pct(gaps_after_ramp(ok), 0.99)),
         "arrivals_per_request": round(statistics.fmean(len(r.gaps_s) + 1 for r in ok), 2) if ok else None,
         "failures": [{"wave": r.wave, "index": r.index, "reason": r.reason} for r in records if r.reason],
     }
@@ -339,7 +359,7 @@ def compare(engine: list[dict[str, Any]], stack: list[dict[str, Any]]) -> list[d
     rows = []
     for e, s in zip(engine, stack, strict=True):
         row: dict[str, Any] = {"concurrency": e["concurrency"], "engine_step_ms": e["mean_step_ms"]}
-        for key in ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms", "failed"):
+        for key in ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms", "itl_p99_after_ramp_ms", "failed"):
             row[f"engine_{key}"], row[f"stack_{key}"] = e[key], s[key]
         for key in _WORKER_TIMES:
             row[key] = s.get(key)
@@ -355,6 +375,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     cols += [("ratio", "tok_s_ratio"), ("TTFT50 eng", "engine_ttft_p50_ms"), ("TTFT50 stack", "stack_ttft_p50_ms")]
     cols += [("TPOT50 eng", "engine_tpot_p50_ms"), ("TPOT50 stack", "stack_tpot_p50_ms")]
     cols += [("ITL99 eng", "engine_itl_p99_ms"), ("ITL99 stack", "stack_itl_p99_ms"), ("step eng", "engine_step_ms")]
+    cols += [("ITL99 ramped", "stack_itl_p99_after_ramp_ms")]
     cols += [("ITL99/step", "stack_itl_p99_over_step"), ("fail eng", "engine_failed"), ("fail stack", "stack_failed")]
     cols += [("queue mean", "worker_queue_mean_ms"), ("wTTFT mean", "worker_ttft_mean_ms")]
     cell = lambda v: "-" if v is None else f"{v:.4g}" if isinstance(v, float) and abs(v) < 1e4 else f"{v:.0f}"  # noqa: E731
@@ -362,7 +383,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = ["  ".join(t.rjust(w) for (t, _), w in zip(cols, widths, strict=True))]
     lines += ["  ".join(cell(r[k]).rjust(w) for (_, k), w in zip(cols, widths, strict=True)) for r in rows]
     return "\n".join(lines) + (
-        "\n(times in ms; ratio = stack / engine; ITL99/step = stack ITL p99 / engine step; queue / wTTFT mean: the"
+        "\n(times in ms; ratio = stack / engine; ITL99/step = stack ITL p99 / engine step; ITL99 ramped: the"
+        " stack's gaps after every request of the wave had its first token; queue / wTTFT mean: the"
         " worker's enqueue -> job start / -> first token, per level)"
     )
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from deploy.redis_server import free_port
-from loadtest.stack_bench import main
-from loadtest.stream_client import ChunkedBody, SSEReader, StreamJob, stream_one
+from loadtest.stack_bench import gaps_after_ramp, main
+from loadtest.stream_client import ChunkedBody, Record, SSEReader, StreamJob, stream_one
 
 LEVELS = [1, 4]
 OUTPUT_LEN = 8
@@ -75,3 +75,12 @@ def test_sse_reader_times_text_chunks_and_reads_usage() -> None:
     sse.feed(wire[:17], 1.0)
     sse.feed(wire[17:], 2.0)
     assert sse.times_s == [2.0] and sse.num_tokens == 2 and sse.reason() is None
+
+
+def test_gaps_after_ramp_keep_only_gaps_ending_after_the_waves_last_first_token() -> None:
+    """Wave 0: the second request's first token comes at 2.0; only gaps ending after it count. Wave 1 has its
+    own ramp, and a request without a token adds nothing."""
+    early = Record(0, 0, start_s=0.0, ttft_s=1.0, gaps_s=[0.5, 0.5, 0.5])  # tokens at 1.0, 1.5, 2.0, 2.5
+    late = Record(0, 1, start_s=1.0, ttft_s=1.0, gaps_s=[0.25])  # tokens at 2.0, 2.25
+    other = Record(1, 0, start_s=10.0, ttft_s=0.5, gaps_s=[0.1, 0.2])
+    assert gaps_after_ramp([early, late, other, Record(1, 1, reason="x")]) == [0.5, 0.25, 0.1, 0.2]

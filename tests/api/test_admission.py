@@ -235,3 +235,33 @@ async def test_one_round_trip_per_request(
     finally:
         api.stop()
     assert [c for c in sent if c not in ("ZRANGEBYSCORE", "MGET")] == ["EVALSHA"] * 5, sent
+
+
+def test_a_burst_that_finds_the_heartbeat_cache_stale_reads_it_once(redis_url: str) -> None:
+    """Requests of a burst that all find the 0.5 s heartbeat cache stale share one read (ZRANGEBYSCORE + MGET)
+    instead of each making it; within cache_s no read, and fresh=True reads again."""
+    from api.jobs import JobQueue
+
+    beat(redis_url)
+    sync = redis.Redis.from_url(redis_url)
+
+    def commands(name: str) -> int:
+        return int(sync.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
+
+    async def burst() -> list[list[WorkerHeartbeat]]:
+        client = ArqRedis.from_url(redis_url)
+        queue = JobQueue(client, max_queue_depth=8, retry_after_s=1, worker_ttl_s=10.0)
+        try:
+            before = commands("zrangebyscore"), commands("mget")
+            results = await asyncio.gather(*(queue.workers() for _ in range(64)))
+            assert (commands("zrangebyscore"), commands("mget")) == (before[0] + 1, before[1] + 1)
+            await queue.workers()  # fresh for cache_s: no read
+            assert commands("zrangebyscore") == before[0] + 1
+            await queue.workers(fresh=True)
+            assert commands("zrangebyscore") == before[0] + 2
+            return results
+        finally:
+            await client.aclose()
+
+    results = asyncio.run(burst())
+    assert all([w.worker_id for w in r] == ["w1"] for r in results)

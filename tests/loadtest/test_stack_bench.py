@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from deploy.redis_server import free_port
-from loadtest.stack_bench import gaps_after_ramp, main
+from loadtest.stack_bench import main
+from loadtest.stack_stats import gaps_after_ramp
 from loadtest.stream_client import ChunkedBody, Record, SSEReader, StreamJob, stream_one
 
 LEVELS = [1, 4]

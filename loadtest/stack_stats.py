@@ -1,0 +1,143 @@
+"""The numbers of ``pagedserve bench stack`` (``loadtest.stack_bench``): one side's summary per level, the
+worker's own start-time means scraped from its metrics, the side-by-side rows and their table."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import httpx
+
+from loadtest.stream_client import Record
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[max(0, math.ceil(q * len(values)) - 1)]  # nearest rank
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1e3, 3)
+
+
+def gaps_after_ramp(records: list[Record]) -> list[float]:
+    """The gaps that end after every request of their wave had its first token: ITL without the admission
+    ramp (requests still arriving add prefill work to the steps), to tell ramp stalls from steady ones."""
+    ramp_end: dict[int, float] = {}
+    for r in records:
+        if r.ttft_s is not None:
+            ramp_end[r.wave] = max(ramp_end.get(r.wave, 0.0), r.start_s + r.ttft_s)
+    out = []
+    for r in records:
+        if r.ttft_s is None:
+            continue
+        t = r.start_s + r.ttft_s
+        for gap in r.gaps_s:
+            t += gap
+            if t > ramp_end[r.wave]:
+                out.append(gap)
+    return out
+
+
+def summarize(level: int, records: list[Record], walls_s: list[float]) -> dict[str, Any]:
+    """One side's numbers at one level; failed requests listed with their reason."""
+    ok = [r for r in records if r.reason is None]
+    gaps = [g for r in ok for g in r.gaps_s]
+    wall_s = sum(walls_s)
+    return {
+        "concurrency": level,
+        "requests": len(records),
+        "ok": len(ok),
+        "failed": len(records) - len(ok),
+        "wall_s": round(wall_s, 4),
+        "output_tokens": sum(r.num_tokens for r in ok),
+        "output_tok_s": round(sum(r.num_tokens for r in ok) / wall_s, 1) if wall_s > 0 else 0.0,
+        "ttft_p50_ms": _ms(_pct([r.ttft_s for r in ok if r.ttft_s is not None], 0.5)),
+        "ttft_p99_ms": _ms(_pct([r.ttft_s for r in ok if r.ttft_s is not None], 0.99)),
+        "tpot_p50_ms": _ms(_pct([r.tpot_s for r in ok if r.tpot_s is not None], 0.5)),
+        "itl_p50_ms": _ms(_pct(gaps, 0.5)),
+        "itl_p99_ms": _ms(_pct(gaps, 0.99)),
+        "itl_p99_after_ramp_ms": _ms(_pct(gaps_after_ramp(ok), 0.99)),
+        "arrivals_per_request": round(statistics.fmean(len(r.gaps_s) + 1 for r in ok), 2) if ok else None,
+        "failures": [{"wave": r.wave, "index": r.index, "reason": r.reason} for r in records if r.reason],
+    }
+
+
+# ---- the engine alone (run in a subprocess: python -m loadtest.stack_bench --engine-only ...) ----------------
+# the worker's own view of a request's start (its --metrics-port): enqueue -> taken, enqueue -> first token
+_WORKER_TIMES = {
+    "worker_queue_mean_ms": "pagedserve:worker_queue_time_seconds",
+    "worker_ttft_mean_ms": "pagedserve:worker_time_to_first_token_seconds",
+}
+
+
+def worker_histograms(metrics_url: str | None) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the worker's start-time histograms, to split the stack's TTFT by where it went."""
+    if metrics_url is None:
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(metrics_url, timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    found: dict[str, list[float]] = {name: [0.0, 0.0] for name in _WORKER_TIMES.values()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for name, acc in found.items():
+                if sample.name == name + "_sum":
+                    acc[0] += sample.value
+                elif sample.name == name + "_count":
+                    acc[1] += sample.value
+    return {name: (acc[0], acc[1]) for name, acc in found.items()}
+
+
+def worker_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """Per-level means (ms) of the worker's histograms, from two scrapes."""
+    out: dict[str, Any] = {}
+    for key, name in _WORKER_TIMES.items():
+        if name in before and name in after and after[name][1] > before[name][1]:
+            out[key] = round(1e3 * (after[name][0] - before[name][0]) / (after[name][1] - before[name][1]), 2)
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def compare(engine: list[dict[str, Any]], stack: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per level: stack / engine throughput, both sides' latencies, the stack's ITL p99 in engine steps."""
+    rows = []
+    for e, s in zip(engine, stack, strict=True):
+        row: dict[str, Any] = {"concurrency": e["concurrency"], "engine_step_ms": e["mean_step_ms"]}
+        for key in ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms", "itl_p99_after_ramp_ms", "failed"):
+            row[f"engine_{key}"], row[f"stack_{key}"] = e[key], s[key]
+        for key in _WORKER_TIMES:
+            row[key] = s.get(key)
+        row["tok_s_ratio"] = _ratio(s["output_tok_s"], e["output_tok_s"])
+        row["stack_itl_p99_over_step"] = _ratio(s["itl_p99_ms"], e["mean_step_ms"])
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The side-by-side table of ``compare``'s rows."""
+    cols = [("conc", "concurrency"), ("tok/s eng", "engine_output_tok_s"), ("tok/s stack", "stack_output_tok_s")]
+    cols += [("ratio", "tok_s_ratio"), ("TTFT50 eng", "engine_ttft_p50_ms"), ("TTFT50 stack", "stack_ttft_p50_ms")]
+    cols += [("TPOT50 eng", "engine_tpot_p50_ms"), ("TPOT50 stack", "stack_tpot_p50_ms")]
+    cols += [("ITL99 eng", "engine_itl_p99_ms"), ("ITL99 stack", "stack_itl_p99_ms"), ("step eng", "engine_step_ms")]
+    cols += [("ITL99 ramped", "stack_itl_p99_after_ramp_ms")]
+    cols += [("ITL99/step", "stack_itl_p99_over_step"), ("fail eng", "engine_failed"), ("fail stack", "stack_failed")]
+    cols += [("queue mean", "worker_queue_mean_ms"), ("wTTFT mean", "worker_ttft_mean_ms")]
+    cell = lambda v: "-" if v is None else f"{v:.4g}" if isinstance(v, float) and abs(v) < 1e4 else f"{v:.0f}"  # noqa: E731
+    widths = [max(len(title), *(len(cell(r[key])) for r in rows)) for title, key in cols]
+    lines = ["  ".join(t.rjust(w) for (t, _), w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(cell(r[k]).rjust(w) for (_, k), w in zip(cols, widths, strict=True)) for r in rows]
+    return "\n".join(lines) + (
+        "\n(times in ms; ratio = stack / engine; ITL99/step = stack ITL p99 / engine step; ITL99 ramped: the"
+        " stack's gaps after every request of the wave had its first token; queue / wTTFT mean: the"
+        " worker's enqueue -> job start / -> first token, per level)"
+    )

@@ -69,7 +69,9 @@ class _ParallelLinear(nn.Module):
             set_weight_loader(self.bias, self.weight_loader)
 
     def slice_for(self, shard_id: Any) -> LinearSlice:
-        raise NotImplementedError
+        """Where this rank's part of a checkpoint tensor (``shard_id``: q/k/v, gate/up, or None) lies in the
+        source and in this layer; each parallel layer below says it (this base class holds none)."""
+        raise NotImplementedError(f"{type(self).__name__} must define slice_for")
 
     def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: Any = None) -> None:
         sl = self.slice_for(shard_id)

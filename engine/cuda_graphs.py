@@ -3,6 +3,11 @@
 A decode step of a Python model is hundreds of small kernel launches; replaying a captured graph turns
 them into one launch. Graphs read their inputs from static buffers, so each replay first copies the
 step's tensors in. Padding rows write to slot -1 (skipped) and attend to one token of block 0.
+
+Every row of a decode-only step is its sequence's last token, so the graph also computes the logits of
+all its rows (LM head, the tensor-parallel gather, the float32 cast) into one static ``[max_bs, vocab]``
+buffer that every graph shares: only one graph replays at a time, and the sampler reads the rows before
+the next replay is queued on the same stream.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class DecodeGraphs:
     def __init__(self, model: Any, backend: str, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device):
         self.model = model
         self.backend = backend
+        self.device = device
         self.sizes = batch_size_ladder(max_num_seqs)
         max_bs = self.sizes[-1]
         self.max_blocks = max_blocks_per_seq
@@ -38,8 +44,9 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((max_bs, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.row_ids = torch.arange(max_bs, dtype=torch.long)  # host side: logits_indices of a full decode step
+        self.logits = torch.empty(0, device=device)  # [max_bs, vocab] float32, allocated before the first capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -52,21 +59,33 @@ class DecodeGraphs:
             backend=self.backend,
         )
 
+    def _forward(self, bs: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))  # [bs, hidden]
+        return self.model.compute_logits(hidden)  # type: ignore[no-any-return]  # [bs, vocab] float32
+
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            meta = self._meta(bs)
             for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                self.model(self.input_ids[:bs], self.positions[:bs], meta)
+                logits = self._forward(bs)
+            if self.logits.numel() == 0:  # outside the pool: it outlives every capture
+                self.logits = torch.empty_like(logits)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+                # the hidden states and the pre-cast logits are temporaries of the pool, reused by the next size
+                self.logits[:bs].copy_(self._forward(bs))
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.sizes)
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes %s) with logits [%d, %d] float32 (%.0f MiB)",
+            len(self.graphs),
+            self.sizes,
+            *self.logits.shape,
+            self.logits.numel() * 4 / 2**20,
+        )
 
     def can_run(self, inputs: StepInputs) -> bool:
         return (
@@ -76,7 +95,8 @@ class DecodeGraphs:
         )
 
     def run(self, inputs: StepInputs, input_ids: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]`` of a decode-only step (``input_ids`` already on the device)."""
+        """Float32 logits ``[num_sampling, vocab]`` of a decode-only step (``input_ids`` already on the
+        device). Usually a view of the shared static buffer: valid until the next replay."""
         n = inputs.num_tokens
         bs = next(s for s in self.sizes if s >= n)
         width = inputs.block_tables.shape[1]
@@ -90,4 +110,8 @@ class DecodeGraphs:
         # read for a result (padding rows attend to one token and write nowhere).
         self.block_tables[:n, :width].copy_(inputs.block_tables, non_blocking=True)
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        rows = inputs.logits_indices
+        if torch.equal(rows, self.row_ids[:n]):  # every row samples: the usual decode step
+            return self.logits[:n]
+        # Some rows do not sample (a 1-token prefill chunk that is not the prompt's end): pick the others.
+        return self.logits[:n].index_select(0, rows.to(self.device, non_blocking=True))

@@ -182,8 +182,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, inputs: StepInputs, fill: TokenFill | None = None) -> torch.Tensor:
-        """Forward one step; returns float32 logits ``[num_sampling, vocab]`` (full vocab on every rank).
-        ``fill`` supplies input tokens that are still on the device (asynchronous scheduling)."""
+        """Forward one step; returns float32 logits ``[num_sampling, vocab]`` (full vocab on every rank),
+        valid until the next call (a decode graph's are a view of its static buffer). ``fill`` supplies
+        input tokens that are still on the device (asynchronous scheduling)."""
         if inputs.blocks_to_swap_out or inputs.blocks_to_swap_in:  # before the copy-on-writes (cache.swap)
             if self.host_kv is None:
                 raise RuntimeError("the scheduler swapped blocks but this rank has no swap space")
@@ -195,11 +196,10 @@ class ModelRunner:
         input_ids = self._to_device(inputs.input_ids)
         if fill is not None:
             input_ids[self._to_device(fill.dst)] = fill.tokens[self._to_device(fill.src)]
-        logits_indices = self._to_device(inputs.logits_indices)
         if self.graphs is not None and self.graphs.can_run(inputs):
-            hidden = self.graphs.run(inputs, input_ids)
-        else:
-            hidden = self.model(input_ids, self._to_device(inputs.positions), self._metadata(inputs))
+            return self.graphs.run(inputs, input_ids)  # logits computed inside the graph
+        hidden = self.model(input_ids, self._to_device(inputs.positions), self._metadata(inputs))
+        logits_indices = self._to_device(inputs.logits_indices)
         return self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
 
 

@@ -1,15 +1,19 @@
-"""On CUDA (skipped elsewhere): the Triton backend reproduces HF transformers, and CUDA graphs change nothing."""
+"""On CUDA (skipped elsewhere): the Triton backend reproduces HF transformers, CUDA graphs (with the logits
+inside them) change nothing, and the fused rotary + cache write equals its reference at the 8B shape."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.inputs import StepInputs
+from engine.model_runner import ModelRunner
 from tests.helpers import VOCAB_SIZE, build_tiny_model, load_hf_model, one_seq_metadata
 
 pytestmark = [
@@ -89,3 +93,89 @@ def test_tp1_process_per_rank_path_equals_in_process(folder: Path) -> None:
     uni = engine_tokens(folder, dtype="bfloat16", distributed_executor_backend="uni")
     mp = engine_tokens(folder, dtype="bfloat16", distributed_executor_backend="mp")
     assert mp == uni
+
+
+def prefill_then_decode(lens: list[int], block_size: int, rng: random.Random) -> tuple[StepInputs, StepInputs]:
+    """A prefill of sequences of ``lens`` random tokens over consecutive blocks, and the decode step after it."""
+    tables: list[list[int]] = []
+    for n in lens:
+        first = sum(len(t) for t in tables)
+        tables.append(list(range(first, first + -(-(n + 1) // block_size))))
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+    def slot(table: list[int], pos: int) -> int:
+        return table[pos // block_size] * block_size + pos % block_size
+
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    prefill = StepInputs(
+        input_ids=torch.tensor([rng.randrange(3, VOCAB_SIZE) for _ in range(sum(lens))]),
+        positions=torch.cat([torch.arange(n) for n in lens]),
+        slot_mapping=torch.tensor([slot(t, p) for t, n in zip(tables, lens, strict=True) for p in range(n)]),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=block_tables,
+        logits_indices=torch.tensor(starts[1:]) - 1,
+        max_query_len=max(lens),
+        max_seq_len=max(lens),
+        blocks_to_copy=[],
+    )
+    decode = StepInputs(
+        input_ids=torch.tensor([rng.randrange(3, VOCAB_SIZE) for _ in lens]),
+        positions=torch.tensor(lens),
+        slot_mapping=torch.tensor([slot(t, n) for t, n in zip(tables, lens, strict=True)]),
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32) + 1,
+        block_tables=block_tables,
+        logits_indices=torch.arange(len(lens)),
+        max_query_len=1,
+        max_seq_len=max(lens) + 1,
+        blocks_to_copy=[],
+    )
+    return prefill, decode
+
+
+@pytest.fixture(scope="module")
+def runner(folder: Path) -> Iterator[ModelRunner]:
+    """A float32 runner with decode graphs up to 32 rows and a fixed small cache (it leaves the other tests'
+    memory budget alone)."""
+    import modelfiles
+    from engine.args import EngineArgs
+    from engine.parallel import ParallelState
+
+    args = EngineArgs(
+        model=str(folder),
+        device="cuda",
+        dtype="float32",
+        max_model_len=256,
+        num_gpu_blocks_override=160,
+        max_num_seqs=32,
+    )
+    yield ModelRunner(args.create_engine_config(), modelfiles.resolve(str(folder)), ParallelState())
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 17])
+def test_graph_logits_equal_eager_logits(runner: ModelRunner, batch_size: int) -> None:
+    """The decode graph returns the logits it computed inside the replay; the eager path computes them after
+    the forward. Same numbers (up to the GEMM's batch-size dependent order: 3 and 17 replay padded graphs)."""
+    rng = random.Random(batch_size)
+    prefill, decode = prefill_then_decode([rng.randint(1, 90) for _ in range(batch_size)], 16, rng)
+    graphs = runner.graphs
+    assert graphs is not None and graphs.can_run(decode)
+    runner.execute_model(prefill)  # eager (not decode-only): fills the cache
+    runner.graphs = None
+    try:
+        eager = runner.execute_model(decode).clone()
+    finally:
+        runner.graphs = graphs
+    graph = runner.execute_model(decode).clone()
+    assert graph.shape == eager.shape == (batch_size, VOCAB_SIZE) and graph.dtype == torch.float32
+    rel = ((graph - eager).norm() / eager.norm()).item()
+    assert rel < 1e-5, rel
+    assert torch.equal(graph.argmax(-1), eager.argmax(-1))
+    # a decode-only step in which some rows do not sample gets the rows that do, from the same replay
+    some = dataclasses.replace(decode, logits_indices=torch.arange(0, batch_size, 2))
+    assert torch.equal(runner.execute_model(some), graph[::2])

@@ -30,8 +30,9 @@ elif [ "$stage" = 3 ]; then
   if [ -d .devicepack/smollm2-tokenizer ]; then tok=(--tokenizer-folder .devicepack/smollm2-tokenizer); fi
   for api in ${API_WORKERS:-1}; do  # e.g. API_WORKERS="1 4": one run per API process count
     python -m loadtest.stack_bench --shape 8b --max-model-len 4096 --max-num-seqs 512 --concurrency 1 64 256 512 \
-      --output-len 256 --api-workers "$api" --commit "$commit" --out "$out/stack-api$api.json" \
-      ${PROFILE_DIR:+--profile-dir "$PROFILE_DIR"} ${tok[@]+"${tok[@]}"} 2>&1 | grep -v '^{'  # PROFILE_DIR: py-spy
+      --output-len 256 --api-workers "$api" --commit "$commit" --out "$out/stack-api$api.json" --waves "${WAVES:-1}" \
+      ${PROFILE_DIR:+--profile-dir "$PROFILE_DIR"} ${tok[@]+"${tok[@]}"} ${STACK_ARGS:-} 2>&1 | grep -v '^{'
+    # PROFILE_DIR: py-spy; WAVES: waves per level (c=1 always runs 8 requests); STACK_ARGS: more bench flags
   done
 elif [ "$stage" = 4 ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_gemm.py > "$out/int4_tests.txt" 2>&1 \

@@ -48,6 +48,12 @@ def make_prompts(vocab_size: int, level: int, wave: int, prompt_len: int, seed: 
     return [[rng.randrange(10, vocab_size) for _ in range(prompt_len)] for _ in range(level)]
 
 
+def num_waves(args: argparse.Namespace, level: int) -> int:
+    """``--waves``, or more where a level has fewer than ``--min-requests`` requests: TTFT p50 and TPOT at
+    concurrency 1 are medians over several requests, not one request's numbers."""
+    return max(args.waves, -(-args.min_requests // level))
+
+
 def model_vocab_size(model: str) -> int:
     folder = modelfiles.resolve(model or None).folder
     return int(json.loads((folder / "config.json").read_text())["vocab_size"])
@@ -130,7 +136,7 @@ def run_engine_only(args: argparse.Namespace) -> dict[str, Any]:
         res["levels"] = []
         for level in args.concurrency:
             records, walls, decode_s, decode_steps = [], [], 0.0, 0
-            for wave in range(args.waves):
+            for wave in range(num_waves(args, level)):
                 prompts = make_prompts(engine.vocab_size, level, wave, args.prompt_len, args.seed)
                 recs, dec_s, steps = engine_wave(engine, prompts, args.output_len, wave)
                 records += recs
@@ -177,7 +183,7 @@ def stack_levels(
         if profiling:
             profiler.start(str(level))  # type: ignore[union-attr]
         hist_before = worker_histograms(metrics_url)
-        for wave in range(args.waves):
+        for wave in range(num_waves(args, level)):
             prompts = make_prompts(vocab_size, level, wave, args.prompt_len, args.seed)
             recs = pool.run([StreamJob(wave, i, _body(model, p, args.output_len)) for i, p in enumerate(prompts)])
             walls.append(max(r.end_s for r in recs) - min(r.start_s for r in recs))
@@ -268,6 +274,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=20)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--waves", type=int, default=1, help="waves of `concurrency` requests per level")
+    p.add_argument("--min-requests", type=int, default=8, help="more waves where a level has fewer requests")
     p.add_argument("--seed", type=int, default=0, help="of the prompt token ids")
     p.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 1) // 4)))
     p.add_argument("--api-workers", type=int, default=1)
@@ -293,8 +300,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--commit", default=None, help="git commit to record (when .git is not at hand)")
     p.add_argument("--engine-only", action="store_true", help="internal: the engine side only, JSON to --out")
     args = p.parse_args(argv)
-    if args.output_len < 2 or args.waves < 1 or min(args.concurrency) < 1:
-        p.error("--output-len must be >= 2, --waves and every --concurrency >= 1")
+    if args.output_len < 2 or args.waves < 1 or args.min_requests < 1 or min(args.concurrency) < 1:
+        p.error("--output-len must be >= 2, --waves, --min-requests and every --concurrency >= 1")
     if args.shape and args.model and not args.engine_only:  # the engine side gets the shape's folder as --model
         p.error("give --model or --shape, not both")
     args.max_num_seqs = args.max_num_seqs or max(args.concurrency)

@@ -47,6 +47,9 @@ def summarize(level: int, records: list[Record], walls_s: list[float]) -> dict[s
     ok = [r for r in records if r.reason is None]
     gaps = [g for r in ok for g in r.gaps_s]
     wall_s = sum(walls_s)
+    wave_tokens = [0] * len(walls_s)  # record.wave counts the level's waves from 0, in the order of walls_s
+    for r in ok:
+        wave_tokens[r.wave] += r.num_tokens
     return {
         "concurrency": level,
         "requests": len(records),
@@ -55,6 +58,7 @@ def summarize(level: int, records: list[Record], walls_s: list[float]) -> dict[s
         "wall_s": round(wall_s, 4),
         "output_tokens": sum(r.num_tokens for r in ok),
         "output_tok_s": round(sum(r.num_tokens for r in ok) / wall_s, 1) if wall_s > 0 else 0.0,
+        "wave_tok_s": [round(n / w, 1) if w > 0 else 0.0 for n, w in zip(wave_tokens, walls_s, strict=True)],
         "ttft_p50_ms": _ms(_pct([r.ttft_s for r in ok if r.ttft_s is not None], 0.5)),
         "ttft_p99_ms": _ms(_pct([r.ttft_s for r in ok if r.ttft_s is not None], 0.99)),
         "tpot_p50_ms": _ms(_pct([r.tpot_s for r in ok if r.tpot_s is not None], 0.5)),
@@ -118,6 +122,9 @@ def compare(engine: list[dict[str, Any]], stack: list[dict[str, Any]]) -> list[d
         for key in _WORKER_TIMES:
             row[key] = s.get(key)
         row["tok_s_ratio"] = _ratio(s["output_tok_s"], e["output_tok_s"])
+        waves = list(zip(s.get("wave_tok_s", []), e.get("wave_tok_s", []), strict=False))
+        ratios = [r for r in (_ratio(a, b) for a, b in waves) if r is not None]
+        row["wave_ratio_min"], row["wave_ratio_max"] = (min(ratios), max(ratios)) if len(ratios) > 1 else (None, None)
         row["stack_itl_p99_over_step"] = _ratio(s["itl_p99_ms"], e["mean_step_ms"])
         rows.append(row)
     return rows
@@ -126,7 +133,8 @@ def compare(engine: list[dict[str, Any]], stack: list[dict[str, Any]]) -> list[d
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The side-by-side table of ``compare``'s rows."""
     cols = [("conc", "concurrency"), ("tok/s eng", "engine_output_tok_s"), ("tok/s stack", "stack_output_tok_s")]
-    cols += [("ratio", "tok_s_ratio"), ("TTFT50 eng", "engine_ttft_p50_ms"), ("TTFT50 stack", "stack_ttft_p50_ms")]
+    cols += [("ratio", "tok_s_ratio"), ("wave min", "wave_ratio_min"), ("wave max", "wave_ratio_max")]
+    cols += [("TTFT50 eng", "engine_ttft_p50_ms"), ("TTFT50 stack", "stack_ttft_p50_ms")]
     cols += [("TPOT50 eng", "engine_tpot_p50_ms"), ("TPOT50 stack", "stack_tpot_p50_ms")]
     cols += [("ITL99 eng", "engine_itl_p99_ms"), ("ITL99 stack", "stack_itl_p99_ms"), ("step eng", "engine_step_ms")]
     cols += [("ITL99 ramped", "stack_itl_p99_after_ramp_ms")]
@@ -137,7 +145,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = ["  ".join(t.rjust(w) for (t, _), w in zip(cols, widths, strict=True))]
     lines += ["  ".join(cell(r[k]).rjust(w) for (_, k), w in zip(cols, widths, strict=True)) for r in rows]
     return "\n".join(lines) + (
-        "\n(times in ms; ratio = stack / engine; ITL99/step = stack ITL p99 / engine step; ITL99 ramped: the"
+        "\n(times in ms; ratio = stack / engine; wave min / max: the lowest and highest ratio of one wave (wave i of"
+        " the stack against wave i of the engine) where a level ran several; ITL99/step = stack ITL p99 / engine step; ITL99 ramped: the"
         " stack's gaps after every request of the wave had its first token; queue / wTTFT mean: the"
         " worker's enqueue -> job start / -> first token, per level)"
     )

@@ -16,6 +16,7 @@ from loadtest.stack_stats import gaps_after_ramp
 from loadtest.stream_client import ChunkedBody, Record, SSEReader, StreamJob, stream_one
 
 LEVELS = [1, 4]
+WAVES = {1: 2, 4: 1}  # with --min-requests 2
 OUTPUT_LEN = 8
 
 
@@ -24,6 +25,7 @@ def test_stack_bench_engine_and_stack_side_by_side(tmp_path: Path, monkeypatch: 
     out = tmp_path / "stack.json"
     argv = ["--device", "cpu", "--cpu-kv-cache-gib", "0.25", "--concurrency", *map(str, LEVELS)]
     argv += ["--output-len", str(OUTPUT_LEN), "--client-procs", "1", "--commit", "test", "--out", str(out)]
+    argv += ["--min-requests", "2"]  # concurrency 1 runs two waves, 4 one
     assert main(argv) == 0
     res = json.loads(out.read_text())
     assert res["commit"] == "test" and res["stack"]["exit_status"] == 0, res["stack"]
@@ -33,7 +35,9 @@ def test_stack_bench_engine_and_stack_side_by_side(tmp_path: Path, monkeypatch: 
         assert [lv["concurrency"] for lv in levels] == LEVELS
         for lv in levels:
             assert lv["failed"] == 0 and lv["failures"] == [], lv["failures"]
-            assert lv["ok"] == lv["concurrency"] and lv["output_tokens"] == lv["concurrency"] * OUTPUT_LEN
+            requests = lv["concurrency"] * WAVES[lv["concurrency"]]
+            assert lv["ok"] == lv["requests"] == requests and lv["output_tokens"] == requests * OUTPUT_LEN
+            assert len(lv["wave_tok_s"]) == WAVES[lv["concurrency"]]
             assert lv["output_tok_s"] == pytest.approx(lv["output_tokens"] / lv["wall_s"], rel=0.02)
             assert 0 < lv["ttft_p50_ms"] <= lv["wall_s"] * 1e3 and lv["tpot_p50_ms"] > 0 and lv["itl_p99_ms"] > 0
     for e in res["engine"]["levels"]:  # the engine sees every token one step apart
@@ -43,6 +47,10 @@ def test_stack_bench_engine_and_stack_side_by_side(tmp_path: Path, monkeypatch: 
         assert row["tok_s_ratio"] == pytest.approx(s["output_tok_s"] / e["output_tok_s"], abs=1e-3)
         assert row["stack_itl_p99_over_step"] == pytest.approx(s["itl_p99_ms"] / e["mean_step_ms"], abs=1e-3)
         assert row["engine_failed"] == row["stack_failed"] == 0
+        if WAVES[row["concurrency"]] > 1:  # the level's ratio is a mean of its waves' ratios (weighted by wall time)
+            assert row["wave_ratio_min"] - 1e-3 <= row["tok_s_ratio"] <= row["wave_ratio_max"] + 1e-3, row
+        else:
+            assert row["wave_ratio_min"] is None and row["wave_ratio_max"] is None
     assert Path(res["stack"]["log"]).is_file()
 
 

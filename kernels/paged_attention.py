@@ -7,7 +7,7 @@ sequence whose K/V is in the cache *including* the new tokens of this step.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -21,6 +21,7 @@ from kernels._triton import (
     tl,
     triton,
 )
+from kernels.decode_plan import num_sms, plan_decode
 
 _LOG2E = 1.4426950408889634
 
@@ -66,8 +67,9 @@ def paged_decode_attention_ref(
 # ---------------------------------------------------------------------------------------------------------
 # Triton: decode (flash-decoding). Grid (seq, kv_head, partition): one program reads its partition of one
 # KV head's cache once and serves all GROUP query heads of that KV head as the rows of a [GROUP_PAD, D]
-# tile (GQA). Partitions cut long sequences so that batch 1 still fills the GPU; a second kernel merges
-# the partitions' (max, sum, output) triples. With one partition the first kernel writes the output.
+# tile (GQA). Partitions cut long sequences so that batch 1 still fills the GPU (kernels/decode_plan.py
+# sizes them); their (max, sum, output) triples are merged by a second kernel or, with fused_reduce, by the
+# last program of each (seq, kv head) to finish. With one partition the first kernel writes the output.
 
 
 @triton.jit
@@ -110,33 +112,36 @@ def _online_softmax_step(s, v, m_i, l_i, acc, MAY_BE_EMPTY: tl.constexpr, DOT_PR
 
 @triton.jit
 def _merge_partitions(
-    seq_len, base, out_row_ptr, part_out_ptr, part_stats_ptr, num_partitions,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr,
-    PARTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    seq_len, rows, row_mask, out_rows, part_out_ptr, part_stats_ptr, num_partitions,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Merge one head's partition results (rows ``base + p`` of the scratch) into its output row."""
-    num_parts = tl.minimum(tl.cdiv(seq_len, PARTITION_SIZE), num_partitions)
-    p = tl.arange(0, PARTS_PAD)
-    # .cg: read from L2, where the other programs' stores landed (the fused variant reads them right away)
-    m = tl.load(part_stats_ptr + (base + p) * 2, mask=p < num_parts, other=float("-inf"), cache_modifier=".cg")
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    """Merge the partition results of the heads whose scratch rows start at ``rows`` (``[R]``, the first
+    partition's row) into the output rows at pointers ``out_rows``: an online softmax over chunks of
+    partitions, so a chunk's stats and outputs are loaded together (one L2 round trip per chunk).
+    .cg: read from L2, where the other programs' stores landed (the fused variant reads them right away)."""
+    num_parts = tl.minimum(tl.cdiv(seq_len, PARTITION_SIZE), num_partitions)  # the rest were never written
     d = tl.arange(0, HEAD_DIM_PAD)
-    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
-    total = tl.zeros([CHUNK], tl.float32)
+    d_mask = d < HEAD_DIM
+    m_run = tl.full(rows.shape, float("-inf"), tl.float32)  # [R]
+    l_run = tl.zeros(rows.shape, tl.float32)
+    acc = tl.zeros([rows.shape[0], HEAD_DIM_PAD], tl.float32)  # [R, D]
     for c in range(0, num_parts, CHUNK):
         pc = c + tl.arange(0, CHUNK)
-        pc_mask = pc < num_parts
-        m_c = tl.load(part_stats_ptr + (base + pc) * 2, mask=pc_mask, other=float("-inf"), cache_modifier=".cg")
-        l_c = tl.load(part_stats_ptr + (base + pc) * 2 + 1, mask=pc_mask, other=0.0, cache_modifier=".cg")
-        w = l_c * tl.exp2(m_c - m_max)  # [CHUNK]
-        o_c = tl.load(part_out_ptr + (base + pc)[:, None] * HEAD_DIM + d[None, :],
-                      mask=pc_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
-        acc += tl.sum(w[:, None] * o_c, axis=0)
-        total += w
-    denom = tl.sum(total, axis=0)
-    o = acc / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_row_ptr + d, o.to(out_row_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        rc = rows[:, None] + pc[None, :]  # [R, CHUNK] scratch rows
+        rc_mask = row_mask[:, None] & (pc < num_parts)[None, :]
+        m_c = tl.load(part_stats_ptr + rc * 2, mask=rc_mask, other=float("-inf"), cache_modifier=".cg")
+        l_c = tl.load(part_stats_ptr + rc * 2 + 1, mask=rc_mask, other=0.0, cache_modifier=".cg")
+        o_c = tl.load(part_out_ptr + rc[:, :, None] * HEAD_DIM + d[None, None, :],
+                      mask=rc_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m_run, tl.max(m_c, axis=1))
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # a window may hide whole partitions
+        alpha = tl.exp2(m_run - m_ref)
+        w = l_c * tl.exp2(m_c - m_ref[:, None])  # [R, CHUNK]
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_c, axis=1)
+        l_run = l_run * alpha + tl.sum(w, axis=1)
+        m_run = m_new
+    o = acc / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
+    tl.store(out_rows[:, None] + d[None, :], o.to(out_rows.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -148,7 +153,7 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, PARTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, MERGE_ROWS: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -186,56 +191,45 @@ def _decode_partition_kernel(
         o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
+        # [num_seqs, num_heads, num_partitions] scratch rows; partitions past seq_len are never read
+        live = part_start < seq_len
         row = (seq * (GROUP * tl.num_programs(1)) + heads) * num_partitions + part  # [GROUP_PAD]
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
-        tl.store(part_stats_ptr + row * 2, m_i, mask=g_mask)
-        tl.store(part_stats_ptr + row * 2 + 1, l_i, mask=g_mask)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask & live)
+        tl.store(part_stats_ptr + row * 2, m_i, mask=g_mask & live)
+        tl.store(part_stats_ptr + row * 2 + 1, l_i, mask=g_mask & live)
         if FUSED_REDUCE:  # the last program of (seq, kv head) to finish merges all partitions: no second launch
+            # Ordering (PTX memory model, the pattern of a cooperative-groups grid sync, as in int4_gemv):
+            # the barrier makes every warp's stores above visible to the thread that issues the scalar
+            # atomic, whose acq_rel add releases them at GPU scope; in the last program the same add
+            # acquires the other programs' stores, and every thread learns its result through shared
+            # memory behind a barrier, so the merge's .cg loads (L2, not the stale L1) come after it.
+            tl.debug_barrier()
             counter = counters_ptr + seq * tl.num_programs(1) + kvh
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel")  # release our stores, acquire the others'
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_partitions - 1:
-                tl.atomic_xchg(counter, 0)  # zero again for the next call (and the next graph replay)
-                for gi in tl.static_range(GROUP):
-                    head = kvh * GROUP + gi
-                    _merge_partitions(
-                        seq_len, (seq * (GROUP * tl.num_programs(1)) + head) * num_partitions,
-                        out_ptr + seq * stride_os + head * stride_oh, part_out_ptr, part_stats_ptr, num_partitions,
-                        HEAD_DIM, HEAD_DIM_PAD, PARTITION_SIZE, PARTS_PAD, CHUNK,
-                    )  # fmt: skip
+                tl.atomic_xchg(counter, 0, sem="relaxed")  # zero again for the next call and graph replay
+                g_rows = tl.arange(0, MERGE_ROWS)  # this KV head's query heads, unpadded for tl.dot
+                m_heads = kvh * GROUP + g_rows
+                _merge_partitions(
+                    seq_len, (seq * (GROUP * tl.num_programs(1)) + m_heads) * num_partitions, g_rows < GROUP,
+                    out_ptr + seq * stride_os + m_heads * stride_oh, part_out_ptr, part_stats_ptr, num_partitions,
+                    HEAD_DIM, HEAD_DIM_PAD, PARTITION_SIZE, CHUNK,
+                )  # fmt: skip
 
 
 @triton.jit
 def _decode_reduce_kernel(
     seq_lens_ptr, out_ptr, part_out_ptr, part_stats_ptr,
     stride_os, stride_oh, num_partitions,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr,
-    PARTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(1) + tl.arange(0, 1)  # one head per program, as a [1] tile of rows
     _merge_partitions(
-        tl.load(seq_lens_ptr + seq), (seq * tl.num_programs(1) + head) * num_partitions,
+        tl.load(seq_lens_ptr + seq), (seq * tl.num_programs(1) + head) * num_partitions, head >= 0,
         out_ptr + seq * stride_os + head * stride_oh, part_out_ptr, part_stats_ptr, num_partitions,
-        HEAD_DIM, HEAD_DIM_PAD, PARTITION_SIZE, PARTS_PAD, CHUNK,
+        HEAD_DIM, HEAD_DIM_PAD, PARTITION_SIZE, CHUNK,
     )  # fmt: skip
-
-
-@lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    if not torch.cuda.is_available():
-        return 8  # interpreter on CPU: any small number
-    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
-
-
-def _decode_partition_size(num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Power-of-two partition length giving ~4 programs per SM, at least 128 tokens, and at least two
-    partitions once sequences pass 512 tokens (on an H200, 2026-11-29: fewer, longer programs left SMs idle
-    in the last wave; shorter partitions cost more in the reduction than they gained). A function of shapes
-    only (no device sync), so CUDA-graph replays keep it."""
-    target = 4 * _num_sms(device.index or 0)
-    parts_wanted = max(1, -(-target // (num_seqs * num_kv_heads)))
-    partition = max(128, next_pow2(-(-max_len // parts_wanted)))
-    return min(partition, max(256, next_pow2(max_len) // 2))
 
 
 def _check_attention_inputs(
@@ -285,11 +279,8 @@ def _paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
-    partition_size: int | None = None,
-    block_n: int = 64,  # 128 was faster at B=256 but slower at B=64 (one program per SM at 3 stages)
     num_warps: int = 4,
-    num_stages: int = 3,
-    fused_reduce: bool = False,  # merge partitions in the last program of each (seq, kv head): one launch
+    **knobs: Any,  # plan_decode's block_n, num_stages, partition_size, fused_reduce; unset: the defaults
 ) -> torch.Tensor:
     """The wrapper with its tuning knobs exposed (tests force small partitions; the benchmark sweeps)."""
     require_triton("paged_decode_attention")
@@ -305,52 +296,56 @@ def _paged_decode_attention(
     if num_seqs == 0:
         return out
     max_len = block_tables.shape[1] * block_size  # upper bound on seq_lens; no device sync
-    if partition_size is None:
-        partition_size = _decode_partition_size(num_seqs, num_kv_heads, max_len, query.device)
-    if partition_size % block_n or partition_size & (partition_size - 1):
-        raise ValueError(f"partition_size {partition_size} must be a power of two multiple of block_n {block_n}")
-    num_partitions = max(1, -(-max_len // partition_size))
-    single = num_partitions == 1
+    plan = plan_decode(num_seqs, num_heads, num_kv_heads, max_len, num_sms(query.device.index or 0), **knobs)
+    num_partitions, single = plan.num_partitions, plan.num_partitions == 1
     # [num_seqs, num_heads, num_partitions, head_dim] partial outputs and (max, sum) pairs, fp32
     part_out = query.new_empty(
         (num_seqs, num_heads, num_partitions, head_dim) if not single else (1,), dtype=torch.float32
     )
     part_stats = query.new_empty((num_seqs, num_heads, num_partitions, 2) if not single else (1,), dtype=torch.float32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    fused = fused_reduce and not single
-    counters = _arrival_counters(query.device, num_seqs * num_kv_heads) if fused else part_stats
-    parts_pad, chunk = next_pow2(num_partitions), min(16, next_pow2(num_partitions))
+    counters = _arrival_counters(query.device, num_seqs * num_kv_heads) if plan.fused_reduce else part_stats
+    head_dim_pad, merge_rows = max(16, next_pow2(head_dim)), next_pow2(group)
+    # the fused merge's [rows, chunk, head_dim] fp32 tile of partial outputs: ~64 registers a thread
+    chunk = min(next_pow2(num_partitions), max(1, 64 * 32 * num_warps // (merge_rows * head_dim_pad)))
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_stats, counters,
         scale * _LOG2E, sliding_window or 0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_partitions,
-        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, PARTITION_SIZE=partition_size, SINGLE_PARTITION=single,
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=plan.block_n, PARTITION_SIZE=plan.partition_size, SINGLE_PARTITION=single,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
-        FUSED_REDUCE=fused, PARTS_PAD=parts_pad, CHUNK=chunk, num_warps=num_warps, num_stages=num_stages,
+        FUSED_REDUCE=plan.fused_reduce, MERGE_ROWS=merge_rows, CHUNK=chunk, num_warps=num_warps,
+        num_stages=plan.num_stages,
     )  # fmt: skip
-    if not single and not fused:
+    if not single and not plan.fused_reduce:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             seq_lens, out, part_out, part_stats, out.stride(0), out.stride(1), num_partitions,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim), PARTITION_SIZE=partition_size,
-            PARTS_PAD=parts_pad, CHUNK=chunk, num_warps=4,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim), PARTITION_SIZE=plan.partition_size,
+            CHUNK=min(16, next_pow2(num_partitions)), num_warps=4,
         )  # fmt: skip
     return out
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Per device, every counter buffer ever handed out: a captured CUDA graph keeps the address it was
+# captured with, so a larger buffer is added beside the old ones, never in their place.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+_MIN_COUNTERS = 1 << 16  # 256 KB: more (seq, kv head) pairs than any captured batch has, so it never grows
 
 
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (seq, kv head), that the fused variant leaves zeroed after each call.
-    Kept per device and grown outside CUDA-graph capture (a capture must find them already large enough)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < n:
+    """At least ``n`` zeroed int32 counters, one per (seq, kv head), that the fused variant leaves zeroed
+    after every call (and every graph replay). Growing inside a CUDA-graph capture is refused: the zeroing
+    would only be recorded, and the buffer would live in the graph's pool."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("fused_reduce: run the shape once before capturing it in a CUDA graph")
-        counters = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return counters
+        bufs.append(
+            torch.zeros(max(n, 2 * bufs[-1].numel() if bufs else _MIN_COUNTERS), dtype=torch.int32, device=device)
+        )
+    return bufs[-1]
 
 
 def _upcast(query: torch.Tensor) -> bool:

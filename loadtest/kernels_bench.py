@@ -8,6 +8,7 @@ that cycle through enough copies of the inputs to overflow the 50 MB L2, and rep
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -23,19 +24,24 @@ import torch.nn.functional as F
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 ROTATE_BYTES = 512 << 20  # inputs cycled per graph: ~10x the L2
-DECODE_VARIANTS: list[dict[str, Any]] = [
-    {},
-    {"block_n": 32},
-    {"block_n": 128},
-    {"num_warps": 8},
-    {"num_stages": 2},
-    {"num_stages": 4},
-    {"partition_scale": 2},
-    {"partition_scale": 0.5},
-    {"block_n": 128, "num_stages": 2},
-    {"fused_reduce": True},  # one launch: the last program of each (seq, kv head) merges the partitions
-    {"fused_reduce": True, "block_n": 128, "num_stages": 2},
-    {"fused_reduce": True, "partition_scale": 2},
+# (name, knobs of _paged_decode_attention), the names printed in the sweep's matrix and kept in the JSON.
+# "partition_scale" scales the variant's default partition; "min_partition" sizes as if no partition could
+# be shorter (128: the sizing measured on 2026-11-29). fused_reduce False: the reduction in a second
+# launch; True: the last program of each (seq, kv head) merges the partitions; absent: the default's choice.
+DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
+    ("default", {}),
+    ("two_launch", {"fused_reduce": False}),
+    ("two_launch_min128", {"fused_reduce": False, "min_partition": 128}),  # the default until now
+    ("two_launch_s2", {"fused_reduce": False, "num_stages": 2}),
+    ("two_launch_bn128_s2", {"fused_reduce": False, "block_n": 128, "num_stages": 2}),
+    ("two_launch_p2", {"fused_reduce": False, "partition_scale": 2}),
+    ("fused", {"fused_reduce": True}),
+    ("fused_p0.5", {"fused_reduce": True, "partition_scale": 0.5}),
+    ("fused_p2", {"fused_reduce": True, "partition_scale": 2}),
+    ("fused_s2", {"fused_reduce": True, "num_stages": 2}),
+    ("fused_bn128_s2", {"fused_reduce": True, "block_n": 128, "num_stages": 2}),
+    ("fused_bn128_s2_p2", {"fused_reduce": True, "block_n": 128, "num_stages": 2, "partition_scale": 2}),
+    ("fused_w8", {"fused_reduce": True, "num_warps": 8}),
 ]
 PREFILL_VARIANTS: list[dict[str, Any]] = [
     {},
@@ -115,8 +121,8 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
-def bench_decode(batch: int, seq_len: int, reps: int, variants: list[dict[str, Any]]) -> dict[str, Any]:
-    from kernels.paged_attention import _decode_partition_size, _paged_decode_attention
+def bench_decode(batch: int, seq_len: int, reps: int, variants: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    from kernels.paged_attention import _paged_decode_attention
 
     kv_bytes = 2 * batch * seq_len * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize  # K + V read once
     copies = max(1, min(32, ROTATE_BYTES // kv_bytes))
@@ -143,13 +149,9 @@ def bench_decode(batch: int, seq_len: int, reps: int, variants: list[dict[str, A
     tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(copies, batch, blocks_per_seq)
     seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    base_partition = _decode_partition_size(batch, NUM_KV_HEADS, seq_len, query.device)
-    result["default_partition"] = base_partition
     result["variants"] = []
-    for variant in variants:
-        kwargs = dict(variant)
-        if "partition_scale" in kwargs:
-            kwargs["partition_size"] = max(64, int(base_partition * kwargs.pop("partition_scale")))
+    for name, variant in variants:
+        kwargs, plan = _decode_variant_kwargs(batch, seq_len, name, variant)
         calls = [
             partial(_paged_decode_attention, query, cache, tables[i % copies], seq_lens, scale, None, **kwargs)
             for i in range(calls_per_graph)
@@ -157,15 +159,39 @@ def bench_decode(batch: int, seq_len: int, reps: int, variants: list[dict[str, A
         try:
             t = time_graph(calls, reps)
         except Exception as exc:  # a variant that fails to compile (resources) must not end the run
-            print(f"  variant {variant} failed: {exc!r:.200}", flush=True)
+            print(f"  variant {name} {variant} failed: {exc!r:.200}", flush=True)
             continue
-        result["variants"].append({"variant": variant, "s": t, "gbps": kv_bytes / t / 1e9})
+        gbps = kv_bytes / t / 1e9
+        result["variants"].append(
+            {"name": name, "variant": variant, **plan, "s": t, "gbps": gbps, "ratio": gbps / result["sdpa_gbps"]}
+        )
     del cache, tables
     torch.cuda.empty_cache()
     default = result["variants"][0]
     best = max(result["variants"], key=lambda r: r["gbps"])
-    result.update(triton_gbps=default["gbps"], best_gbps=best["gbps"], best_variant=best["variant"])
+    result.update(
+        default_partition=default["partition_size"], triton_gbps=default["gbps"], best_gbps=best["gbps"],
+        best_variant=best["name"],
+    )  # fmt: skip
     return result
+
+
+def _decode_variant_kwargs(batch: int, seq_len: int, name: str, variant: dict[str, Any]) -> tuple[dict, dict]:
+    """The variant's knobs for _paged_decode_attention, and its plan as the wrapper resolves it (for the
+    JSON and the matrix). Every variant but "default" starts from block_n 64 and 3 stages, so a row means
+    the same whatever tile kernels.decode_plan picks by default."""
+    from kernels.decode_plan import decode_partition_size, num_sms, plan_decode
+
+    kwargs = dict(variant) if name == "default" else {"block_n": 64, "num_stages": 3, **variant}
+    sms = num_sms(torch.cuda.current_device())
+    if "min_partition" in kwargs or "partition_scale" in kwargs:
+        block_n = kwargs["block_n"]
+        partition = decode_partition_size(
+            batch, NUM_KV_HEADS, seq_len, sms, max(block_n, kwargs.pop("min_partition", 0))
+        )
+        kwargs["partition_size"] = max(block_n, int(partition * kwargs.pop("partition_scale", 1)))
+    knobs = {k: v for k, v in kwargs.items() if k != "num_warps"}
+    return kwargs, dataclasses.asdict(plan_decode(batch, NUM_HEADS, NUM_KV_HEADS, seq_len, sms, **knobs))
 
 
 def bench_prefill(num_tokens: int, reps: int, variants: list[dict[str, Any]]) -> dict[str, Any]:
@@ -262,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     report["silu_and_mul"] = [bench_silu_and_mul(t, 14336, args.reps) for t in (256, 8192)]
     _print_table(report)
+    if args.sweep:
+        _print_decode_variants(report["decode"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
@@ -290,6 +318,25 @@ def _print_table(report: dict[str, Any]) -> None:
         )
     for c in report["correctness"]:
         print(f"correctness {c['kernel']} window={c['window']}: rel err {c['rel_err']:.2e}")
+
+
+def _print_decode_variants(decode: list[dict[str, Any]]) -> None:
+    """One row per decode variant: its ratio to SDPA and partition count at every shape (F: merged in the
+    kernel, fused_reduce), the best of each column marked with *."""
+    names = list(dict.fromkeys(v["name"] for r in decode for v in r["variants"]))
+    print("\ndecode variants: ratio to SDPA / partitions (F: fused_reduce), * best of the shape")
+    print("| variant | " + " | ".join(f"B={r['batch']} L={r['seq_len']}" for r in decode) + " |")
+    print("|---" * (len(decode) + 1) + "|")
+    for name in names:
+        cells = []
+        for r in decode:
+            v = next((v for v in r["variants"] if v["name"] == name), None)
+            if v is None:
+                cells.append("failed")
+                continue
+            star = "*" if v["name"] == r["best_variant"] else ""
+            cells.append(f"{v['ratio']:.3f}{star} /{v['num_partitions']}{'F' if v['fused_reduce'] else ''}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

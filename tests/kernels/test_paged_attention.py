@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import gc
+import json
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
 import pytest
 import torch
 
-from kernels.paged_attention import _paged_decode_attention, paged_decode_attention, paged_decode_attention_ref
+from kernels import decode_plan
+from kernels.decode_plan import decode_partition_size
+from kernels.paged_attention import (
+    _COUNTERS,
+    _arrival_counters,
+    _paged_decode_attention,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+)
 from kernels.prefill_attention import _paged_prefill_attention, paged_prefill_attention, paged_prefill_attention_ref
 from tests.kernels.helpers import DEVICE, paged_cache, rel_err, tolerance
 
@@ -23,7 +39,8 @@ def _query(num_rows: int, num_heads: int, dtype: torch.dtype, gen: torch.Generat
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("sliding_window", [None, 24])
-# None: one partition here; 32: the reduce kernel; (32, fused): the last program of each head merges
+# None: one partition here; 32 (4 partitions): the reduce kernel; (32, fused): the last program of each
+# (seq, kv head) merges them
 @pytest.mark.parametrize(("partition_size", "fused_reduce"), [(None, False), (32, False), (32, True)])
 def test_decode_matches_ref(
     dtype: torch.dtype,
@@ -42,10 +59,53 @@ def test_decode_matches_ref(
     )  # fmt: skip
     ref = paged_decode_attention_ref(query, cache, tables, seq_lens, 0.17, sliding_window)
     assert rel_err(out, ref) < tolerance(dtype), f"seed {gen.initial_seed()}"
-    if fused_reduce:  # every arrival counter is back at zero, so the next call (or graph replay) starts clean
-        from kernels.paged_attention import _COUNTERS
+    _assert_counters_zero(query.device)
 
-        assert int(_COUNTERS[query.device].abs().sum()) == 0
+
+def _assert_counters_zero(device: torch.device) -> None:
+    """Every arrival counter is back at zero, so the next call (or graph replay) starts clean."""
+    assert all(not buf.any() for buf in _COUNTERS.get(device, []))
+
+
+def test_decode_fused_many_partitions_repeated(gen: torch.Generator) -> None:
+    """16-token partitions: up to 9 per sequence, lengths that end mid-partition, on its edge, a sequence
+    whose only token leaves every other partition empty, a window that hides whole partitions; called
+    twice on the same counters. The merge reads the partitions in index order whoever merges, so the
+    repeat is bitwise equal."""
+    lens, sliding_window = [1, 16, 31, 130, 77], 40
+    cache, tables = paged_cache(lens, 16, NUM_KV_HEADS, HEAD_DIM, torch.float32, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    query = _query(len(lens), NUM_KV_HEADS * 4, torch.float32, gen)
+    ref = paged_decode_attention_ref(query, cache, tables, seq_lens, 0.17, sliding_window)
+    outs = []
+    for _ in range(2):
+        outs.append(
+            _paged_decode_attention(
+                query,
+                cache,
+                tables,
+                seq_lens,
+                0.17,
+                sliding_window,
+                partition_size=16,
+                block_n=16,
+                fused_reduce=True,
+            )  # fmt: skip
+        )
+        _assert_counters_zero(query.device)
+    assert rel_err(outs[0], ref) < tolerance(torch.float32), f"seed {gen.initial_seed()}"
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_arrival_counters_keep_every_buffer() -> None:
+    """A CUDA graph captured with the old buffer keeps its address: growing must not free it."""
+    first = _arrival_counters(torch.device("cpu"), 8)
+    alive = weakref.ref(first)
+    grown = _arrival_counters(torch.device("cpu"), first.numel() + 1)
+    del first
+    gc.collect()
+    assert grown.numel() > 8 and alive() is not None and not grown.any()
+    assert _arrival_counters(torch.device("cpu"), 8) is grown  # later calls get the largest
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 32, 64])
@@ -70,6 +130,91 @@ def test_decode_public_wrapper_and_padding_rows(gen: torch.Generator) -> None:
     out = paged_decode_attention(query, cache, tables, seq_lens, 0.2)
     ref = paged_decode_attention_ref(query, cache, tables, seq_lens, 0.2)
     assert rel_err(out, ref) < 1e-2, f"seed {gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("fused_max_seqs", [0, 16])
+def test_decode_default_at_batch_1(fused_max_seqs: int, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator) -> None:
+    """Batch 1, 300 tokens, bf16: the public wrapper cuts 64-token partitions (8 SMs on CPU) and merges
+    them where decode_plan.FUSED_REDUCE_MAX_SEQS says: in the last program, or in a second launch."""
+    monkeypatch.setattr(decode_plan, "FUSED_REDUCE_MAX_SEQS", fused_max_seqs)
+    cache, tables = paged_cache([300], 16, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, gen)
+    seq_lens = torch.tensor([300], dtype=torch.int32, device=DEVICE)
+    query = _query(1, NUM_KV_HEADS * 4, torch.bfloat16, gen)
+    plan = decode_plan.plan_decode(1, NUM_KV_HEADS * 4, NUM_KV_HEADS, tables.shape[1] * 16, 8)
+    assert plan.partition_size == 64 and plan.num_partitions == 5 and plan.fused_reduce == (fused_max_seqs > 0)
+    out = paged_decode_attention(query, cache, tables, seq_lens, 0.2)
+    assert rel_err(out, paged_decode_attention_ref(query, cache, tables, seq_lens, 0.2)) < 1e-2
+    _assert_counters_zero(query.device)
+
+
+# Compiles the fused decode kernel for sm_90 (no GPU needed) with the launcher's specialization of 16-aligned
+# pointers and sizes, and prints its TTGIR: argv = constexprs (JSON).
+_COMPILE_SM90 = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.paged_attention import _decode_partition_kernel as kernel
+
+constexprs = json.loads(sys.argv[1])
+types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32",
+         "part_stats_ptr": "*fp32", "scale_log2": "fp32"}
+names = kernel.arg_names
+signature = {a: "constexpr" if a in constexprs else types.get(a, "*i32" if a.endswith("_ptr") else "i32")
+             for a in names}
+aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+           if a not in constexprs and a not in ("scale_log2", "sliding_window")}
+compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "num_stages": 3})
+print(compiled.asm["ttgir"])
+"""
+_FUSED_8B = {
+    "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
+    "PARTITION_SIZE": 128, "SINGLE_PARTITION": False, "USE_WINDOW": False, "DOT_PRECISION": "tf32",
+    "UPCAST": False, "FUSED_REDUCE": True, "MERGE_ROWS": 4, "CHUNK": 16,
+}  # fmt: skip
+
+
+def test_fused_reduce_orders_partials_before_the_arrival() -> None:
+    """Each warp stores its rows of the partial output; thread 0 alone issues the arrival atomic. Without
+    a CTA barrier between them the last program may merge partials that another program's warps have yet
+    to write (the race of int4_gemv's split-K). The interpreter cannot show it (programs run one by one,
+    each op on the whole tile); the code compiled for sm_90 must have the barrier, an acq_rel GPU-scope
+    arrival, and merge loads from L2 (.cg)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = Path(__file__).resolve().parents[2]
+    args = [sys.executable, "-c", _COMPILE_SM90, json.dumps(_FUSED_8B)]
+    ir = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, check=True).stdout.splitlines()
+    arrival = next(i for i, line in enumerate(ir) if "tt.atomic_rmw add" in line)
+    assert "acq_rel, gpu" in ir[arrival], ir[arrival]
+    last_store = max(i for i in range(arrival) if "tt.store" in ir[i])
+    assert any("barrier" in line for line in ir[last_store:arrival]), "\n".join(ir[last_store : arrival + 1])
+    merge_loads = [line for line in ir[arrival:] if "tt.load" in line]
+    assert merge_loads and all("cacheModifier = cg" in line for line in merge_loads), merge_loads
+
+
+def test_partition_size_fills_the_sms_at_batch_1() -> None:
+    """H200 (132 SMs), 8 KV heads: batch 1 gets between one and PROGRAMS_PER_SM programs per SM, each at
+    least one KV tile long, with at most ~66 partitions to merge; big batches keep two partitions."""
+    for seq_len in (1024, 8192, 32768, 131072):
+        partition = decode_partition_size(1, 8, seq_len, 132, 64)
+        num_programs = 8 * seq_len // partition
+        assert partition >= 64 and partition & (partition - 1) == 0
+        assert 0.9 * 132 <= num_programs <= 4 * 132 and seq_len // partition <= 66, (seq_len, partition)
+    assert decode_partition_size(1, 8, 1024, 132, 128) == 128  # a block_n 128 tile: still one tile
+    for batch, seq_len in [(64, 1024), (256, 32768)]:
+        assert seq_len // decode_partition_size(batch, 8, seq_len, 132, 64) == 2
+
+
+def test_fused_reduce_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(decode_plan, "FUSED_REDUCE_MAX_SEQS", 16)
+    assert decode_plan.use_fused_reduce(1, 4, 64) and decode_plan.use_fused_reduce(16, 8, 64)
+    assert not decode_plan.use_fused_reduce(17, 4, 64) and not decode_plan.use_fused_reduce(1, 4, 1)
+    assert not decode_plan.use_fused_reduce(1, 32, 64)  # one KV head for 32 q heads: too big a merge for one program
+    plan = decode_plan.plan_decode(1, 32, 8, 8192, 132, partition_size=8192, fused_reduce=True)
+    assert plan.num_partitions == 1 and not plan.fused_reduce  # nothing to merge
+    with pytest.raises(ValueError, match="power of two multiple"):
+        decode_plan.plan_decode(1, 32, 8, 8192, 132, block_n=64, partition_size=96)
 
 
 # (cached prefix, new tokens): a 1-token prompt, a full prefill, chunked prefills over a prefix that ends

@@ -1,0 +1,97 @@
+"""How a paged decode-attention call is cut: KV tile, partitions of each sequence, and where they are merged.
+
+A pure function of shapes and the SM count (no device sync), so a CUDA-graph replay keeps the plan it was
+captured with, and the tests check it on CPU by passing an H200's 132 SMs. The constants below are what an
+H200 sweep (``python -m loadtest.kernels_bench --sweep``, whose variant names are in the comments) decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from kernels._triton import next_pow2
+
+# Programs per SM the partitioning aims at (H200, 2026-11-29: ~4 beat ~8, whose last wave left SMs idle).
+# It only matters for small batches: from 64 sequences up every choice gives the two-partition floor.
+# The sweep rows fused_p2 / fused_p0.5 are 2 / 8.
+PROGRAMS_PER_SM = 4
+# Batches of at most this many sequences are "small": a decode call is short (7-60 us at batch 1), so a
+# second launch and the pipeline prologue weigh.
+SMALL_BATCH_MAX_SEQS = 16
+# THE switch: batches of at most this many sequences merge their partitions in the kernel's last program
+# (fused_reduce, one launch); larger ones in a second launch. Sweep rows: "fused" vs "two_launch".
+# 0: never fused; 1 << 30: whenever there are several partitions.
+FUSED_REDUCE_MAX_SEQS = SMALL_BATCH_MAX_SEQS
+# (block_n, num_stages) of small batches; large ones keep (64, 3). Sweep row fused_bn128_s2 is (128, 2),
+# fused_s2 is (64, 2).
+SMALL_BATCH_TILE = (64, 3)
+LARGE_BATCH_TILE = (64, 3)  # 128 was faster at B=256 but slower at B=64 (one program per SM at 3 stages)
+# Query-head rows x partitions one program may merge: 512 fp32 rows of 128 are 256 KB of L2 reads by one
+# SM, ~2 us on the critical path, what the saved launch is worth; past that the second launch wins.
+FUSED_MERGE_MAX_ROWS = 512
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The tile, partitions and merge of one decode call (``fused_reduce`` only with several partitions)."""
+
+    block_n: int
+    num_stages: int
+    partition_size: int
+    num_partitions: int
+    fused_reduce: bool
+
+
+@lru_cache(maxsize=8)
+def num_sms(device_index: int) -> int:
+    if not torch.cuda.is_available():
+        return 8  # interpreter on CPU: any small number
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def decode_partition_size(num_seqs: int, num_kv_heads: int, max_len: int, sms: int, min_partition: int) -> int:
+    """Power-of-two partition length so that the grid (seqs x KV heads x partitions) holds about
+    PROGRAMS_PER_SM programs per SM, with at least ``min_partition`` tokens (one KV tile: a short batch-1
+    decode fills the SMs instead of stopping at 128-token partitions) and at least two partitions past 512
+    tokens. At batch 1 there are at most PROGRAMS_PER_SM * sms / num_kv_heads partitions (66 on an H200 with
+    8 KV heads), which bounds the merge."""
+    parts_wanted = max(1, -(-PROGRAMS_PER_SM * sms // (num_seqs * num_kv_heads)))
+    partition = max(min_partition, next_pow2(-(-max_len // parts_wanted)))
+    return max(min_partition, min(partition, max(256, next_pow2(max_len) // 2)))
+
+
+def use_fused_reduce(num_seqs: int, group: int, num_partitions: int) -> bool:
+    """Whether the last program of each (seq, KV head) merges the partitions (one launch) rather than a
+    second kernel: in small batches, while that one program's merge stays small (FUSED_MERGE_MAX_ROWS)."""
+    small_merge = group * num_partitions <= FUSED_MERGE_MAX_ROWS
+    return num_partitions > 1 and num_seqs <= FUSED_REDUCE_MAX_SEQS and small_merge
+
+
+def plan_decode(
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_len: int,
+    sms: int,
+    *,
+    block_n: int | None = None,
+    num_stages: int | None = None,
+    partition_size: int | None = None,
+    fused_reduce: bool | None = None,
+) -> DecodePlan:
+    """The defaults above for every knob left None (tests and the benchmark set them)."""
+    tile = SMALL_BATCH_TILE if num_seqs <= SMALL_BATCH_MAX_SEQS else LARGE_BATCH_TILE
+    block_n = block_n or tile[0]
+    if partition_size is None:
+        partition_size = decode_partition_size(num_seqs, num_kv_heads, max_len, sms, block_n)
+    if partition_size % block_n or partition_size & (partition_size - 1):
+        raise ValueError(f"partition_size {partition_size} must be a power of two multiple of block_n {block_n}")
+    num_partitions = max(1, -(-max_len // partition_size))
+    if fused_reduce is None:
+        fused_reduce = use_fused_reduce(num_seqs, num_heads // num_kv_heads, num_partitions)
+    return DecodePlan(
+        block_n, num_stages or tile[1], partition_size, num_partitions, fused_reduce and num_partitions > 1
+    )

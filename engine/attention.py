@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cache_write import reshape_and_cache_ref
 from kernels.paged_attention import paged_decode_attention_ref
 from kernels.prefill_attention import paged_prefill_attention_ref
+from kernels.rope_cache import rope_and_cache_ref
 
 BACKENDS = ("torch", "triton")
 
@@ -38,29 +38,41 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
-def paged_attention(
+def write_kv(
+    positions: torch.Tensor,  # [num_tokens] int64
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Rope on query and key, then this step's key and value into the cache at ``meta.slot_mapping``
+    (one fused kernel on the Triton backend). Returns the rotated query; the rotated key lives only in the cache."""
+    if meta.backend == "triton":
+        from kernels.rope_cache import rope_and_cache
+
+        return rope_and_cache(positions, query, key, value, cos_sin_cache, kv_cache, meta.slot_mapping)
+    return rope_and_cache_ref(positions, query, key, value, cos_sin_cache, kv_cache, meta.slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], this step's K/V written
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend through the block tables. Returns
-    ``[num_tokens, num_heads, head_dim]``."""
+    """Attend through the block tables. Returns ``[num_tokens, num_heads, head_dim]``."""
     if meta.backend == "triton":
-        from kernels.cache_write import reshape_and_cache
         from kernels.paged_attention import paged_decode_attention
         from kernels.prefill_attention import paged_prefill_attention
 
-        reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
         if meta.is_decode_only:
             return paged_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
         return paged_prefill_attention(
             query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, sliding_window
         )
-    reshape_and_cache_ref(key, value, kv_cache, meta.slot_mapping)
     if meta.is_decode_only:
         return paged_decode_attention_ref(query, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
     return paged_prefill_attention_ref(

@@ -51,15 +51,10 @@ def _reshape_and_cache_kernel(
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def reshape_and_cache(
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], written in place
-    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 = padding, skipped
+def check_cache_inputs(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Triton version of :func:`reshape_and_cache_ref`. ``key``/``value`` may be strided views (e.g. slices
-    of a fused QKV output) as long as head_dim is contiguous."""
-    require_triton("reshape_and_cache")
+    """The shape, dtype and stride checks of the cache-write kernels (here and in ``kernels.rope_cache``)."""
     check_float("key", key)
     check_float("value", value)
     check_float("kv_cache", kv_cache)
@@ -81,6 +76,19 @@ def reshape_and_cache(
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     check_same_device(key=key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], written in place
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 = padding, skipped
+) -> None:
+    """Triton version of :func:`reshape_and_cache_ref`. ``key``/``value`` may be strided views (e.g. slices
+    of a fused QKV output) as long as head_dim is contiguous."""
+    require_triton("reshape_and_cache")
+    check_cache_inputs(key, value, kv_cache, slot_mapping)
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     if key.shape[0] == 0:
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]

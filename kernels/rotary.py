@@ -72,14 +72,10 @@ def _rotary_kernel(
                   NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD)  # fmt: skip
 
 
-def rotary_embedding(
-    positions: torch.Tensor,  # [num_tokens] int64
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim]: cos in [:, :head_dim/2], sin in [:, head_dim/2:]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`rotary_embedding_ref`: returns new rotated (query, key), computed in fp32."""
-    require_triton("rotary_embedding")
+def check_rotary_inputs(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """The shape, dtype and stride checks of the rotary kernels (here and in ``kernels.rope_cache``)."""
     check_float("query", query)
     check_float("key", key)
     check_float("cos_sin_cache", cos_sin_cache)
@@ -88,7 +84,7 @@ def rotary_embedding(
         raise ValueError(
             f"query and key must be [num_tokens, heads, head_dim], got {tuple(query.shape)}, {tuple(key.shape)}"
         )
-    num_tokens, num_heads, head_dim = query.shape
+    num_tokens, _, head_dim = query.shape
     if key.shape[0] != num_tokens or key.shape[2] != head_dim or positions.shape[0] != num_tokens:
         raise ValueError(
             f"positions {tuple(positions.shape)}, query {tuple(query.shape)}, key {tuple(key.shape)} disagree"
@@ -100,6 +96,18 @@ def rotary_embedding(
     for name, t in (("query", query), ("key", key), ("cos_sin_cache", cos_sin_cache)):
         check_last_dim_contiguous(name, t)
     check_same_device(positions=positions, query=query, key=key, cos_sin_cache=cos_sin_cache)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim]: cos in [:, :head_dim/2], sin in [:, head_dim/2:]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`rotary_embedding_ref`: returns new rotated (query, key), computed in fp32."""
+    require_triton("rotary_embedding")
+    check_rotary_inputs(positions, query, key, cos_sin_cache)
+    num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     q_out, k_out = torch.empty_like(query), torch.empty_like(key)
     if num_tokens > 0:

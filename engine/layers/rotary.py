@@ -1,6 +1,7 @@
 """Rotary position embedding: a float32 ``[max_positions, head_dim]`` cos/sin cache (cos half | sin half)
 built exactly the way HF transformers builds ``inv_freq`` and ``cos``/``sin``, so positions rotate to the
-same bits; applied by the Triton kernel on CUDA when it is available, else by the torch reference.
+same bits. The attention layer applies it (``engine.attention.write_kv``): on the Triton backend in the
+same kernel that writes k and v into the cache, else by the torch reference.
 
 Supported rope types: default, linear, llama3, yarn, and dynamic (which equals default for positions
 within ``max_position_embeddings``, the only ones this static cache serves).
@@ -9,14 +10,10 @@ within ``max_position_embeddings``, the only ones this static cache serves).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from functools import cache
 from typing import Any
 
 import torch
 from torch import nn
-
-from kernels.rotary import rotary_embedding_ref
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -118,17 +115,9 @@ def build_cos_sin_cache(hf_config: Any, head_dim: int, max_positions: int) -> to
         return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
 
 
-@cache
-def _triton_rotary() -> Callable[..., Any] | None:
-    try:
-        from kernels.rotary import rotary_embedding  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return rotary_embedding  # type: ignore[no-any-return]
-
-
 class RotaryEmbedding(nn.Module):
-    """Applies neox-style rope to q ``[T, heads, D]`` and k ``[T, kv_heads, D]`` at ``positions [T]``."""
+    """The neox-style rope of one model: its cos/sin cache, shared by every attention layer, which applies
+    it to q ``[T, heads, D]`` and k ``[T, kv_heads, D]`` at ``positions [T]``."""
 
     cos_sin_cache: torch.Tensor
 
@@ -137,9 +126,3 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         cache_ = build_cos_sin_cache(hf_config, head_dim, max_positions)
         self.register_buffer("cos_sin_cache", cache_.to(torch.get_default_device()), persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        fn = _triton_rotary() if query.is_cuda else None
-        return (fn or rotary_embedding_ref)(positions, query, key, self.cos_sin_cache)

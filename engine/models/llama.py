@@ -80,12 +80,12 @@ class LlamaAttention(nn.Module):
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
-        self.rotary_emb = rotary
         self.attn = Attention(
             self.qkv_proj.num_heads,
             self.qkv_proj.num_kv_heads,
             head_dim,
             scale=head_dim**-0.5,
+            rotary=rotary,
             sliding_window=_sliding_window(config, layer_idx),
         )
 
@@ -93,8 +93,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, heads, D], [T, kv_heads, D] x2
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, meta)  # [T, heads, D]
+        out = self.attn(positions, q, k, v, meta)  # rope, K/V into the cache, attention: [T, heads, D]
         return self.o_proj(out.reshape(out.shape[0], -1))  # [T, hidden]
 
 

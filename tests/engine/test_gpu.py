@@ -179,3 +179,41 @@ def test_graph_logits_equal_eager_logits(runner: ModelRunner, batch_size: int) -
     # a decode-only step in which some rows do not sample gets the rows that do, from the same replay
     some = dataclasses.replace(decode, logits_indices=torch.arange(0, batch_size, 2))
     assert torch.equal(runner.execute_model(some), graph[::2])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens", [1, 300])
+def test_rope_and_cache_equals_reference_at_8b_shape(dtype: torch.dtype, num_tokens: int) -> None:
+    """Llama 3 8B's attention shape (32 q heads, 8 kv heads, head_dim 128) from views of the QKV output:
+    the fused kernel equals the torch reference and the unfused Triton rotary + cache write it replaces."""
+    from engine.layers.rotary import build_cos_sin_cache
+    from kernels.cache_write import reshape_and_cache
+    from kernels.rope_cache import rope_and_cache, rope_and_cache_ref
+    from kernels.rotary import rotary_embedding
+    from tests.helpers import LLAMA3_ROPE, tiny_config
+    from tests.kernels.helpers import rel_err, tolerance
+
+    heads, kv_heads, head_dim, block_size, num_blocks = 32, 8, 128, 16, 64
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    config = tiny_config("llama", rope_parameters={**LLAMA3_ROPE, "rope_theta": 5e5}, max_position_embeddings=8192)
+    cos_sin_cache = build_cos_sin_cache(config, head_dim, 8192).cuda()
+    positions = torch.randint(0, 8192, (num_tokens,), generator=gen, device="cuda")
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen, device="cuda").to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    query = q.reshape(num_tokens, heads, head_dim)  # [T, 32, 128], row stride 6144
+    key, value = k.reshape(num_tokens, kv_heads, head_dim), v.reshape(num_tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device="cuda")[:num_tokens]
+    slots[1::7] = -1  # padding rows (not the first: the single-token case writes)
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
+    expected, unfused = cache.clone(), cache.clone()
+    q_out = rope_and_cache(positions, query, key, value, cos_sin_cache, cache, slots)
+    q_ref = rope_and_cache_ref(positions, query, key, value, cos_sin_cache, expected, slots)
+    q_unfused, k_unfused = rotary_embedding(positions, query, key, cos_sin_cache)
+    reshape_and_cache(k_unfused, value, unfused, slots)
+    assert torch.equal(cache.isnan(), expected.isnan())  # slot -1 rows wrote nothing
+    written = ~expected.isnan()
+    assert rel_err(q_out, q_ref) < tolerance(dtype)
+    assert rel_err(cache[written], expected[written]) < tolerance(dtype)
+    # the same fp32 arithmetic and one cast as the two kernels it replaces: the model's numbers do not move
+    assert rel_err(q_out, q_unfused) < 1e-5
+    assert rel_err(cache[written], unfused[written]) < 1e-5

@@ -1,4 +1,5 @@
-"""Triton KV-cache write, RMSNorm and rotary embedding against the torch references."""
+"""Triton KV-cache write, RMSNorm, rotary embedding and the fused rotary + cache write against the torch
+references."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from kernels.cache_write import reshape_and_cache, reshape_and_cache_ref
 from kernels.norm import rms_norm, rms_norm_ref
+from kernels.rope_cache import rope_and_cache, rope_and_cache_ref
 from kernels.rotary import rotary_embedding, rotary_embedding_ref
 from tests.kernels.helpers import DEVICE, rel_err, tolerance
 
@@ -18,6 +20,12 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+def _cos_sin_cache(max_positions: int, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(max_positions).float(), inv_freq)  # [max_positions, head_dim / 2]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(DEVICE)  # [max_positions, head_dim]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -64,9 +72,7 @@ def test_rms_norm_matches_ref(dtype: torch.dtype, hidden: int, with_residual: bo
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_rotary_matches_ref(dtype: torch.dtype, head_dim: int, gen: torch.Generator) -> None:
     num_tokens, max_positions = 9, 50
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    angles = torch.outer(torch.arange(max_positions).float(), inv_freq)  # [max_positions, head_dim / 2]
-    cos_sin_cache = torch.cat([angles.cos(), angles.sin()], dim=-1).to(DEVICE)  # [max_positions, head_dim]
+    cos_sin_cache = _cos_sin_cache(max_positions, head_dim)
     positions = torch.randint(0, max_positions, (num_tokens,), generator=gen).to(DEVICE)
     query = _randn(num_tokens, 4, head_dim, dtype=dtype, gen=gen)
     key = _randn(num_tokens, 3, head_dim, dtype=dtype, gen=gen)  # 3 heads: not a power of two
@@ -74,6 +80,52 @@ def test_rotary_matches_ref(dtype: torch.dtype, head_dim: int, gen: torch.Genera
     q_ref, k_ref = rotary_embedding_ref(positions, query, key, cos_sin_cache)
     assert rel_err(q_out, q_ref) < tolerance(dtype)
     assert rel_err(k_out, k_ref) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(4, 2, 64), (6, 3, 80), (2, 2, 32)],  # GQA; odd head counts and head_dim 80 (padded tiles); MHA
+)
+def test_rope_and_cache_matches_ref(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, gen: torch.Generator
+) -> None:
+    num_tokens, max_positions, block_size, num_blocks = 11, 50, 8, 4
+    cos_sin_cache = _cos_sin_cache(max_positions, head_dim)
+    positions = torch.randint(0, max_positions, (num_tokens,), generator=gen).to(DEVICE)
+    # q, k, v as the model passes them: strided views of the fused projection output [T, (H + 2 Hkv) D]
+    qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, gen=gen)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    query = q.reshape(num_tokens, num_heads, head_dim)  # [T, H, D], row stride (H + 2 Hkv) D
+    key = k.reshape(num_tokens, num_kv_heads, head_dim)
+    value = v.reshape(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::4] = -1  # padding tokens
+    slot_mapping = slots.to(DEVICE)
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    expected = cache.clone()
+    before = qkv.clone()
+    q_ref = rope_and_cache_ref(positions, query, key, value, cos_sin_cache, expected, slot_mapping)
+    q_out = rope_and_cache(positions, query, key, value, cos_sin_cache, cache, slot_mapping)
+    assert torch.equal(qkv, before)  # the projection output is read, never written
+    # the reference is the unfused reference path, bit for bit
+    unfused = cache.new_full(cache.shape, float("nan"))
+    q_unfused, k_unfused = rotary_embedding_ref(positions, query, key, cos_sin_cache)
+    reshape_and_cache_ref(k_unfused, value, unfused, slot_mapping)
+    assert torch.equal(q_ref, q_unfused)
+    assert torch.equal(expected.nan_to_num(7.0), unfused.nan_to_num(7.0))
+    # slot -1 rows wrote nothing: every slot no token owns is still NaN
+    assert torch.equal(cache.isnan(), expected.isnan())
+    written = ~expected.isnan()
+    assert q_out.shape == query.shape and q_out.dtype == dtype
+    # the kernel rotates in fp32 and casts once, the reference in `dtype`: equal up to half-precision rounding,
+    # and in fp32 exactly under the interpreter (no fused multiply-adds there)
+    tol = 0.0 if dtype == torch.float32 and not q_out.is_cuda else tolerance(dtype)
+    assert rel_err(q_out, q_ref) <= tol
+    assert rel_err(cache[written], expected[written]) <= tol
+    assert torch.equal(cache[1][written[1]], expected[1][written[1]])  # values are copies
+    empty = rope_and_cache(positions[:0], query[:0], key[:0], value[:0], cos_sin_cache, cache, slot_mapping[:0])
+    assert empty.shape == (0, num_heads, head_dim)
 
 
 def test_small_kernels_reject_bad_inputs(gen: torch.Generator) -> None:
@@ -90,13 +142,19 @@ def test_small_kernels_reject_bad_inputs(gen: torch.Generator) -> None:
         reshape_and_cache(key, key, cache, torch.zeros(3, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="cos_sin_cache"):
         rotary_embedding(torch.zeros(4, dtype=torch.long, device=DEVICE), key, key, torch.zeros(8, 32, device=DEVICE))
+    positions = torch.zeros(4, dtype=torch.long, device=DEVICE)
+    cos_sin = torch.zeros(8, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="num_tokens"):
+        rope_and_cache(positions, key, key, key[:3], cos_sin, cache, torch.zeros(4, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="key must be"):
+        rope_and_cache(positions, key, key[:, :1], key, cos_sin, cache, positions)
 
 
 def test_import_without_triton_then_clear_error() -> None:
     """API nodes and CPU installs import kernels.* without Triton; calling a kernel says what is missing."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, kernels.paged_attention as pa, kernels.prefill_attention, kernels.norm, kernels.rotary, kernels.cache_write\n"
+        "import torch, kernels.paged_attention as pa, kernels.prefill_attention, kernels.norm, kernels.rotary, kernels.cache_write, kernels.rope_cache\n"
         "try:\n"
         "    kernels.norm.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)\n"
         "except RuntimeError as e:\n"

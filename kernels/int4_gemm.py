@@ -1,15 +1,9 @@
 """W4A16 GEMM: ``y = x @ dequant(W)^T`` with 4-bit weights dequantized in registers.
 
-One weight layout for every checkpoint format (the loader repacks AWQ, GPTQ and compressed-tensors into it,
-bits only, nothing dequantized):
-
-- ``qweight`` int32 ``[K // 8, N]``: nibble ``j`` (bits ``4j .. 4j + 3``) of ``qweight[i, n]`` is the code of
-  input feature ``k = 8 i + j`` (GPTQ's layout: a K-tile's codes are contiguous along N, so loads coalesce);
-- ``scales`` float ``[num_groups, N]``, ``zeros`` uint8 ``[num_groups, N]`` (codes 0..15; 8 for symmetric);
-- group of input feature ``k``: ``k // group_size``, or ``g_idx[k]`` (GPTQ act-order) when given.
-
-``w[n, k] = (code[k, n] - zeros[g(k), n]) * scales[g(k), n]``, computed in the scales' dtype, as
-compressed-tensors, AutoAWQ and AutoGPTQ dequantize.
+The weight layout (``qweight`` int32 ``[K // 8, N]``, ``scales``/``zeros`` ``[num_groups, N]``, optional
+``g_idx``) and its dequantization are ``kernels.int4_dequant``'s; so is the large-M path (dequantize once,
+then cuBLAS), which the linear layer takes from ``DEQUANT_MIN_M`` rows on. This module is the fused GEMM:
+the GEMV (``kernels.int4_gemv``) for a few rows and the tl.dot path above.
 """
 
 from __future__ import annotations
@@ -22,44 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import check_float, next_pow2, require_triton, tl, triton
+from kernels.int4_dequant import PACK, check_int4_weights, codes_tile, dequantize_int4
 from kernels.int4_gemv import finish_tile, int4_gemv_launch, split_target
-
-PACK = 8  # 4-bit codes per int32
-_SHIFTS = tuple(range(0, 32, 4))
-
-
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Codes ``[K, N]`` (0..15, any int dtype) -> ``qweight`` int32 ``[K // 8, N]`` (layout above)."""
-    k, n = codes.shape
-    if k % PACK:
-        raise ValueError(f"input features ({k}) must be a multiple of {PACK} to pack 4-bit codes")
-    c = codes.to(torch.int64).reshape(k // PACK, PACK, n)  # [K/8, 8, N]
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int64, device=codes.device)
-    words = (c << shifts[None, :, None]).sum(dim=1)  # [K/8, N] in 0 .. 2^32 - 1
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """``qweight`` int32 ``[K // 8, N]`` -> codes uint8 ``[K, N]``."""
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=qweight.device)
-    codes = (qweight[:, None, :] >> shifts[None, :, None]) & 0xF  # [K/8, 8, N]
-    return codes.reshape(-1, qweight.shape[1]).to(torch.uint8)
-
-
-def dequantize_int4(
-    qweight: torch.Tensor,  # [K // 8, N] int32
-    scales: torch.Tensor,  # [num_groups, N]
-    zeros: torch.Tensor,  # [num_groups, N] uint8
-    group_size: int,
-    g_idx: torch.Tensor | None = None,  # [K] int32
-) -> torch.Tensor:
-    """The dense weight ``[N, K]`` (contiguous, PyTorch's Linear layout) in ``scales.dtype``."""
-    codes = unpack_int4(qweight).t().contiguous()  # [N, K]
-    k = codes.shape[1]
-    groups = g_idx.long() if g_idx is not None else torch.arange(k, device=codes.device) // group_size  # [K]
-    z = zeros.t()[:, groups]  # [N, K]
-    s = scales.t()[:, groups]  # [N, K]
-    return (codes.to(torch.int16) - z.to(torch.int16)).to(scales.dtype) * s
 
 
 def int4_gemm_ref(
@@ -77,24 +35,6 @@ def int4_gemm_ref(
 
 
 # ---- Triton: the tl.dot path (M above the GEMV's; the GEMV is kernels.int4_gemv) ----
-
-
-@triton.jit
-def _codes_tile(qw_ptr, k0, k_end, offs_k, offs_n, mask_n, stride_qk, stride_qn, UNPACK_IN_REGISTERS: tl.constexpr):
-    """The codes ``[BK, BN]`` int32 of input features ``offs_k`` (``k0 + arange(BK)``)."""
-    BLOCK_K: tl.constexpr = offs_k.shape[0]
-    BLOCK_N: tl.constexpr = offs_n.shape[0]
-    if UNPACK_IN_REGISTERS:  # load each int32 once, replicate it to its 8 rows in registers
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        mask_words = (offs_w * 8 < k_end)[:, None] & mask_n[None, :]
-        words = tl.load(qw_ptr + offs_w[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask_words, other=0)
-        packed = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)), (BLOCK_K, BLOCK_N))
-    else:  # each int32 is read by its 8 rows of the tile (cache hits)
-        mask_w = (offs_k < k_end)[:, None] & mask_n[None, :]
-        packed = tl.load(
-            qw_ptr + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask_w, other=0
-        )
-    return (packed >> ((offs_k % 8) * 4)[:, None]) & 0xF  # nibble k % 8 is row k's code
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile per tile for every M (M = 1 would be its own)
@@ -124,7 +64,7 @@ def _int4_gemm_kernel(
             x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
             mask=mask_m[:, None] & mask_k[None, :], other=0.0,
         )  # [BM, BK]  # fmt: skip
-        codes = _codes_tile(qw_ptr, k0, k_end, offs_k, offs_n, mask_n, stride_qk, stride_qn, UNPACK_IN_REGISTERS)
+        codes = codes_tile(qw_ptr, k0, k_end, offs_k, offs_n, mask_n, stride_qk, stride_qn, UNPACK_IN_REGISTERS)
         mask_w = mask_k[:, None] & mask_n[None, :]
         if HAS_G_IDX:
             g = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
@@ -330,29 +270,14 @@ def _check_inputs(
     g_idx: torch.Tensor | None,
 ) -> None:
     check_float("x", x)
-    check_float("scales", scales)
-    if x.dim() != 2 or qweight.dim() != 2 or scales.dim() != 2 or zeros.dim() != 2:
-        raise ValueError("x [M, K], qweight [K // 8, N], scales and zeros [num_groups, N] must all be 2-D")
-    m, k = x.shape
-    n = qweight.shape[1]
-    if qweight.dtype != torch.int32 or qweight.shape[0] * PACK != k:
-        raise ValueError(
-            f"qweight must be int32 [{k // PACK}, N] for K={k}, got {qweight.dtype} {tuple(qweight.shape)}"
-        )
-    if zeros.dtype != torch.uint8:
-        raise ValueError(f"zeros must be uint8 codes, got {zeros.dtype}")
-    if scales.shape != zeros.shape or scales.shape[1] != n:
-        raise ValueError(f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} must both be [num_groups, {n}]")
-    if g_idx is None:
-        if group_size < 1 or k % group_size or scales.shape[0] != k // group_size:
-            raise ValueError(f"group_size {group_size} must divide K={k} into scales.shape[0]={scales.shape[0]} groups")
-    elif g_idx.dtype != torch.int32 or g_idx.shape != (k,):
-        raise ValueError(f"g_idx must be int32 [{k}], got {g_idx.dtype} {tuple(g_idx.shape)}")
-    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
-            raise ValueError(f"{name} must be contiguous along N, got strides {t.stride()}")
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got {tuple(x.shape)}")
+    check_int4_weights(qweight, scales, zeros, group_size, g_idx)
+    k = x.shape[1]
+    if qweight.shape[0] * PACK != k:
+        raise ValueError(f"qweight must be int32 [{k // PACK}, N] for K={k}, got {tuple(qweight.shape)}")
+    if qweight.device != x.device:
+        raise ValueError(f"the weights are on {qweight.device}, x on {x.device}")
 
 
 def int4_gemm(

@@ -1,15 +1,18 @@
 """W4A16 benchmarks (issue 13): ``python -m loadtest.int4_bench [--tiny] [--out FILE]``.
 
-1. GEMM: the Triton int4 GEMM (group 128) against bf16 cuBLAS (``x @ W^T``) on the Llama-3-8B layer shapes
-   at M = 1 .. 4096: GB/s (weights + scales + zeros + activations + output, each read or written once).
-   Every variant of ``VARIANTS`` that applies at M (aliases of one launch run once) is checked against the
-   torch reference, then timed in CUDA graphs cycling through weight copies that overflow the L2
-   (``kernels_bench.time_graph``); then the defaults are replayed from CUDA graphs and checked. Printed
-   last: per shape and M the default, the best variant and cuBLAS; per M each variant's time
-   over the best (geometric mean over the shapes), to pick ``kernels.int4_gemm.pick_config``'s defaults.
-2. Model: batch-1 time per output token of an 8B-shape random int4 model (dummy weights, same layers)
-   against its own 4-bit floor (bytes of every weight read per token / measured copy bandwidth) and against
-   the bf16 model in the same run; with ``--mixed``, the ``mixed`` workload's throughput for both.
+1. GEMM: both paths of the int4 linear layer (group 128) against bf16 cuBLAS (``x @ W^T``) on the
+   Llama-3-8B layer shapes at M = 1 .. 4096: ``fused`` (the Triton int4 GEMM, ``kernels.int4_gemm``, and its
+   ``VARIANTS``) and ``dequant+matmul`` (``kernels.int4_dequant`` into a scratch buffer, then cuBLAS, and its
+   ``DEQUANT_VARIANTS``; the dequantization is also timed alone); GB/s counts weights + scales + zeros +
+   activations + output once. Every variant that applies at M (aliases of one launch run once) is checked
+   against the torch reference, then timed in CUDA graphs cycling through weight copies that overflow the
+   L2 (``kernels_bench.time_graph``); then both paths are replayed from CUDA graphs and checked. Printed
+   last (``loadtest.int4_stats``): per shape and M both paths, the best variant and cuBLAS; per M each
+   variant's time over the best, to pick ``pick_config``'s defaults; the "crossover" line: from which M
+   dequant+matmul beats the fused GEMM, i.e. what ``kernels.int4_dequant.DEQUANT_MIN_M`` should be.
+2. Model (``loadtest.int4_model``): batch-1 time per output token of an 8B-shape random int4 model against
+   its own 4-bit floor and the bf16 model in the same run; with ``--mixed``, the ``mixed`` workload's
+   throughput for both.
 
 ``--tiny`` runs everything on CPU at tiny shapes (every variant under the Triton interpreter, checked against
 the reference; the engine on the ``tiny`` shape), so the script and its variants are tested without a GPU.
@@ -18,9 +21,7 @@ the reference; the engine on the ``tiny`` shape), so the script and its variants
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import math
 import os
 import sys
 import time
@@ -36,11 +37,20 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():
     # the Triton kernel runs under the interpreter; the flag is read when ``@triton.jit`` decorates
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.int4_gemm import Int4GemmConfig, Int4Launch, int4_gemm, int4_gemm_ref, pack_int4, pick_config  # noqa: E402
+from kernels.int4_dequant import (  # noqa: E402
+    DequantConfig,
+    DequantScratch,
+    dequantize_int4,
+    int4_dequant,
+    int4_dequant_linear,
+    pack_int4,
+)
+from kernels.int4_gemm import Int4GemmConfig, Int4Launch, int4_gemm, int4_gemm_ref, pick_config  # noqa: E402
+from loadtest.int4_model import GROUP_SIZE, bench_models  # noqa: E402
+from loadtest.int4_stats import DEQUANT, FUSED, gemm_summary  # noqa: E402
 
-GROUP_SIZE = 128
 ROTATE_BYTES = 512 << 20  # weight copies cycled per graph: ~10x the H200's L2
-M_VALUES = (1, 2, 4, 8, 16, 64, 256, 4096)
+M_VALUES = (1, 2, 4, 8, 16, 64, 128, 256, 1024, 4096)
 M_VALUES_TINY = (1, 4, 16, 33, 1024)  # 1024: the prefill variants
 # Llama-3-8B: (name, N, K) of each projection, fused as the engine runs them
 LAYER_SHAPES_8B = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
@@ -60,7 +70,7 @@ class Variant:
 # the defaults (kernels.int4_gemm.pick_config) and the alternatives that came close in the H200 run at 7f8955d
 # or were the defaults before it; where one is the default's launch at an M it is timed once, as an alias
 VARIANTS = [
-    Variant("default"),
+    Variant(FUSED),  # int4_gemm's default launch at M
     Variant("gemv", {"kernel": "gemv"}, DECODE),
     Variant("gemv counter", {"kernel": "gemv", "split_reduce": "counter"}, (1, 8)),
     Variant("gemv atomic", {"kernel": "gemv", "split_reduce": "atomic"}, (1, 8)),
@@ -81,7 +91,7 @@ VARIANTS = [
 
 
 def variants_at(m: int, n: int, k: int, num_sms: int) -> tuple[dict[str, Int4GemmConfig], dict[str, str]]:
-    """The variants that run at this shape, one per distinct launch ("default" first), and the aliases
+    """The variants that run at this shape, one per distinct launch ("fused" first), and the aliases
     dropped (name -> the variant with the same launch)."""
     launches: dict[Int4Launch, str] = {}
     configs, aliases = {}, {}
@@ -98,6 +108,25 @@ def variants_at(m: int, n: int, k: int, num_sms: int) -> tuple[dict[str, Int4Gem
     return configs, aliases
 
 
+@dataclass(frozen=True)
+class DequantVariant:
+    """A tile of ``int4_dequant``; ``kn``: dequantize into a ``[K, N]`` buffer and multiply ``x @ W`` (vLLM's
+    AWQ layout) instead of the engine's ``[N, K]`` scratch and ``F.linear`` (the dense model's call)."""
+
+    name: str
+    config: DequantConfig = field(default_factory=DequantConfig)
+    kn: bool = False
+
+
+DEQUANT_VARIANTS = [
+    DequantVariant(DEQUANT),  # what the engine runs from DEQUANT_MIN_M rows
+    DequantVariant("dequant+matmul kn", kn=True),
+    DequantVariant("dequant+matmul rows", DequantConfig(unpack_in_registers=False)),
+    DequantVariant("dequant+matmul bk32 bn256", DequantConfig(block_k=32, block_n=256)),
+    DequantVariant("dequant+matmul bk128 w8", DequantConfig(block_k=128, num_warps=8)),
+]
+
+
 def random_int4(n: int, k: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(seed)
     groups = k // GROUP_SIZE
@@ -112,6 +141,11 @@ def random_int4(n: int, k: int, dtype: torch.dtype, device: torch.device, seed: 
 def int4_bytes(m: int, n: int, k: int, elem: int = 2) -> int:
     groups = k // GROUP_SIZE
     return n * k // 2 + groups * n * (elem + 1) + m * k * elem + m * n * elem
+
+
+def dequant_bytes(n: int, k: int, elem: int = 2) -> int:
+    """What ``int4_dequant`` reads (packed weights, scales, zeros) and writes (the dense weight)."""
+    return int4_bytes(0, n, k, elem) + n * k * elem
 
 
 def _timer(device: torch.device) -> Callable[[list[Callable[[], object]], int], float]:
@@ -137,13 +171,16 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @dataclass
 class ShapeData:
-    """One layer shape's weights on the device: int4 copies and dense bf16 copies (GPU only) to cycle."""
+    """One layer shape's weights on the device: int4 copies and dense bf16 copies (GPU only) to cycle; the
+    dequantization's buffers (one, as in the engine: every weight copy is dequantized into it)."""
 
     name: str
     n: int
     k: int
     weights: list[dict[str, torch.Tensor]]
     dense: list[torch.Tensor]
+    scratch: DequantScratch
+    kn_buffer: torch.Tensor  # [K, N]
 
 
 def make_shape(name: str, n: int, k: int, dtype: torch.dtype, device: torch.device) -> ShapeData:
@@ -152,35 +189,89 @@ def make_shape(name: str, n: int, k: int, dtype: torch.dtype, device: torch.devi
     weights = [random_int4(n, k, dtype, device, seed=i) for i in range(copies)]
     dense_copies = max(1, min(8, ROTATE_BYTES // (2 * n * k))) if on_gpu else 0
     dense = [torch.randn(n, k, dtype=dtype, device=device) for _ in range(dense_copies)]
-    return ShapeData(name, n, k, weights, dense)
+    scratch = DequantScratch()
+    scratch.weight(n, k, dtype, device)  # allocated before any capture
+    return ShapeData(name, n, k, weights, dense, scratch, torch.empty(k, n, dtype=dtype, device=device))
+
+
+def _dequant_fns(shape: ShapeData, v: DequantVariant) -> tuple[Callable[..., torch.Tensor], Callable[..., object]]:
+    """``(x, w) -> x @ dequant(w)^T`` and ``w -> dequant(w)`` of one variant, into the shape's buffers."""
+    if v.kn:
+        out = shape.kn_buffer.t()  # [N, K] view of the [K, N] buffer
+
+        def kn_linear(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+            int4_dequant(**w, group_size=GROUP_SIZE, out=out, config=v.config)
+            return x @ shape.kn_buffer
+
+        return kn_linear, lambda w: int4_dequant(**w, group_size=GROUP_SIZE, out=out, config=v.config)
+
+    def linear(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        return int4_dequant_linear(x, **w, group_size=GROUP_SIZE, scratch=shape.scratch, config=v.config)
+
+    nk = shape.scratch.weight(shape.n, shape.k, shape.kn_buffer.dtype, shape.kn_buffer.device)
+    return linear, lambda w: int4_dequant(**w, group_size=GROUP_SIZE, out=nk, config=v.config)
+
+
+def dequant_exact(shape: ShapeData) -> dict[str, bool]:
+    """Each dequant variant's weight == ``dequantize_int4``'s, bit for bit."""
+    w0 = shape.weights[0]
+    ref = dequantize_int4(**w0, group_size=GROUP_SIZE)
+    exact = {}
+    for v in DEQUANT_VARIANTS:
+        _, dequant = _dequant_fns(shape, v)
+        dequant(w0)
+        out = shape.kn_buffer.t() if v.kn else shape.scratch.weight(shape.n, shape.k, ref.dtype, ref.device)
+        exact[v.name] = bool(torch.equal(out, ref))
+    del ref
+    return exact
+
+
+def _check_and_time(
+    row: dict[str, Any],
+    name: str,
+    fn: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    ref: torch.Tensor,
+    weights: list[dict[str, torch.Tensor]],
+    reps: int,
+) -> None:
+    """``fn(x, w)`` checked against the reference (into ``row["err"]``, ``row["wrong"]``), then timed on
+    the GPU cycling through ``weights`` (``row["us"]``); a variant that fails to launch is skipped."""
+    tol = 1e-4 if x.dtype == torch.float32 else 1e-2
+    try:
+        err = _rel_err(fn(x, weights[0]), ref)  # compiles
+        row["err"][name] = float(f"{err:.1e}")
+        if err > tol:
+            row.setdefault("wrong", []).append(name)
+        elif x.is_cuda:
+            row["us"][name] = round(1e6 * _timer(x.device)([partial(fn, x, w) for w in weights], reps), 2)
+    except Exception as exc:  # a variant past the shared-memory limit (OutOfResources): skip it
+        if name in (FUSED, DEQUANT):
+            raise
+        row.setdefault("skipped", {})[name] = f"{type(exc).__name__}: {str(exc)[:80]}"
 
 
 def bench_case(shape: ShapeData, m: int, dtype: torch.dtype, device: torch.device, reps: int) -> dict[str, Any]:
-    """Every variant at this M: checked against the reference, then timed (GPU); reference time (CPU)."""
+    """Every variant of both paths at this M: checked against the reference, then timed (GPU), and the
+    dequantization alone; reference time (CPU)."""
     n, k, w0 = shape.n, shape.k, shape.weights[0]
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     x = torch.randn(m, k, dtype=dtype, device=device)
     ref = int4_gemm_ref(x, **w0, group_size=GROUP_SIZE)
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
     configs, aliases = variants_at(m, n, k, num_sms)
     row: dict[str, Any] = {"layer": shape.name, "m": m, "n": n, "k": k, "aliases": aliases, "us": {}, "err": {}}
-    timer = _timer(device)
     weights = shape.weights if m < PREFILL[0] else shape.weights[:2]  # prefill is compute bound: no L2 games
     for name, cfg in configs.items():
-        try:
-            err = _rel_err(int4_gemm(x, **w0, group_size=GROUP_SIZE, config=cfg), ref)  # compiles
-            row["err"][name] = float(f"{err:.1e}")
-            if err > tol:
-                row.setdefault("wrong", []).append(name)
-            elif device.type == "cuda":
-                calls: list[Callable[[], object]] = [
-                    partial(int4_gemm, x, **w, group_size=GROUP_SIZE, config=cfg) for w in weights
-                ]
-                row["us"][name] = round(1e6 * timer(calls, reps), 2)
-        except Exception as exc:  # a variant past the shared-memory limit (OutOfResources): skip it
-            if name == "default":
-                raise
-            row.setdefault("skipped", {})[name] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        fused = partial(lambda cfg, x, w: int4_gemm(x, **w, group_size=GROUP_SIZE, config=cfg), cfg)
+        _check_and_time(row, name, fused, x, ref, weights, reps)
+    timer = _timer(device)
+    for v in DEQUANT_VARIANTS:
+        linear, dequant = _dequant_fns(shape, v)
+        _check_and_time(row, v.name, linear, x, ref, weights, reps)
+        if device.type == "cuda" and v.name in row["us"]:
+            row.setdefault("dequant_us", {})[v.name] = round(
+                1e6 * timer([partial(dequant, w) for w in weights], reps), 2
+            )
     if device.type == "cpu":  # interpreter: correctness only; the reference is what the CPU engine runs
         row["ref_ms"] = round(1e3 * timer([lambda: int4_gemm_ref(x, **w0, group_size=GROUP_SIZE)], reps), 3)
         return row
@@ -196,10 +287,13 @@ def _add_rates(row: dict[str, Any], t_cublas: float) -> None:
     best = min(us, key=us.__getitem__)
     gb = int4_bytes(m, n, k) / 1e9
     row["best"] = best
-    for key, t in (("default", us["default"]), ("best", us[best])):
-        row[f"{key}_gb_s"] = round(gb / (t * 1e-6), 1)
-        row[f"{key}_vs_cublas"] = round(t_cublas / t, 2)  # > 1: faster than bf16 cuBLAS
-    row["default_tflops"] = round(2 * m * n * k / (us["default"] * 1e-6) / 1e12, 1)
+    for key, t in (("fused", us[FUSED]), ("dequant", us.get(DEQUANT)), ("best", us[best])):
+        if t is not None:
+            row[f"{key}_gb_s"] = round(gb / (t * 1e-6), 1)
+            row[f"{key}_vs_cublas"] = round(t_cublas / t, 2)  # > 1: faster than bf16 cuBLAS
+    if DEQUANT in row.get("dequant_us", {}):  # the dequantization alone: its bytes over its time
+        row["dequant_gb_s"] = round(dequant_bytes(n, k) / 1e9 / (row["dequant_us"][DEQUANT] * 1e-6), 1)
+    row["fused_tflops"] = round(2 * m * n * k / (us[FUSED] * 1e-6) / 1e12, 1)
     row["cublas_tflops"] = round(2 * m * n * k / (t_cublas * 1e-6) / 1e12, 1)
 
 
@@ -210,8 +304,10 @@ def bench_gemm(args: argparse.Namespace, device: torch.device) -> list[dict[str,
     rows = []
     for name, n, k in shapes:
         shape = make_shape(name, n, k, dtype, device)
+        exact = dequant_exact(shape)
         for m in m_values:
             row = bench_case(shape, m, dtype, device, args.reps if m < PREFILL[0] else max(3, args.reps // 4))
+            row["dequant_exact"] = exact
             print(json.dumps(row), flush=True)
             rows.append(row)
         del shape
@@ -222,139 +318,46 @@ def bench_gemm(args: argparse.Namespace, device: torch.device) -> list[dict[str,
 
 # at M = 1, 4 (gemv) and 16 (dot): the default (atomic), the counter and the other kernel
 GRAPH_CHECKS: dict[str, dict[str, Any]] = {
-    "default": {},
+    FUSED: {},
     "counter": {"split_reduce": "counter"},
     "dot": {"kernel": "dot"},
 }
 
 
+def _replay_error(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, w: dict[str, torch.Tensor]) -> float:
+    """``fn(x)`` run once, captured in a CUDA graph and replayed 5 times with new ``x``: the worst relative
+    error against the reference."""
+    fn(x)  # compiles; grows the shared split-K scratch, allocates the dequant scratch
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(x)
+    worst = 0.0
+    for _ in range(5):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        worst = max(worst, _rel_err(out, int4_gemm_ref(x, **w, group_size=GROUP_SIZE)))
+    return float(f"{worst:.1e}")
+
+
 def check_graph_replay(device: torch.device) -> dict[str, float]:
-    """The default launch and the in-kernel split reductions, down_proj (K = 14336, split-K) captured in a
-    CUDA graph and replayed with new activations: the worst relative error of 5 replays per case (the
-    arrival counters must come back to zero for the next replay)."""
+    """Both paths on down_proj (K = 14336) replayed from CUDA graphs: the fused GEMM's default launch and its
+    in-kernel split reductions (the arrival counters must come back to zero for the next replay) at
+    M = 1, 4, 16, and dequant+matmul (its scratch allocated before the capture) at M = 256."""
     w = random_int4(4096, 14336, torch.bfloat16, device)
     errors = {}
     for m in (1, 4, 16):
         for name, fields in GRAPH_CHECKS.items():
             cfg = Int4GemmConfig(**fields)
             x = torch.zeros(m, 14336, dtype=torch.bfloat16, device=device)
-            int4_gemm(x, **w, group_size=GROUP_SIZE, config=cfg)  # compile and grow the scratch first
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = int4_gemm(x, **w, group_size=GROUP_SIZE, config=cfg)
-            worst = 0.0
-            for _ in range(5):
-                x.copy_(torch.randn_like(x))
-                graph.replay()
-                worst = max(worst, _rel_err(out, int4_gemm_ref(x, **w, group_size=GROUP_SIZE)))
-            errors[f"{name} M={m}"] = float(f"{worst:.1e}")
+            errors[f"{name} M={m}"] = _replay_error(partial(int4_gemm, **w, group_size=GROUP_SIZE, config=cfg), x, w)
+    x = torch.zeros(256, 14336, dtype=torch.bfloat16, device=device)
+    scratch = DequantScratch()
+
+    def dequant_linear(x: torch.Tensor) -> torch.Tensor:
+        return int4_dequant_linear(x, w["qweight"], w["scales"], w["zeros"], GROUP_SIZE, scratch=scratch)
+
+    errors[f"{DEQUANT} M=256"] = _replay_error(dequant_linear, x, w)
     return errors
-
-
-def gemm_summary(rows: list[dict[str, Any]]) -> list[str]:
-    """Per shape and M: default, best variant, cuBLAS; per M: each variant's time over the
-    case's best, geometric mean over the shapes that ran it (1.00 = best everywhere)."""
-    lines = [
-        "layer    M    | default us  GB/s TFLOP/s x-cublas | best variant           us   GB/s x-cublas"
-        " | cublas us TFLOP/s"
-    ]
-    for r in (r for r in rows if "best" in r):
-        us = r["us"]
-        lines.append(
-            f"{r['layer']:8s} {r['m']:<4d} | {us['default']:8.1f} {r['default_gb_s']:6.0f} {r['default_tflops']:6.1f} "
-            f"{r['default_vs_cublas']:6.2f} | {r['best']:20s} "
-            f"{us[r['best']]:6.1f} {r['best_gb_s']:6.0f} {r['best_vs_cublas']:6.2f} | {r['cublas_us']:8.1f} "
-            f"{r['cublas_tflops']:6.1f}"
-        )
-    for m in sorted({r["m"] for r in rows if "best" in r}):
-        cases = [r for r in rows if r["m"] == m and "best" in r]
-        ratios: dict[str, list[float]] = {}
-        for r in cases:
-            best = r["us"][r["best"]]
-            for name, t in [*r["us"].items(), *((a, r["us"][b]) for a, b in r["aliases"].items() if b in r["us"])]:
-                ratios.setdefault(name, []).append(t / best)
-        geomean = {name: math.prod(v) ** (1 / len(v)) for name, v in ratios.items()}
-        cells = [
-            f"{name} {geomean[name]:.2f}" + ("" if len(ratios[name]) == len(cases) else f" ({len(ratios[name])})")
-            for name in sorted(geomean, key=geomean.__getitem__)
-        ]
-        lines.append(f"M={m} time/best: " + ", ".join(cells))
-    wrong = [f"{r['layer']} M={r['m']}: {r['wrong']}" for r in rows if r.get("wrong")]
-    return lines + ([f"WRONG RESULTS (excluded): {wrong}"] if wrong else [])
-
-
-def quantized_shape_folder(shape: str, max_model_len: int) -> Path:
-    """``shapes.shape_folder`` with a GPTQ-style 4-bit ``quantization_config`` (group 128, asymmetric)."""
-    from loadtest.shapes import shape_folder
-
-    folder = shape_folder(shape, max_position_embeddings=max_model_len)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = dict(
-        quant_method="gptq", bits=4, group_size=GROUP_SIZE, desc_act=False, sym=False, checkpoint_format="gptq_v2"
-    )
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
-
-
-def _weight_bytes_read(engine: Any) -> int:
-    """Bytes of every parameter and buffer a decode step reads: all but the embedding table (a lookup)."""
-    model = engine.executor.runner.model
-    tensors = [t for n, t in model.named_parameters() if "embed_tokens" not in n]
-    tensors += [t for n, t in model.named_buffers() if "rotary" not in n]
-    if getattr(model, "tie_word_embeddings", False):
-        tensors.append(model.lm_head.weight)
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def bench_model(args: argparse.Namespace, device: torch.device, quantized: bool) -> dict[str, Any]:
-    from engine.args import EngineArgs
-    from engine.engine import Engine
-    from loadtest.shapes import shape_folder
-    from loadtest.throughput import run_engine, run_latency
-    from loadtest.workloads import BenchRequest, make_workload
-
-    shape = "tiny" if args.tiny else args.shape
-    folder = quantized_shape_folder(shape, args.max_model_len) if quantized else shape_folder(shape, args.max_model_len)
-    engine_args = EngineArgs(
-        model=str(folder),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        max_model_len=args.max_model_len,
-        device="cpu" if args.tiny else "auto",
-        dtype="float32" if args.tiny else "bfloat16",
-        enforce_eager=args.enforce_eager,
-        num_gpu_blocks_override=256 if args.tiny else None,
-    )
-    engine = Engine(engine_args.create_engine_config())
-    vocab = engine.vocab_size
-    latency_req = make_workload("latency", vocab)[0]
-    if args.tiny:
-        latency_req = BenchRequest(latency_req.prompt_token_ids[:16], 8)
-    res: dict[str, Any] = {"model": "int4" if quantized else "bf16", "weight_gb": _weight_bytes_read(engine) / 1e9}
-    res["latency"] = run_latency(engine, latency_req)
-    if args.mixed and not args.tiny:
-        res["mixed"] = run_engine(engine, make_workload("mixed", vocab), "mixed")
-    res["weight_gb"] = round(res["weight_gb"], 3)
-    print(json.dumps(res), flush=True)
-    del engine
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return res
-
-
-def add_floors(results: dict[str, Any], copy_tb_s: float | None) -> None:
-    """Floor = weight bytes / copy bandwidth (bytes read + written per second, as ``shapes`` measures it)."""
-    if copy_tb_s is None:
-        return
-    for key in ("int4", "bf16"):
-        lat = results[key]["latency"]
-        floor_ms = results[key]["weight_gb"] * 1e9 / (copy_tb_s * 1e12) * 1e3
-        lat["floor_ms"] = round(floor_ms, 3)
-        lat["ratio_to_floor"] = round(lat["tpot_ms"] / floor_ms, 3)
-    results["int4_tpot_vs_bf16"] = round(
-        results["int4"]["latency"]["tpot_ms"] / results["bf16"]["latency"]["tpot_ms"], 3
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,18 +397,6 @@ def main(argv: list[str] | None = None) -> int:
         bad = {case: err for case, err in results["graph_replay_err"].items() if not err < 1e-2}
         print(f"CUDA-graph replays WRONG: {bad}" if bad else "CUDA-graph replays: all match the reference")
     return 0
-
-
-def bench_models(args: argparse.Namespace, device: torch.device, results: dict[str, Any]) -> None:
-    copy_tb_s = None
-    if device.type == "cuda":
-        from loadtest.shapes import measure_copy_bandwidth
-
-        copy_tb_s = measure_copy_bandwidth()
-        results["copy_tb_s"] = round(copy_tb_s, 3)
-    results["int4"] = bench_model(args, device, quantized=True)
-    results["bf16"] = bench_model(args, device, quantized=False)
-    add_floors(results, copy_tb_s)
 
 
 if __name__ == "__main__":

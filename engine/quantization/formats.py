@@ -1,5 +1,5 @@
 """Each checkpoint format's packed tensors, read for one rank and repacked into the kernel's layout
-(``kernels.int4_gemm``: qweight ``[K/8, N]`` int32, scales ``[groups, N]``, zeros ``[groups, N]`` uint8).
+(``kernels.int4_dequant``: qweight ``[K/8, N]`` int32, scales ``[groups, N]``, zeros ``[groups, N]`` uint8).
 
 Slices are given in HF coordinates (output features ``n0 : n0 + n``, input features ``k0 : k0 + k``, groups
 ``g0 : g0 + g``) and mapped onto the packed dimensions, so each rank reads only its own bytes. Layouts:
@@ -18,7 +18,7 @@ import torch
 
 from engine.layers.weights import WeightSource
 from engine.quantization.config import Int4Config
-from kernels.int4_gemm import PACK, pack_int4
+from kernels.int4_dequant import PACK, pack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column p of a word is nibble AWQ_REVERSE_ORDER[p]

@@ -1,10 +1,11 @@
 """The 4-bit weights of one linear layer: which parameters it holds, how a rank's slice of each checkpoint
-tensor lands in them, and the GEMM (Triton on CUDA, the torch reference elsewhere)."""
+tensor lands in them, and the GEMM (Triton on CUDA, the torch reference elsewhere). On CUDA, steps of fewer
+than ``DEQUANT_MIN_M`` tokens run the fused int4 GEMM; larger ones dequantize the layer's weight into one
+scratch buffer shared by all layers and call cuBLAS (``kernels.int4_dequant`` says why)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
 from typing import Any
 
 import torch
@@ -13,20 +14,11 @@ from torch import nn
 from engine.layers.weights import LinearSlice, WeightSource, copy_checked, set_weight_loader
 from engine.quantization.config import Int4Config
 from engine.quantization.formats import read_qweight, read_scales, read_zeros
-from kernels.int4_gemm import PACK, int4_gemm_ref
+from kernels._triton import HAS_TRITON
+from kernels.int4_dequant import DEQUANT_MIN_M, PACK, DequantScratch, int4_dequant_linear
+from kernels.int4_gemm import int4_gemm, int4_gemm_ref
 
 SYMMETRIC_ZERO = 8  # the zero code of symmetric 4-bit weights (signed values stored with an offset of 8)
-
-
-@cache
-def _triton_int4_gemm() -> Callable[..., Any] | None:
-    from kernels._triton import HAS_TRITON
-
-    if not HAS_TRITON:
-        return None
-    from kernels.int4_gemm import int4_gemm
-
-    return int4_gemm
 
 
 def _new(shape: tuple[int, ...], dtype: torch.dtype | None, kind: str, loader: Callable[..., None]) -> nn.Parameter:
@@ -37,11 +29,13 @@ def _new(shape: tuple[int, ...], dtype: torch.dtype | None, kind: str, loader: C
 
 
 class Int4LinearMethod:
-    """Creates ``qweight``/``scales``/``zeros``/``g_idx`` on a linear layer (shapes of ``kernels.int4_gemm``)
-    and fills them from any supported format; ``apply`` is the layer's matmul."""
+    """Creates ``qweight``/``scales``/``zeros``/``g_idx`` on a linear layer (layout of ``kernels.int4_dequant``)
+    and fills them from any supported format; ``apply`` is the layer's matmul. One instance serves a whole
+    model (one rank of it): it holds the dequantization scratch, sized for the largest layer it created."""
 
     def __init__(self, config: Int4Config) -> None:
         self.config = config
+        self.scratch = DequantScratch()
 
     def create_weights(
         self, layer: Any, input_size: int, output_size: int, loader: Callable[..., None], is_row_parallel: bool
@@ -63,6 +57,7 @@ class Int4LinearMethod:
                 )
             group_size, num_groups = c.group_size, input_size // c.group_size
         layer.group_size = group_size
+        self.scratch.reserve(output_size, input_size)  # this rank's slice: what apply dequantizes
         layer.qweight = _new((input_size // PACK, output_size), torch.int32, "qweight", loader)
         layer.scales = _new((num_groups, output_size), None, "scales", loader)
         if c.has_zeros:
@@ -101,8 +96,18 @@ class Int4LinearMethod:
         copy_checked(param.data.narrow(1, sl.dst_offset, sl.out_size), piece, kind)
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        fn = _triton_int4_gemm() if x.is_cuda else None
-        return (fn or int4_gemm_ref)(x, layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.g_idx)
+        if x.is_cuda and HAS_TRITON:
+            return self.apply_triton(layer, x)
+        return int4_gemm_ref(x, layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.g_idx)
+
+    def apply_triton(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """The CUDA path (tests run it on CPU under the Triton interpreter). Decode graphs capture
+        it up to max_num_seqs rows, so at M >= DEQUANT_MIN_M too: the scratch is allocated by the first
+        such step, which the profile run or the graphs' warm-up makes before any capture."""
+        weights = (layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.g_idx)
+        if x.shape[0] >= DEQUANT_MIN_M:
+            return int4_dequant_linear(x, *weights, scratch=self.scratch)
+        return int4_gemm(x, *weights)
 
     @staticmethod
     @torch.no_grad()

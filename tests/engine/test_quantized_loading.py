@@ -1,7 +1,9 @@
 """Loading 4-bit checkpoints: each format's tensors, repacked into the kernel's layout, dequantize to exactly what
 the tool's own unpacking code gives (compressed-tensors' decompress, AutoAWQ's dequantize_gemm, AutoGPTQ's
-QuantLinear); the model holds no dense projection weights; each TP rank's slices (column and row parallel,
-act-order g_idx) are exactly its part of the single-rank weights; unsupported configs fail with a clear error."""
+QuantLinear), with the torch reference and with the Triton dequantization (the interpreter on CPU); the model
+holds no dense projection weights; each TP rank's slices (column and row parallel, act-order g_idx) are exactly
+its part of the single-rank weights; a rank's large steps dequantize into one scratch sized for its largest
+slice; unsupported configs fail with a clear error."""
 
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ import modelfiles
 from engine.loader import load_hf_config, load_model
 from engine.parallel import ParallelState
 from engine.quantization import parse_quantization
-from kernels.int4_gemm import dequantize_int4
+from kernels.int4_dequant import DEQUANT_MIN_M, dequantize_int4, int4_dequant
+from kernels.int4_gemm import int4_gemm_ref
 from tests.engine.quantized_checkpoints import build_quantized_model, import_below_init
 
 LAYER = "model.layers.1"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the Triton kernels' (interpreter on CPU)
 
 
 def _load(folder: Path, rank: int = 0, world: int = 1) -> Any:
@@ -85,6 +89,10 @@ def test_repacked_weights_equal_the_tools_dequantization(tmp_path: Path, fmt: st
             ]
         )
         assert torch.equal(_dense(ours), expected.float())
+        qweight, scales, zeros = (t.to(DEVICE) for t in (ours.qweight, ours.scales, ours.zeros))
+        g_idx = ours.g_idx.to(DEVICE) if ours.g_idx is not None else None
+        triton_dense = int4_dequant(qweight, scales, zeros, ours.group_size, g_idx)
+        assert torch.equal(triton_dense.cpu(), expected.float())
 
 
 @pytest.mark.parametrize(
@@ -112,6 +120,29 @@ def test_tp_slices_are_the_ranks_part_of_the_weights(tmp_path: Path, fmt: str, o
     for r, layer in enumerate(ranks):
         qr, kr, vr = _dense(layer.self_attn.qkv_proj).split([32, 16, 16])
         assert torch.equal(qr, q.chunk(2)[r]) and torch.equal(kr, k.chunk(2)[r]) and torch.equal(vr, v.chunk(2)[r])
+
+
+def test_large_steps_dequantize_into_one_scratch_per_rank(tmp_path: Path) -> None:
+    """The CUDA path of the layers (here through the Triton interpreter) on rank 1 of 2: from DEQUANT_MIN_M
+    tokens each projection is dequantized into the model's one scratch, reserved at load for the rank's
+    largest sliced layer, and equals the GEMM reference bit for bit; a token fewer runs the fused GEMM."""
+    folder, _ = build_quantized_model(tmp_path, "gptq", "llama", seed=2, group_size=32, act_order=True)
+    layer = _load(folder, 1, 2).to(DEVICE).model.layers[0]
+    projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    method = projections[0].quant
+    assert all(p.quant is method for p in projections)
+    assert method.scratch.reserved_numel == max(p.qweight.shape[0] * 8 * p.qweight.shape[1] for p in projections)
+    gen = torch.Generator().manual_seed(0)
+    for m in (DEQUANT_MIN_M - 1, DEQUANT_MIN_M):
+        for p in projections:
+            x = torch.randn(m, p.qweight.shape[0] * 8, generator=gen).to(DEVICE)
+            out = method.apply_triton(p, x)
+            ref = int4_gemm_ref(x, p.qweight, p.scales, p.zeros, p.group_size, p.g_idx)
+            if m >= DEQUANT_MIN_M:
+                assert torch.equal(out, ref)
+            else:
+                assert float((out - ref).norm() / ref.norm()) < 1e-5
+        assert method.scratch.num_bytes() == (4 * method.scratch.reserved_numel if m >= DEQUANT_MIN_M else 0)
 
 
 def test_a_group_cut_by_a_tp_slice_is_an_error(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
-"""``loadtest/int4_bench.py --tiny`` runs on CPU: every GEMM variant of the sweep (Triton under the interpreter)
-checked against the reference at each M it applies to, and batch-1 latency of a tiny random int4 model beside
-its dense twin."""
+"""``loadtest/int4_bench.py --tiny`` runs on CPU: every variant of both paths of the sweep (fused GEMM and
+dequant+matmul, Triton under the interpreter) checked against the reference at each M it applies to, each
+dequantization bit for bit, and batch-1 latency of a tiny random int4 model beside its dense twin."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.int4_bench import LAYER_SHAPES_TINY, M_VALUES_TINY, VARIANTS, main
+from loadtest.int4_bench import DEQUANT_VARIANTS, LAYER_SHAPES_TINY, M_VALUES_TINY, VARIANTS, main
 
 
 @pytest.mark.slow
@@ -22,6 +22,7 @@ def test_int4_bench_tiny_mode(tmp_path: Path) -> None:
     assert not any(r.get("wrong") or r.get("skipped") for r in rows)
     assert all(err < 1e-4 for r in rows for err in r["err"].values())
     ran = {name for r in rows for name in [*r["err"], *r["aliases"]]}
-    assert ran == {v.name for v in VARIANTS}  # every variant runs (or is an alias) somewhere
+    assert ran == {v.name for v in [*VARIANTS, *DEQUANT_VARIANTS]}  # every variant runs (or is an alias) somewhere
+    assert all(all(r["dequant_exact"].values()) and len(r["dequant_exact"]) == len(DEQUANT_VARIANTS) for r in rows)
     assert res["int4"]["weight_gb"] < res["bf16"]["weight_gb"]
     assert res["int4"]["latency"]["tpot_ms"] > 0 and res["bf16"]["latency"]["tpot_ms"] > 0

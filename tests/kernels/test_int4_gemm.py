@@ -3,7 +3,9 @@
 dequantization) and the tl.dot path, each split-K reduced in the kernel (counter, atomic) or not split;
 groups (one or several tiles per group, a group that is not a power of two), channel-wise scales, GPTQ
 act-order g_idx, asymmetric zeros, strided activations, N not a multiple of the tile. The atomic
-reduction's GPU race (the interpreter runs programs one by one) is checked in the code compiled for sm_90."""
+reduction's GPU race (the interpreter runs programs one by one) is checked in the code compiled for sm_90.
+On a GPU, the large-M path (``kernels.int4_dequant``, tested on CPU in ``test_int4_dequant.py``) at the 8B
+shapes: the dequantization bit for bit, dequant + F.linear against the reference, replayed from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -17,16 +19,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.int4_gemm import (
-    GEMV_MAX_M,
-    Int4GemmConfig,
+from kernels.int4_dequant import (
+    DequantScratch,
     dequantize_int4,
-    int4_gemm,
-    int4_gemm_ref,
+    int4_dequant,
+    int4_dequant_linear,
     pack_int4,
-    pick_config,
     unpack_int4,
 )
+from kernels.int4_gemm import GEMV_MAX_M, Int4GemmConfig, int4_gemm, int4_gemm_ref, pick_config
 from kernels.int4_gemv import SPLIT_MODES, zeroed_scratch
 from tests.kernels.helpers import DEVICE, rel_err, tolerance
 
@@ -310,3 +311,56 @@ def test_real_size_replayed_from_a_cuda_graph(m: int, split_reduce: str | None, 
         x.copy_(torch.randn(m, 14336, generator=gen).to(torch.bfloat16))
         graph.replay()
         assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 128)) < tolerance(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("n", "k", "group_size", "act_order", "dtype"),
+    [
+        (28672, 4096, 128, False, torch.bfloat16),
+        (4096, 14336, 128, False, torch.bfloat16),
+        (6144, 4096, 4096, False, torch.float16),
+        (4096, 14336, 128, True, torch.bfloat16),
+    ],
+    ids=["gate_up", "down", "qkv-channel-fp16", "down-g_idx"],
+)
+def test_dequant_path_at_the_8b_shapes(
+    n: int, k: int, group_size: int, act_order: bool, dtype: torch.dtype, gen: torch.Generator
+) -> None:
+    """The compiled dequantization equals ``dequantize_int4`` bit for bit at the 8B projection shapes, and
+    dequant + F.linear at M = 128 (DEQUANT_MIN_M), 256 and 4096 the GEMM reference."""
+    _, qweight, scales, zeros, g_idx = _weights(k, n, group_size, act_order, dtype, gen)
+    qweight, scales, zeros = qweight.cuda(), scales.cuda(), zeros.cuda()
+    g = g_idx.cuda() if g_idx is not None else None
+    assert torch.equal(
+        int4_dequant(qweight, scales, zeros, group_size, g), dequantize_int4(qweight, scales, zeros, group_size, g)
+    )
+    scratch = DequantScratch()
+    scratch.reserve(n, k)
+    for m in (128, 256, 4096):
+        x = torch.randn(m, k, generator=gen).to(dtype).cuda()
+        out = int4_dequant_linear(x, qweight, scales, zeros, group_size, g, scratch=scratch)
+        assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, group_size, g)) < 1e-3
+    assert scratch.num_bytes() == n * k * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dequant_path_replayed_from_a_cuda_graph(gen: torch.Generator) -> None:
+    """down_proj at M = 256 captured after one eager call (which allocates the scratch) and replayed with new
+    activations; capturing before the scratch exists is an error, not an allocation from the graph's pool."""
+    _, qweight, scales, zeros, _ = _weights(14336, 4096, 128, False, torch.bfloat16, gen)
+    weights = (qweight.cuda(), scales.cuda(), zeros.cuda(), 128)
+    scratch = DequantScratch()
+    x = torch.zeros(256, 14336, dtype=torch.bfloat16, device="cuda")
+    int4_dequant_linear(x, *weights, scratch=scratch)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int4_dequant_linear(x, *weights, scratch=scratch)
+    for _ in range(3):
+        x.copy_(torch.randn(256, 14336, generator=gen).to(torch.bfloat16))
+        graph.replay()
+        assert rel_err(out, int4_gemm_ref(x, *weights)) < 1e-3
+    with pytest.raises(RuntimeError, match="before capturing"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        int4_dequant_linear(x, *weights, scratch=DequantScratch())

@@ -1,0 +1,103 @@
+"""The model part of ``loadtest.int4_bench``: batch-1 time per output token of an 8B-shape random int4 model
+(dummy weights, GPTQ config) against its own 4-bit floor (bytes of every weight read per token / measured
+copy bandwidth) and against the bf16 model in the same run; with ``--mixed``, the ``mixed`` workload's
+throughput for both (the int4 model's large steps take the dequant+matmul path from ``DEQUANT_MIN_M`` rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GROUP_SIZE = 128  # of the random int4 model, and of int4_bench's GEMM sweep
+
+
+def quantized_shape_folder(shape: str, max_model_len: int) -> Path:
+    """``shapes.shape_folder`` with a GPTQ-style 4-bit ``quantization_config`` (group 128, asymmetric)."""
+    from loadtest.shapes import shape_folder
+
+    folder = shape_folder(shape, max_position_embeddings=max_model_len)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = dict(
+        quant_method="gptq", bits=4, group_size=GROUP_SIZE, desc_act=False, sym=False, checkpoint_format="gptq_v2"
+    )
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def _weight_bytes_read(engine: Any) -> int:
+    """Bytes of every parameter and buffer a decode step reads: all but the embedding table (a lookup)."""
+    model = engine.executor.runner.model
+    tensors = [t for n, t in model.named_parameters() if "embed_tokens" not in n]
+    tensors += [t for n, t in model.named_buffers() if "rotary" not in n]
+    if getattr(model, "tie_word_embeddings", False):
+        tensors.append(model.lm_head.weight)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def bench_model(args: argparse.Namespace, device: torch.device, quantized: bool) -> dict[str, Any]:
+    from engine.args import EngineArgs
+    from engine.engine import Engine
+    from loadtest.shapes import shape_folder
+    from loadtest.throughput import run_engine, run_latency
+    from loadtest.workloads import BenchRequest, make_workload
+
+    shape = "tiny" if args.tiny else args.shape
+    folder = quantized_shape_folder(shape, args.max_model_len) if quantized else shape_folder(shape, args.max_model_len)
+    engine_args = EngineArgs(
+        model=str(folder),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=args.max_model_len,
+        device="cpu" if args.tiny else "auto",
+        dtype="float32" if args.tiny else "bfloat16",
+        enforce_eager=args.enforce_eager,
+        num_gpu_blocks_override=256 if args.tiny else None,
+    )
+    engine = Engine(engine_args.create_engine_config())
+    vocab = engine.vocab_size
+    latency_req = make_workload("latency", vocab)[0]
+    if args.tiny:
+        latency_req = BenchRequest(latency_req.prompt_token_ids[:16], 8)
+    res: dict[str, Any] = {"model": "int4" if quantized else "bf16", "weight_gb": _weight_bytes_read(engine) / 1e9}
+    res["latency"] = run_latency(engine, latency_req)
+    if args.mixed and not args.tiny:
+        res["mixed"] = run_engine(engine, make_workload("mixed", vocab), "mixed")
+    res["weight_gb"] = round(res["weight_gb"], 3)
+    print(json.dumps(res), flush=True)
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def add_floors(results: dict[str, Any], copy_tb_s: float | None) -> None:
+    """Floor = weight bytes / copy bandwidth (bytes read + written per second, as ``shapes`` measures it)."""
+    if copy_tb_s is None:
+        return
+    for key in ("int4", "bf16"):
+        lat = results[key]["latency"]
+        floor_ms = results[key]["weight_gb"] * 1e9 / (copy_tb_s * 1e12) * 1e3
+        lat["floor_ms"] = round(floor_ms, 3)
+        lat["ratio_to_floor"] = round(lat["tpot_ms"] / floor_ms, 3)
+    results["int4_tpot_vs_bf16"] = round(
+        results["int4"]["latency"]["tpot_ms"] / results["bf16"]["latency"]["tpot_ms"], 3
+    )
+
+
+def bench_models(args: argparse.Namespace, device: torch.device, results: dict[str, Any]) -> None:
+    copy_tb_s = None
+    if device.type == "cuda":
+        from loadtest.shapes import measure_copy_bandwidth
+
+        copy_tb_s = measure_copy_bandwidth()
+        results["copy_tb_s"] = round(copy_tb_s, 3)
+    results["int4"] = bench_model(args, device, quantized=True)
+    results["bf16"] = bench_model(args, device, quantized=False)
+    add_floors(results, copy_tb_s)

@@ -21,7 +21,8 @@ from cache.swap import SwapKVCacheManager
 from engine.config import EngineConfig
 from engine.core_messages import CoreStats, SeqOutput
 from engine.executor import Executor, make_executor
-from engine.inputs import StepInputs, TokenFill, build_step_inputs
+from engine.input_batch import InputBatch
+from engine.inputs import StepInputs, TokenFill
 from engine.model_runner import effective_max_model_len
 from engine.request import Request, RequestStatus, validate_request
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
@@ -66,6 +67,10 @@ class Engine:
             else KVCacheManager(spec.num_blocks, spec.block_size, config.cache.enable_prefix_caching)
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        # block tables kept between steps (rank 0 builds each step's inputs once, also under tensor parallelism)
+        self.input_batch = InputBatch(
+            spec.block_size, config.scheduler.max_num_seqs, -(-self.max_model_len // spec.block_size)
+        )
         self.sampler = Sampler(self.executor.device)
         self.eos_token_ids = self._eos_token_ids()
         self._generators: dict[str, torch.Generator] = {}
@@ -178,7 +183,7 @@ class Engine:
 
     def _execute(self, out: SchedulerOutput) -> torch.Tensor:
         self.computed_tokens_total += out.num_tokens
-        inputs = build_step_inputs(out, self.kv.block_size)
+        inputs = self.input_batch.build(out)
         return self.executor.execute_model(inputs, self._token_fill(out, inputs))
 
     def _resolve_inflight(self) -> list[SeqOutput]:

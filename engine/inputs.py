@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.request import Request
 from engine.scheduler import SchedulerOutput
 
 
@@ -48,10 +49,31 @@ class TokenFill:
 
 # Host-side stand-in for an input token that is known only on the device (``TokenFill`` overwrites it before
 # the forward pass). Any valid id works; no request ever holds it.
-_IN_FLIGHT_INPUT = 0
+IN_FLIGHT_INPUT = 0
+
+
+def extend_token_ids(input_ids: list[int], request: Request, start: int, end: int) -> None:
+    """Append the ids of ``request``'s tokens ``[start, end)``; one still on the device as ``IN_FLIGHT_INPUT``."""
+    num_prompt = len(request.prompt_token_ids)
+    output_ids = request.output_token_ids
+    # Slice prompt and output separately: concatenating them per request per step is O(length).
+    if start >= num_prompt:
+        input_ids.extend(output_ids[start - num_prompt : end - num_prompt])
+    elif end <= num_prompt:
+        input_ids.extend(request.prompt_token_ids[start:end])
+    else:
+        input_ids.extend(request.prompt_token_ids[start:])
+        input_ids.extend(output_ids[: end - num_prompt])
+    # Asynchronous scheduling: the chunk may end on the token of the step in flight, which the output
+    # slices above do not have (the request holds a count for it, no id).
+    num_missing = end - num_prompt - len(output_ids)
+    if num_missing > 0:
+        input_ids.extend([IN_FLIGHT_INPUT] * num_missing)
 
 
 def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
+    """The step's tensors rebuilt from the requests' lists: the reference ``engine.input_batch.InputBatch``
+    must equal (it keeps the block tables between steps, which is what the engine runs)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -64,20 +86,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
         request = chunk.request
         start = request.num_computed_tokens
         end = start + chunk.num_new_tokens
-        num_prompt = request.num_prompt_tokens
-        # Slice prompt and output separately: concatenating them per request per step is O(length).
-        if start >= num_prompt:
-            input_ids.extend(request.output_token_ids[start - num_prompt : end - num_prompt])
-        elif end <= num_prompt:
-            input_ids.extend(request.prompt_token_ids[start:end])
-        else:
-            input_ids.extend(request.prompt_token_ids[start:])
-            input_ids.extend(request.output_token_ids[: end - num_prompt])
-        # Asynchronous scheduling: the chunk may end on the token of the step in flight, which the output
-        # slices above do not have (the request holds a count for it, no id).
-        num_missing = end - num_prompt - len(request.output_token_ids)
-        if num_missing > 0:
-            input_ids.extend([_IN_FLIGHT_INPUT] * num_missing)
+        extend_token_ids(input_ids, request, start, end)
         blocks = request.block_ids
         if end - start == 1:
             positions.append(start)

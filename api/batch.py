@@ -24,12 +24,15 @@ Source = tuple[PreparedRequest, Subscription | None, JobResult | None]  # (job, 
 
 
 async def start_all(svc: CompletionService, preps: list[PreparedRequest]) -> list[Source]:
-    """Cache lookups, then subscribe-and-enqueue every uncached prompt; on failure, release what started."""
+    """Each prompt's cached answer or its subscribed-and-enqueued job; on failure, release what started."""
     sources: list[Source] = []
     try:
         for prep in preps:
-            cached = await svc.cached(prep)
-            sources.append((prep, None if cached is not None else await svc.submit(prep), cached))
+            started = await svc.start(prep)
+            if isinstance(started, JobResult):
+                sources.append((prep, None, started))
+            else:
+                sources.append((prep, started, None))
     except BaseException:
         for _, sub, _ in sources:
             if sub is not None:

@@ -67,13 +67,18 @@ class JobQueue:
         running = sum(w.active_jobs for w in await self.workers())
         return max(0, queued - running)
 
-    async def admit(self, payload: JobPayload, meta: JobMeta) -> None:
-        """Queue the job and its meta in one atomic round trip (``api.admission``). 503 with Retry-After when
-        no worker has been live for ``queue_without_workers_s``; 429 with Retry-After when the jobs waiting
-        (the queue set less the jobs the workers' last heartbeats say they run) reach ``max_queue_depth``."""
+    async def admit(self, payload: JobPayload, meta: JobMeta, cache_key: str | None = None) -> bytes | None:
+        """Queue the job and its meta in one atomic round trip (``api.admission``), unless the response cache
+        holds ``cache_key``: then its answer (JSON) is returned and nothing is queued. 503 with Retry-After when
+        no worker has been live for ``queue_without_workers_s`` (a cached answer is still served then); 429 with
+        Retry-After when the jobs waiting (the queue set less the jobs the workers' last heartbeats say they
+        run) reach ``max_queue_depth``."""
         workers = await self.workers()  # cached: a round trip at most every cache_s
         is_live = any(not w.draining for w in workers)
         if not is_live and time.time() - self._live_at >= self.queue_without_workers_s:
+            cached: bytes | None = await self._redis.get(cache_key) if cache_key else None
+            if cached is not None:
+                return cached
             raise ApiError(
                 503,
                 f"no worker is serving this model; retry after {self.retry_after_s} s",
@@ -82,11 +87,14 @@ class JobQueue:
                 headers={"Retry-After": str(self.retry_after_s)},
             )
         running = sum(w.active_jobs for w in workers)
-        admitted = await self._admission.admit(payload, meta, self.max_queue_depth + running)
+        admitted = await self._admission.admit(payload, meta, self.max_queue_depth + running, cache_key)
+        if admitted.outcome == "cached":
+            return admitted.cached
         if admitted.outcome == "duplicate":
             raise ApiError(409, f"a job with id {payload.request_id} already exists", code="duplicate_request_id")
         if admitted.outcome == "full":
             raise self._queue_full(admitted.queue_size - running, workers)
+        return None
 
     def _queue_full(self, waiting: int, workers: list[WorkerHeartbeat]) -> ApiError:
         capacity = sum(w.capacity for w in workers) or 1

@@ -27,7 +27,7 @@ from api.streams import collect, formatter_for, job_event_stream, openai_stream,
 from api.tracing import annotate_request
 from api.validation import BodyRoute
 from wire import keys
-from wire.messages import FinalEvent, JobMeta, encode_event
+from wire.messages import FinalEvent, JobMeta, JobResult, encode_event
 
 try:
     VERSION = importlib.metadata.version("pagedserve")
@@ -105,12 +105,11 @@ async def _serve(request: Request, prep: PreparedRequest) -> Response:
 
 async def _serve_traced(request: Request, prep: PreparedRequest) -> Response:
     svc = _svc(request)
-    cached = await svc.cached(prep)
-    if cached is not None:
+    sub = await svc.start(prep)
+    if isinstance(sub, JobResult):  # the response cache's answer
         if prep.stream:
-            return _openai_sse(openai_stream(svc, prep, None, cached))
-        return JSONResponse(formatter_for(svc, prep).response(cached))
-    sub = await svc.submit(prep)
+            return _openai_sse(openai_stream(svc, prep, None, sub))
+        return JSONResponse(formatter_for(svc, prep).response(sub))
     if prep.stream:
         return _openai_sse(openai_stream(svc, prep, sub))
     result = await collect(svc, prep, sub, request)

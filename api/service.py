@@ -198,7 +198,9 @@ class CompletionService:
     async def cached(self, prep: PreparedRequest) -> JobResult | None:
         if self.cache is None or prep.cache_key is None:
             return None
-        hit = await self.cache.get(prep.cache_key)
+        return self._hit(prep, await self.cache.get(prep.cache_key))
+
+    def _hit(self, prep: PreparedRequest, hit: dict[str, Any] | None) -> JobResult | None:
         if hit is None:
             self.metrics.cache_misses.inc()
             return None
@@ -225,9 +227,9 @@ class CompletionService:
             current_context_carrier(),
         )
 
-    async def _admit(self, prep: PreparedRequest, payload: JobPayload) -> None:
+    async def _admit(self, prep: PreparedRequest, payload: JobPayload, cache_key: str | None = None) -> bytes | None:
         try:
-            await self.queue.admit(payload, prep.meta())
+            return await self.queue.admit(payload, prep.meta(), cache_key)
         except ApiError as exc:
             if exc.code in ("queue_full", "no_live_worker"):
                 self.metrics.rejected.labels(exc.code).inc()
@@ -239,18 +241,27 @@ class CompletionService:
         payload.stream = True
         await self._admit(prep, payload)
 
-    async def submit(self, prep: PreparedRequest) -> Subscription:
-        """Listen for the job's events, then enqueue it: no event can be published before we listen. They come
-        through this process's reply channel, batched per engine step with its other jobs' events."""
+    async def start(self, prep: PreparedRequest) -> Subscription | JobResult:
+        """The response cache's answer, or a subscription to the job queued for it. Listen for the job's events,
+        then enqueue it: no event can be published before we listen. They come through this process's reply
+        channel, batched per engine step with its other jobs' events. The cache lookup is part of the admission
+        script: one round trip for both."""
+        cache_key = prep.cache_key if self.cache is not None else None
         sub = await self.relay.subscribe(prep.request_id, own_channel=False)  # local: no round trip
         try:
             payload = self.payload(prep)
             payload.reply_channel = self.relay.reply_channel
-            await self._admit(prep, payload)
+            raw = await self._admit(prep, payload, cache_key)
         except BaseException:
             await self.relay.unsubscribe(sub)
             raise
-        return sub
+        if self.cache is None or cache_key is None:
+            return sub
+        result = self._hit(prep, await self.cache.record(raw))
+        if result is None:
+            return sub
+        await self.relay.unsubscribe(sub)
+        return result
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run cleanup (abort, unsubscribe) detached: it must finish even when the request task is cancelled."""

@@ -65,7 +65,10 @@ class ResponseCache:
         return f"{self._prefix}{namespace}:{digest}" if namespace else self._prefix + digest
 
     async def get(self, key: str) -> dict[str, Any] | None:
-        raw = await self._redis.get(key)
+        return await self.record(await self._redis.get(key))
+
+    async def record(self, raw: bytes | None) -> dict[str, Any] | None:
+        """Count a lookup made elsewhere (the API's admission script reads the entry itself) and decode its hit."""
         if raw is None:
             self.counters.misses += 1
             await self._count("misses")

@@ -265,3 +265,48 @@ def test_a_burst_that_finds_the_heartbeat_cache_stale_reads_it_once(redis_url: s
 
     results = asyncio.run(burst())
     assert all([w.worker_id for w in r] == ["w1"] for r in results)
+
+
+async def test_admission_answers_from_the_response_cache_without_queueing(redis_url: str) -> None:
+    """With a cache key the script returns the cached answer and writes nothing; on a miss it admits as before."""
+    pool = ArqRedis.from_url(redis_url)
+    try:
+        now = time.time()
+        meta = JobMeta("completion", MODEL, int(now), 1, False, owner="k")
+        hit_job = JobPayload("hit-job", MODEL, [1, 2], SamplingSpec(), now, now + 60, events_ttl_s=120)
+        await pool.set("test-cache:answer", b'{"answer": 1}')
+        admitted = await Admission(pool).admit(hit_job, meta, 10, cache_key="test-cache:answer")
+        assert (admitted.outcome, admitted.cached) == ("cached", b'{"answer": 1}')
+        assert await pool.zscore(keys.QUEUE, "hit-job") is None
+        assert not await pool.exists(keys.ARQ_JOB_PREFIX + "hit-job", keys.job_meta_key("hit-job"))
+        miss_job = JobPayload("miss-job", MODEL, [1, 2], SamplingSpec(), now, now + 60, events_ttl_s=120)
+        admitted = await Admission(pool).admit(miss_job, meta, 10, cache_key="test-cache:absent")
+        assert (admitted.outcome, admitted.cached) == ("ok", None)
+        assert await pool.zscore(keys.QUEUE, "miss-job") is not None
+        assert JobMeta.from_json(await pool.get(keys.job_meta_key("miss-job"))) == meta
+    finally:
+        await pool.delete(keys.QUEUE, keys.ARQ_JOB_PREFIX + "miss-job", keys.job_meta_key("miss-job"))
+        await pool.aclose()
+
+
+async def test_cached_answer_served_when_no_worker_is_live(redis_server: RedisServer, redis_url: str) -> None:
+    """An API that answers 503 at once without a live worker still serves what its cache holds (read apart from
+    the admission script, which is not run then), and still refuses what it does not hold."""
+    filler = start_api(redis_server)  # queues without workers: a scripted worker answers once
+    strict = start_api(redis_server, queue_without_workers_s=0.0)
+    try:
+        worker = ScriptedWorker(redis_url, pieces=["from", " cache"])
+        kwargs = {"model": MODEL, "prompt": "cache me", "max_tokens": 2, "temperature": 0.0}
+        fill = openai.AsyncOpenAI(base_url=filler.url + "/v1", api_key="none", max_retries=0, timeout=10)
+        first, _ = await asyncio.gather(fill.completions.create(**kwargs), worker.serve())  # type: ignore[call-overload]
+        assert first.choices[0].text == "from cache"
+        client = openai.AsyncOpenAI(base_url=strict.url + "/v1", api_key="none", max_retries=0, timeout=10)
+        raw = await client.completions.with_raw_response.create(**kwargs)  # type: ignore[call-overload]
+        assert raw.parse().choices[0].text == "from cache" and raw.headers["X-Cache"] == "hit"
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.completions.create(**{**kwargs, "prompt": "not cached"})  # type: ignore[call-overload]
+        assert refused.value.status_code == 503 and refused.value.body["code"] == "no_live_worker"  # type: ignore[index]
+        assert redis.Redis.from_url(redis_url).zcard(keys.QUEUE) == 0
+    finally:
+        filler.stop()
+        strict.stop()

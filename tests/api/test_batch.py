@@ -4,6 +4,7 @@ prompt-major, usage added up, one usage chunk, the first error ends the request 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -91,8 +92,13 @@ async def test_one_failing_prompt_fails_the_batch_and_aborts_the_rest(api: Serve
         client = aioredis.Redis.from_url(redis_url)
         await JobEventWriter(client, payload.request_id, 60).error("boom", "server_error", "engine_error", 500)
         await client.aclose()
-        await asyncio.sleep(1.0)  # let the API abort the others
-        return [m.decode() for m in await aioredis.Redis.from_url(redis_url).zrange(keys.ARQ_ABORT_SET, 0, -1)]
+        reader = aioredis.Redis.from_url(redis_url)
+        deadline = time.monotonic() + 10  # the API aborts the others in the background (slow on a loaded VM)
+        while await reader.zcard(keys.ARQ_ABORT_SET) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        aborted = [m.decode() for m in await reader.zrange(keys.ARQ_ABORT_SET, 0, -1)]
+        await reader.aclose()
+        return aborted
 
     create = _client(api).completions.create(model=MODEL, prompt=PROMPTS, max_tokens=2)
     results = await asyncio.gather(create, fail_first(), return_exceptions=True)

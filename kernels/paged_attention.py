@@ -112,36 +112,33 @@ def _online_softmax_step(s, v, m_i, l_i, acc, MAY_BE_EMPTY: tl.constexpr, DOT_PR
 
 @triton.jit
 def _merge_partitions(
-    seq_len, rows, row_mask, out_rows, part_out_ptr, part_stats_ptr, num_partitions,
+    seq_len, base, out_row_ptr, part_out_ptr, part_stats_ptr, num_partitions,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Merge the partition results of the heads whose scratch rows start at ``rows`` (``[R]``, the first
-    partition's row) into the output rows at pointers ``out_rows``: an online softmax over chunks of
-    partitions, so a chunk's stats and outputs are loaded together (one L2 round trip per chunk).
-    .cg: read from L2, where the other programs' stores landed (the fused variant reads them right away)."""
+    """Merge one head's partition results (scratch rows ``base + p``) into its output row: an online softmax
+    over chunks of partitions, so a chunk's stats and outputs come in one L2 round trip (.cg: from L2,
+    where the other programs' stores landed; the fused variant reads them right away)."""
     num_parts = tl.minimum(tl.cdiv(seq_len, PARTITION_SIZE), num_partitions)  # the rest were never written
     d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = d < HEAD_DIM
-    m_run = tl.full(rows.shape, float("-inf"), tl.float32)  # [R]
-    l_run = tl.zeros(rows.shape, tl.float32)
-    acc = tl.zeros([rows.shape[0], HEAD_DIM_PAD], tl.float32)  # [R, D]
+    m_run = tl.full([1], float("-inf"), tl.float32)
+    l_run = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
     for c in range(0, num_parts, CHUNK):
         pc = c + tl.arange(0, CHUNK)
-        rc = rows[:, None] + pc[None, :]  # [R, CHUNK] scratch rows
-        rc_mask = row_mask[:, None] & (pc < num_parts)[None, :]
-        m_c = tl.load(part_stats_ptr + rc * 2, mask=rc_mask, other=float("-inf"), cache_modifier=".cg")
-        l_c = tl.load(part_stats_ptr + rc * 2 + 1, mask=rc_mask, other=0.0, cache_modifier=".cg")
-        o_c = tl.load(part_out_ptr + rc[:, :, None] * HEAD_DIM + d[None, None, :],
-                      mask=rc_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
-        m_new = tl.maximum(m_run, tl.max(m_c, axis=1))
+        pc_mask = pc < num_parts
+        m_c = tl.load(part_stats_ptr + (base + pc) * 2, mask=pc_mask, other=float("-inf"), cache_modifier=".cg")
+        l_c = tl.load(part_stats_ptr + (base + pc) * 2 + 1, mask=pc_mask, other=0.0, cache_modifier=".cg")
+        o_c = tl.load(part_out_ptr + (base + pc)[:, None] * HEAD_DIM + d[None, :],
+                      mask=pc_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m_run, tl.max(m_c, axis=0))
         m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # a window may hide whole partitions
         alpha = tl.exp2(m_run - m_ref)
-        w = l_c * tl.exp2(m_c - m_ref[:, None])  # [R, CHUNK]
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_c, axis=1)
-        l_run = l_run * alpha + tl.sum(w, axis=1)
+        w = l_c * tl.exp2(m_c - m_ref)  # [CHUNK]
+        acc = acc * alpha + tl.sum(w[:, None] * o_c, axis=0)
+        l_run = l_run * alpha + tl.sum(w, axis=0)
         m_run = m_new
-    o = acc / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
-    tl.store(out_rows[:, None] + d[None, :], o.to(out_rows.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    o = acc / tl.where(l_run > 0.0, l_run, 1.0)
+    tl.store(out_row_ptr + d, o.to(out_row_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
@@ -153,7 +150,7 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, MERGE_ROWS: tl.constexpr, CHUNK: tl.constexpr,
+    UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -169,8 +166,9 @@ def _decode_partition_kernel(
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     heads = kvh * GROUP + g
+    live = part_start < seq_len  # the block tables' width may exceed this sequence: nothing to do past it
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+                mask=g_mask[:, None] & d_mask[None, :] & live, other=0.0)  # fmt: skip
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -192,29 +190,30 @@ def _decode_partition_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         # [num_seqs, num_heads, num_partitions] scratch rows; partitions past seq_len are never read
-        live = part_start < seq_len
         row = (seq * (GROUP * tl.num_programs(1)) + heads) * num_partitions + part  # [GROUP_PAD]
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask & live)
         tl.store(part_stats_ptr + row * 2, m_i, mask=g_mask & live)
         tl.store(part_stats_ptr + row * 2 + 1, l_i, mask=g_mask & live)
-        if FUSED_REDUCE:  # the last program of (seq, kv head) to finish merges all partitions: no second launch
-            # Ordering (PTX memory model, the pattern of a cooperative-groups grid sync, as in int4_gemv):
-            # the barrier makes every warp's stores above visible to the thread that issues the scalar
-            # atomic, whose acq_rel add releases them at GPU scope; in the last program the same add
-            # acquires the other programs' stores, and every thread learns its result through shared
-            # memory behind a barrier, so the merge's .cg loads (L2, not the stale L1) come after it.
-            tl.debug_barrier()
-            counter = counters_ptr + seq * tl.num_programs(1) + kvh
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_partitions - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed")  # zero again for the next call and graph replay
-                g_rows = tl.arange(0, MERGE_ROWS)  # this KV head's query heads, unpadded for tl.dot
-                m_heads = kvh * GROUP + g_rows
-                _merge_partitions(
-                    seq_len, (seq * (GROUP * tl.num_programs(1)) + m_heads) * num_partitions, g_rows < GROUP,
-                    out_ptr + seq * stride_os + m_heads * stride_oh, part_out_ptr, part_stats_ptr, num_partitions,
-                    HEAD_DIM, HEAD_DIM_PAD, PARTITION_SIZE, CHUNK,
-                )  # fmt: skip
+        # the last live program of (seq, kv head) to finish merges all partitions: no second launch
+        if FUSED_REDUCE:  # noqa: SIM102 - a constexpr branch (resolved at compile time) around a runtime one
+            if live:  # the same in every thread of the program, so the barriers below are safe
+                # Ordering (PTX memory model, the pattern of a cooperative-groups grid sync, as in
+                # int4_gemv): the barrier makes every warp's stores above visible to the thread that issues
+                # the scalar atomic, whose acq_rel add releases them at GPU scope; in the last program the
+                # same add acquires the other programs' stores, and every thread learns its result through
+                # shared memory behind a barrier, so the merge's .cg loads (L2, not L1) come after it.
+                tl.debug_barrier()
+                counter = counters_ptr + seq * tl.num_programs(1) + kvh
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if arrived == tl.minimum(tl.cdiv(seq_len, PARTITION_SIZE), num_partitions) - 1:
+                    tl.atomic_xchg(counter, 0, sem="relaxed")  # zero again for the next call and graph replay
+                    for gi in tl.static_range(GROUP):  # one head at a time: [CHUNK, D] tiles, few registers
+                        head = kvh * GROUP + gi
+                        _merge_partitions(
+                            seq_len, (seq * (GROUP * tl.num_programs(1)) + head) * num_partitions,
+                            out_ptr + seq * stride_os + head * stride_oh, part_out_ptr, part_stats_ptr,
+                            num_partitions, HEAD_DIM, HEAD_DIM_PAD, PARTITION_SIZE, CHUNK,
+                        )  # fmt: skip
 
 
 @triton.jit
@@ -224,9 +223,9 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
-    head = tl.program_id(1) + tl.arange(0, 1)  # one head per program, as a [1] tile of rows
+    head = tl.program_id(1)
     _merge_partitions(
-        tl.load(seq_lens_ptr + seq), (seq * tl.num_programs(1) + head) * num_partitions, head >= 0,
+        tl.load(seq_lens_ptr + seq), (seq * tl.num_programs(1) + head) * num_partitions,
         out_ptr + seq * stride_os + head * stride_oh, part_out_ptr, part_stats_ptr, num_partitions,
         HEAD_DIM, HEAD_DIM_PAD, PARTITION_SIZE, CHUNK,
     )  # fmt: skip
@@ -305,9 +304,12 @@ def _paged_decode_attention(
     part_stats = query.new_empty((num_seqs, num_heads, num_partitions, 2) if not single else (1,), dtype=torch.float32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     counters = _arrival_counters(query.device, num_seqs * num_kv_heads) if plan.fused_reduce else part_stats
-    head_dim_pad, merge_rows = max(16, next_pow2(head_dim)), next_pow2(group)
-    # the fused merge's [rows, chunk, head_dim] fp32 tile of partial outputs: ~64 registers a thread
-    chunk = min(next_pow2(num_partitions), max(1, 64 * 32 * num_warps // (merge_rows * head_dim_pad)))
+    head_dim_pad = max(16, next_pow2(head_dim))
+    # The fused merge's [chunk, head_dim] fp32 tile: 4096 elements keep the kernel at or below the registers
+    # (so the programs per SM) of the two-launch one (ptxas for sm_90, d 128, group 4: 96 vs 128 at block_n
+    # 64, 128 vs 133 at block_n 128 with 2 stages, 80 at 8 warps). Merging all heads of the KV head in one
+    # [group, chunk, d] tile took 128-204.
+    chunk = min(next_pow2(num_partitions), max(1, 4096 // head_dim_pad))
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_stats, counters,
         scale * _LOG2E, sliding_window or 0,
@@ -316,7 +318,7 @@ def _paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=plan.block_n, PARTITION_SIZE=plan.partition_size, SINGLE_PARTITION=single,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
-        FUSED_REDUCE=plan.fused_reduce, MERGE_ROWS=merge_rows, CHUNK=chunk, num_warps=num_warps,
+        FUSED_REDUCE=plan.fused_reduce, CHUNK=chunk, num_warps=num_warps,
         num_stages=plan.num_stages,
     )  # fmt: skip
     if not single and not plan.fused_reduce:

@@ -171,7 +171,7 @@ print(compiled.asm["ttgir"])
 _FUSED_8B = {
     "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
     "PARTITION_SIZE": 128, "SINGLE_PARTITION": False, "USE_WINDOW": False, "DOT_PRECISION": "tf32",
-    "UPCAST": False, "FUSED_REDUCE": True, "MERGE_ROWS": 4, "CHUNK": 16,
+    "UPCAST": False, "FUSED_REDUCE": True, "CHUNK": 32,
 }  # fmt: skip
 
 

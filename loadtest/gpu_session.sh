@@ -35,7 +35,7 @@ elif [ "$stage" = 3 ]; then
     # PROFILE_DIR: py-spy; WAVES: waves per level (c=1 always runs 8 requests); STACK_ARGS: more bench flags
   done
 elif [ "$stage" = 4 ]; then
-  python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_gemm.py > "$out/int4_tests.txt" 2>&1 \
+  python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_gemm.py tests/kernels/test_int4_dequant.py > "$out/int4_tests.txt" 2>&1 \
     || echo "INT4 GPU TESTS FAILED (see int4_tests.txt)"
   tail -3 "$out/int4_tests.txt"
   # shellcheck disable=SC2086  # INT4_ARGS is a list of options

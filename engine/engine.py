@@ -218,6 +218,7 @@ class Engine:
             output_token_ids=[r.output_token_ids for r in rows],
             generators=[self._generators.get(r.request_id) for r in rows],
             eos_token_ids=[r.eos_token_ids for r in rows],
+            request_ids=[r.request_id for r in rows],
         )
 
     def _outputs(self, changed: list[Request]) -> list[SeqOutput]:

@@ -3,7 +3,8 @@
 One call picks the next token for every sequence that samples this step. All per-row settings
 (temperature, top-k, top-p, min-p, penalties) become per-row tensors, so the work is a handful of
 batched kernels whatever the mix of requests; the only Python loops fill a seeded row's random
-noise from that request's own generator and build padded token tensors for the penalties.
+noise from that request's own generator and gather the penalised rows' tokens (only the new ones when
+the batch names its requests: ``engine.penalty_state`` keeps each request's counts on the device).
 
 Order of operations (vLLM's): penalties (repetition, frequency, presence) -> logit_bias -> min_tokens
 masking of EOS / stop tokens -> [logprobs taken here] -> greedy argmax, or temperature -> top-k -> top-p ->
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.penalty_state import PenaltyState
 from engine.sampling_params import SamplingParams
 
 # When every sampling row has a top-k at most this, a partial top-k replaces the full vocabulary sort.
@@ -40,6 +42,9 @@ class SamplingBatch:
     # per row; while len(output) < min_tokens these and params.stop_token_ids are masked out
     # (ignore_eos does not change that: min_tokens always suppresses them)
     eos_token_ids: list[tuple[int, ...]]
+    # per row, the request it samples for: penalised rows keep their token counts in the sampler's
+    # ``PenaltyState`` between steps. None: counted from the lists above every step.
+    request_ids: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.params)
@@ -75,6 +80,7 @@ class Sampler:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.penalty_state = PenaltyState()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` (``[num_rows, vocab_size]``, float32).
@@ -130,7 +136,17 @@ class Sampler:
         row_index = torch.tensor(rows, device=device)
         sub = logits.index_select(0, row_index)  # [num_penalised, vocab]
 
-        output_counts = _token_counts([batch.output_token_ids[i] for i in rows], vocab_size, device)
+        prompt_seen: torch.Tensor | None = None  # [num_penalised, vocab] bool
+        if batch.request_ids is not None:
+            output_counts, prompt_seen = self.penalty_state.counts(
+                [batch.request_ids[i] for i in rows],
+                [batch.prompt_token_ids[i] for i in rows],
+                [batch.output_token_ids[i] for i in rows],
+                vocab_size,
+                device,
+            )
+        else:
+            output_counts = _token_counts([batch.output_token_ids[i] for i in rows], vocab_size, device)
         penalties = torch.tensor(
             [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
             dtype=torch.float32,
@@ -139,8 +155,9 @@ class Sampler:
         repetition, frequency, presence = (penalties[:, j : j + 1] for j in range(3))  # each [num_penalised, 1]
 
         if any(p.repetition_penalty != 1.0 for p in params):
-            prompt_counts = _token_counts([batch.prompt_token_ids[i] for i in rows], vocab_size, device)
-            seen = (prompt_counts > 0) | (output_counts > 0)
+            if prompt_seen is None:
+                prompt_seen = _token_counts([batch.prompt_token_ids[i] for i in rows], vocab_size, device) > 0
+            seen = prompt_seen | (output_counts > 0)
             penalised = torch.where(sub > 0, sub / repetition, sub * repetition)
             sub = torch.where(seen, penalised, sub)
         if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):

@@ -196,24 +196,37 @@ def _decode_partition_kernel(
         tl.store(part_stats_ptr + row * 2 + 1, l_i, mask=g_mask & live)
         # the last live program of (seq, kv head) to finish merges all partitions: no second launch
         if FUSED_REDUCE:  # noqa: SIM102 - a constexpr branch (resolved at compile time) around a runtime one
-            if live:  # the same in every thread of the program, so the barriers below are safe
-                # Ordering (PTX memory model, the pattern of a cooperative-groups grid sync, as in
-                # int4_gemv): the barrier makes every warp's stores above visible to the thread that issues
-                # the scalar atomic, whose acq_rel add releases them at GPU scope; in the last program the
-                # same add acquires the other programs' stores, and every thread learns its result through
-                # shared memory behind a barrier, so the merge's .cg loads (L2, not L1) come after it.
-                tl.debug_barrier()
-                counter = counters_ptr + seq * tl.num_programs(1) + kvh
-                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-                if arrived == tl.minimum(tl.cdiv(seq_len, PARTITION_SIZE), num_partitions) - 1:
-                    tl.atomic_xchg(counter, 0, sem="relaxed")  # zero again for the next call and graph replay
-                    for gi in tl.static_range(GROUP):  # one head at a time: [CHUNK, D] tiles, few registers
-                        head = kvh * GROUP + gi
-                        _merge_partitions(
-                            seq_len, (seq * (GROUP * tl.num_programs(1)) + head) * num_partitions,
-                            out_ptr + seq * stride_os + head * stride_oh, part_out_ptr, part_stats_ptr,
-                            num_partitions, HEAD_DIM, HEAD_DIM_PAD, PARTITION_SIZE, CHUNK,
-                        )  # fmt: skip
+            if live:  # the same in every thread of the program, so the barriers in there are safe
+                _merge_if_last(
+                    counters_ptr + seq * tl.num_programs(1) + kvh, seq, kvh, seq_len, out_ptr, part_out_ptr,
+                    part_stats_ptr, stride_os, stride_oh, num_partitions, tl.num_programs(1),
+                    GROUP, HEAD_DIM, HEAD_DIM_PAD, PARTITION_SIZE, CHUNK,
+                )  # fmt: skip
+
+
+@triton.jit
+def _merge_if_last(
+    counter, seq, kvh, seq_len, out_ptr, part_out_ptr, part_stats_ptr, stride_os, stride_oh, num_partitions,
+    num_kv_heads, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Count this program's arrival at its (seq, kv head); the last live one merges every head's partitions.
+    Ordering (PTX memory model, the pattern of a cooperative-groups grid sync, as in int4_gemv): the barrier
+    makes every warp's partial stores visible to the thread that issues the scalar atomic, whose acq_rel add
+    releases them at GPU scope; in the last program the same add acquires the other programs' stores, and
+    every thread learns its result through shared memory behind a barrier, so the merge's .cg loads (L2,
+    not L1) come after it."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.minimum(tl.cdiv(seq_len, PARTITION_SIZE), num_partitions) - 1:
+        tl.atomic_xchg(counter, 0, sem="relaxed")  # zero again for the next call and graph replay
+        for gi in tl.static_range(GROUP):  # one head at a time: [CHUNK, D] tiles, few registers
+            head = kvh * GROUP + gi
+            _merge_partitions(
+                seq_len, (seq * (GROUP * num_kv_heads) + head) * num_partitions,
+                out_ptr + seq * stride_os + head * stride_oh, part_out_ptr, part_stats_ptr, num_partitions,
+                HEAD_DIM, HEAD_DIM_PAD, PARTITION_SIZE, CHUNK,
+            )  # fmt: skip
 
 
 @triton.jit

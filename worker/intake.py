@@ -4,9 +4,10 @@ arq claims each job it polls with WATCH, EXISTS, ZSCORE and MULTI/EXEC: four seq
 run one job after another, so a burst of 512 requests took the worker front most of a second to start (on
 the H200 the stack's TTFT p50 at 256 streams was 1.2 s against the engine's 0.1 s). ``BatchClaimWorker``
 makes the same checks and the same in-progress mark for every polled job inside one Lua script (atomic, as
-the WATCH transaction was), then starts the claimed jobs exactly as arq does. It also polls as soon as the API
-announces a job (``keys.JOBS_CHANNEL``) instead of up to a poll interval later (TTFT at one stream). Pinned to arq 0.28's
-``start_jobs`` contract: the semaphore and ``job_counter`` bookkeeping and ``run_job`` are arq's own.
+the WATCH transaction was), reads there what arq's ``run_job`` would read per job, and runs the claimed jobs
+with ``worker.claimed`` (arq's outcomes, without its two round trips per job). It also polls as soon as the API
+announces a job (``keys.JOBS_CHANNEL``) instead of up to a poll interval later (TTFT at one stream). Pinned to
+arq 0.28's ``start_jobs`` contract: the semaphore and ``job_counter`` bookkeeping are arq's own.
 """
 
 from __future__ import annotations
@@ -16,27 +17,37 @@ import contextlib
 import time
 from typing import Any
 
-from arq.constants import in_progress_key_prefix
+from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix, retry_key_prefix
 from arq.worker import Worker
 
-# KEYS: the queue; ARGV: in-progress ttl ms, now ms, in-progress prefix, how many to claim at most, job ids.
-# Returns {[id, score, ...] of the jobs claimed: not in progress elsewhere, still queued, due; [ids in progress
-# elsewhere]}. The ids are all that the poll read (arq reads 5x max_jobs), not only the first ``room``: a queue's
+from worker.claimed import RETRY_KEY_TTL_S, ClaimedJob, FinishBatch, run_claimed
+
+# KEYS: the queue, the abort set; ARGV: in-progress ttl ms, now ms, in-progress prefix, how many to claim at most,
+# job prefix, retry prefix, retry key ttl s, job ids. Returns {[id, score, job record ('' if gone), its try (the
+# retry count, incremented), 1 if an abort mark was removed, ...] of the jobs claimed: not in progress elsewhere,
+# still queued, due; [ids in progress elsewhere]}: what arq's run_job reads in a round trip of its own per job
+# (``worker.claimed``). The ids are all that the poll read (arq reads 5x max_jobs), not only the first ``room``: a queue's
 # oldest jobs may be running on other workers (they stay queued until done), and a worker that only tried those
 # would take nothing. The worker skips those running elsewhere for a while (``skip_taken_s``), so that a burst's
 # polls by several workers do not check the same running jobs again and again (each check is Redis time).
 _CLAIM_SCRIPT = """
 local claimed, taken = {}, {}
-local ttl, now, prefix, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], 2 * tonumber(ARGV[4])
-for i = 5, #ARGV do
+local ttl, now, prefix, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], 5 * tonumber(ARGV[4])
+local job_prefix, retry_prefix, retry_ttl = ARGV[5], ARGV[6], tonumber(ARGV[7])
+for i = 8, #ARGV do
   if #claimed >= limit then break end
   local id = ARGV[i]
   local score = redis.call('ZSCORE', KEYS[1], id)
   if score and tonumber(score) <= now then
     if redis.call('EXISTS', prefix .. id) == 0 then
       redis.call('PSETEX', prefix .. id, ttl, '1')
+      local job_try = redis.call('INCR', retry_prefix .. id)
+      redis.call('EXPIRE', retry_prefix .. id, retry_ttl)
       claimed[#claimed + 1] = id
       claimed[#claimed + 1] = score
+      claimed[#claimed + 1] = redis.call('GET', job_prefix .. id) or ''
+      claimed[#claimed + 1] = job_try
+      claimed[#claimed + 1] = redis.call('ZREM', KEYS[2], id)
     else
       taken[#taken + 1] = id
     end
@@ -51,6 +62,7 @@ class BatchClaimWorker(Worker):
     when ``wake()`` is called (the API announces every enqueue) or else every ``idle_poll_s``."""
 
     _claim: Any = None
+    _finishes: FinishBatch | None = None
     _wake: asyncio.Event | None = None
     _taken: dict[str, float] | None = None  # job id -> until when (monotonic s) not to try it again
     idle_poll_s = 0.02
@@ -87,14 +99,17 @@ class BatchClaimWorker(Worker):
         ttl_ms = int(self.in_progress_timeout_s * 1000)
         if self._claim is None:
             self._claim = self.pool.register_script(_CLAIM_SCRIPT)  # EVALSHA, the text only when missing
-        args = [ttl_ms, now_ms, in_progress_key_prefix, room, *candidates]
-        reply, running_elsewhere = await self._claim(keys=[self.queue_name], args=args)
+        args = [ttl_ms, now_ms, in_progress_key_prefix, room, job_key_prefix, retry_key_prefix, RETRY_KEY_TTL_S]
+        reply, running_elsewhere = await self._claim(keys=[self.queue_name, abort_jobs_ss], args=[*args, *candidates])
         for job_id in running_elsewhere:
             taken[job_id.decode()] = now + self.skip_taken_s
-        for k in range(0, len(reply), 2):
+        if self._finishes is None:
+            self._finishes = FinishBatch(self.pool, self.queue_name, int(self.keep_result_s * 1000))
+        for k in range(0, len(reply), 5):
             await self.sem.acquire()
             self.job_counter += 1
-            job_id, score = reply[k].decode(), int(float(reply[k + 1]))
-            task = self.loop.create_task(self.run_job(job_id, score))
+            job_id = reply[k].decode()
+            job = ClaimedJob(job_id, int(float(reply[k + 1])), reply[k + 2], int(reply[k + 3]), bool(reply[k + 4]))
+            task = self.loop.create_task(run_claimed(self, self._finishes, job))
             task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
             self.tasks[job_id] = task

@@ -24,10 +24,12 @@ SMALL_BATCH_MAX_SEQS = 16
 # THE switch: batches of at most this many sequences merge their partitions in the kernel's last program
 # (fused_reduce, one launch); larger ones in a second launch. Sweep rows: "fused" vs "two_launch".
 # 0: never fused; 1 << 30: whenever there are several partitions.
-FUSED_REDUCE_MAX_SEQS = SMALL_BATCH_MAX_SEQS
+# H200 sweep at 1b86deb (2026-12-01): fused 0.62 / 0.60 / 0.77 of SDPA at B=1 L=1k/8k/32k against two launches
+# 0.95 / 0.81 / 0.88 (the one merging program per head is a serial tail), so never by default.
+FUSED_REDUCE_MAX_SEQS = 0
 # (block_n, num_stages) of small batches; large ones keep (64, 3). Sweep row fused_bn128_s2 is (128, 2),
 # fused_s2 is (64, 2).
-SMALL_BATCH_TILE = (64, 3)
+SMALL_BATCH_TILE = (64, 2)  # same sweep: two_launch_s2 0.97 / 0.83 / 0.88 against (64, 3)'s 0.95 / 0.81 / 0.88
 LARGE_BATCH_TILE = (64, 3)  # 128 was faster at B=256 but slower at B=64 (one program per SM at 3 stages)
 # Query-head rows x partitions one program may merge: 512 fp32 rows of 128 are 256 KB of L2 reads by one
 # SM, ~2 us on the critical path, what the saved launch is worth; past that the second launch wins.

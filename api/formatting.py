@@ -195,7 +195,13 @@ class ResponseFormatter:
         return self.chunk([choice])
 
     def delta_chunks(self, event: DeltaEvent) -> list[dict[str, Any]]:
-        return [self._choice_chunk(c.index, c.text, c.logprobs, None) for c in event.choices if c.text or c.logprobs]
+        """A chunk per choice that advanced: with its text, or with "" for tokens whose text is held back (the
+        first bytes of a character, a possible stop string), as vLLM streams them: one chunk per step."""
+        return [
+            self._choice_chunk(c.index, c.text, c.logprobs, None)
+            for c in event.choices
+            if c.text or c.token_ids or c.logprobs
+        ]
 
     def delta_json(self, event: DeltaEvent) -> list[str]:
         """``delta_chunks`` as ``dumps_chunk`` writes them, from the stream's template: only the index, the
@@ -203,7 +209,7 @@ class ResponseFormatter:
         head, (before_text, before_logprobs, tail) = self._delta_head, self._delta_parts
         texts = []
         for c in event.choices:
-            if c.text or c.logprobs:
+            if c.text or c.token_ids or c.logprobs:
                 offset, text = self._advance(c.index, c.text, c.logprobs)
                 logprobs = self._logprobs(c.logprobs, offset)
                 lp = "null" if logprobs is None else dumps_chunk(logprobs)

@@ -54,7 +54,7 @@ def finish_record(rec: Record, times_s: list[float], output_len: int) -> Record:
 
 # ---- the client: processes that each own a share of a wave's streams -------------------------------------
 class SSEReader:
-    """Parses ``data:`` lines as bytes arrive: arrival times of chunks with text, usage, errors, [DONE]."""
+    """Parses ``data:`` lines as bytes arrive: arrival times of token chunks, usage, errors, [DONE]."""
 
     def __init__(self) -> None:
         self.buf = b""
@@ -77,7 +77,9 @@ class SSEReader:
                 self.error = f"error event: {json.dumps(chunk['error'])[:500]}"
             if chunk.get("usage"):
                 self.num_tokens = int(chunk["usage"]["completion_tokens"])
-            if any(c.get("text") for c in chunk.get("choices") or ()):
+            # a token's arrival: a chunk with text, or a delta ("" while its text is held back, as vLLM sends
+            # them); the last chunk of a choice only counts if it brings text
+            if any(c.get("text") or c.get("finish_reason") is None for c in chunk.get("choices") or ()):
                 self.times_s.append(now)
 
     def reason(self) -> str | None:

@@ -155,3 +155,18 @@ async def test_unseeded_sampling_is_not_cached(api: ServerThread, redis_url: str
     await asyncio.gather(client.completions.create(**kwargs), worker.serve())  # type: ignore[call-overload]
     await asyncio.gather(client.completions.create(**kwargs), worker.serve())  # type: ignore[call-overload]
     assert len(worker.payloads) == 2
+
+
+async def test_a_token_whose_text_is_held_back_still_gets_its_chunk(api: ServerThread, redis_url: str) -> None:
+    """As vLLM streams it: a step whose token adds no text yet (the first bytes of a character) is a chunk with
+    "" text, so a client sees one chunk per token, and the text is unchanged."""
+    worker = ScriptedWorker(redis_url, pieces=["Hel", "", "lo"])
+
+    async def texts() -> list[str]:
+        stream = await _client(api).completions.create(model=MODEL, prompt="p", max_tokens=3, stream=True)
+        return [
+            c.choices[0].text for c in [chunk async for chunk in stream] if c.choices and not c.choices[0].finish_reason
+        ]
+
+    got, _ = await asyncio.gather(texts(), worker.serve())
+    assert got == ["Hel", "", "lo"]

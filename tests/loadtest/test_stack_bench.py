@@ -73,17 +73,19 @@ def test_chunked_body_decodes_chunks_split_anywhere() -> None:
         assert got == b"hello" + b"x" * 26 and body.done
 
 
-def test_sse_reader_times_text_chunks_and_reads_usage() -> None:
+def test_sse_reader_times_token_chunks_and_reads_usage() -> None:
+    """A delta counts, also with "" (a token whose text is held back); a last chunk only with text."""
     sse = SSEReader()
     events = [
-        {"choices": [{"text": "a"}]},
-        {"choices": [{"text": ""}]},
+        {"choices": [{"text": "a", "finish_reason": None}]},
+        {"choices": [{"text": "", "finish_reason": None}]},
+        {"choices": [{"text": "", "finish_reason": "length"}]},
         {"choices": [], "usage": {"completion_tokens": 2}},
     ]
     wire = b"".join(b"data: " + json.dumps(e).encode() + b"\r\n\r\n" for e in events) + b"data: [DONE]\r\n\r\n"
     sse.feed(wire[:17], 1.0)
     sse.feed(wire[17:], 2.0)
-    assert sse.times_s == [2.0] and sse.num_tokens == 2 and sse.reason() is None
+    assert sse.times_s == [2.0, 2.0] and sse.num_tokens == 2 and sse.reason() is None
 
 
 def test_gaps_after_ramp_keep_only_gaps_ending_after_the_waves_last_first_token() -> None:

@@ -58,12 +58,15 @@ class FinishBatch:
         self._queue = queue_name
         self._keep_result_ms = keep_result_ms
         self._pending: list[tuple[_Finish, asyncio.Future[None]]] = []
+        self._flushes: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references to tasks
 
     async def finish(self, job_id: str, finish: bool, result: bytes | None) -> None:
         future = asyncio.get_running_loop().create_future()
         self._pending.append((_Finish(job_id, finish, result), future))
-        if len(self._pending) == 1:
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush()))
+        if len(self._pending) == 1:  # the flush runs from the next loop turn on: this turn's finishes join it
+            task = asyncio.ensure_future(self._flush())
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
         await future
 
     async def _flush(self) -> None:

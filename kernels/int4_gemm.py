@@ -8,7 +8,7 @@ the GEMV (``kernels.int4_gemv``) for a few rows and the tl.dot path above.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Literal
 
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from kernels._triton import check_float, next_pow2, require_triton, tl, triton
 from kernels.int4_dequant import PACK, check_int4_weights, codes_tile, dequantize_int4
 from kernels.int4_gemv import finish_tile, int4_gemv_launch, split_target
+from kernels.int4_gemv_cols import int4_gemv_cols_launch
 
 
 def int4_gemm_ref(
@@ -94,16 +95,24 @@ def _int4_gemm_kernel(
 
 # ---- launch choices ----
 
-Kernel = Literal["dot", "gemv"]
+Kernel = Literal["dot", "gemv", "gemv_cols"]
 SplitReduce = Literal["counter", "atomic"]
-KERNELS: tuple[Kernel, ...] = ("dot", "gemv")
+KERNELS: tuple[Kernel, ...] = ("dot", "gemv", "gemv_cols")
 SPLIT_REDUCES: tuple[SplitReduce, ...] = ("counter", "atomic")
 GEMV_MAX_M = 4  # the default kernel is the GEMV up to this many rows (pick_config says why)
+# Which GEMV runs up to GEMV_MAX_M rows: "gemv" (kernels.int4_gemv, measured) or "gemv_cols"
+# (kernels.int4_gemv_cols, not yet measured on a GPU). Decided by loadtest.int4_gemm_sweep's "best per shape"
+# table at M = 1..4 (rows "gemv" against "cols ..."): switch once "cols" wins on all four 8B shapes.
+GEMV_KERNEL: Kernel = "gemv"
 ATOMIC_MAX_M = 64  # the default split-K reduction is "atomic" up to this many rows, "counter" above
 UNPACK_M = (17, 64)  # tl.dot with unpack_in_registers by default only at these M (_pick_dot says why)
 PREFILL_M = 1024  # tl.dot tiles of 256 rows from this M on
 GEMV_LIMIT_M = 16  # the GEMV holds a tile's [M, BLOCK_K / 8, BLOCK_N] fp32 products in registers
 GEMV_PROGRAMS_PER_SM = 4  # GEMV split-K target: enough programs per SM to keep loads in flight
+# gemv_cols split-K target (sweep rows "cols pps1/2/4"): fewer, longer programs than the GEMV's, since each
+# split costs a reduction round trip (atomic + arrival counter) at the end of its program
+GEMV_COLS_PROGRAMS_PER_SM = 2
+GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thread
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,9 @@ class Int4GemmConfig:
     unpack_in_registers: bool | None = None
     # gemv: scale and zero applied per group to sums instead of per weight (without g_idx only)
     factored: bool | None = None
+    # gemv / gemv_cols split-K target: about this many programs per SM (None: GEMV_PROGRAMS_PER_SM,
+    # GEMV_COLS_PROGRAMS_PER_SM); split_k, when given, wins
+    programs_per_sm: int | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in (None, *KERNELS):
@@ -136,7 +148,13 @@ class Int4GemmConfig:
                 raise ValueError(f"{name} must be a power of two, got {block}")
         if self.block_k is not None and self.block_k < PACK:
             raise ValueError(f"block_k must be at least {PACK} (one packed word), got {self.block_k}")
-        for name, count in (("split_k", self.split_k), ("num_warps", self.num_warps), ("num_stages", self.num_stages)):
+        counts = (
+            ("split_k", self.split_k),
+            ("num_warps", self.num_warps),
+            ("num_stages", self.num_stages),
+            ("programs_per_sm", self.programs_per_sm),
+        )
+        for name, count in counts:
             if count is not None and count < 1:
                 raise ValueError(f"{name} must be at least 1, got {count}")
 
@@ -190,10 +208,46 @@ def pick_config(
     reduction beat the counter by 6 % at M = 1, 13 % at M = 2, 33 % at M = 4 and 4-5 % at M = 8-64 (the
     atomic results at M = 4-8 and 256 were wrong then, fixed since; M = 256 keeps the counter it was
     measured with)."""
-    kernel = user.kernel or ("gemv" if m <= GEMV_MAX_M else "dot")
+    kernel = user.kernel or (GEMV_KERNEL if m <= GEMV_MAX_M else "dot")
+    if kernel == "gemv_cols" and (has_g_idx or group_size % PACK):
+        kernel = "gemv"  # the exact dequantization (g_idx, groups narrower than a word) is the GEMV's
+    if kernel == "gemv_cols":
+        return _pick_gemv_cols(m, n, k, group_size, num_sms, user)
     if kernel == "gemv":
         return _pick_gemv(m, n, k, group_size, num_sms, user, has_g_idx)
     return _pick_dot(m, n, k, group_size, num_sms, user)
+
+
+def _split_for(tiles: int, k_tiles: int, programs_per_sm: int, num_sms: int) -> int:
+    """Split-K giving about ``programs_per_sm * num_sms`` programs, at most one per K tile."""
+    return max(1, min(k_tiles, -(-programs_per_sm * num_sms // tiles)))
+
+
+# gemv_cols by block_m: (block_n, word rows per tile, num_warps), 8 columns per thread (BLOCK_N / 32 /
+# num_warps; 4 at M = 8) so each activation's conversion and sum serve 8 columns; rows shrink with M so the
+# [M, columns] sums and products and the tile's activations stay in registers (sm_90 compile, no spills)
+# (registers, 8B shapes, group 128: 56, 72, 168, 254; 4 rows x 8 columns at M = 4 and M = 8 spill)
+_GEMV_COLS_TILES = {1: (1024, 8, 4), 2: (1024, 8, 4), 4: (1024, 4, 4), 8: (512, 2, 4)}
+
+
+def _pick_gemv_cols(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:
+    """Tiles from _GEMV_COLS_TILES; each tile inside one group (rows halved until 8 * rows divides it);
+    split-K to about GEMV_COLS_PROGRAMS_PER_SM programs per SM; 2 stages (the next tile's words prefetched)."""
+    if m > GEMV_COLS_LIMIT_M:
+        raise ValueError(f"gemv_cols holds all M rows in registers: M={m} > {GEMV_COLS_LIMIT_M}")
+    block_m = next_pow2(m)
+    bn, rows, warps = _GEMV_COLS_TILES[block_m]
+    bn = user.block_n or bn
+    rows = (user.block_k or PACK * rows) // PACK
+    while group_size % (PACK * rows):
+        rows //= 2  # group_size is a multiple of PACK: ends at 1 at the latest
+    split = user.split_k or _split_for(
+        -(-n // bn), k // (PACK * rows), user.programs_per_sm or GEMV_COLS_PROGRAMS_PER_SM, num_sms
+    )
+    return Int4Launch(
+        "gemv_cols", block_m, bn, PACK * rows, split, _reduce(user, m, split), user.num_warps or warps,
+        user.num_stages or 2, unpack_in_registers=False, factored=True,
+    )  # fmt: skip
 
 
 # by block_m: the fewest instructions per weight and row (sm_90 SASS), but M = 1: 64, not 128, was 4-6 % faster
@@ -218,7 +272,8 @@ def _pick_gemv(
     if not has_g_idx and group_pow2 >= PACK:
         bk = min(bk, group_pow2)  # every tile inside one group
     bn = user.block_n or 256
-    split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), GEMV_PROGRAMS_PER_SM * num_sms, 32)
+    target = (user.programs_per_sm or GEMV_PROGRAMS_PER_SM) * num_sms
+    split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), target, 32)
     factored = (user.factored is None or user.factored) and not has_g_idx and group_size % bk == 0
     return Int4Launch(
         "gemv", block_m, bn, bk, split, _reduce(user, m, split), user.num_warps or 4, user.num_stages or 2,
@@ -272,6 +327,9 @@ def _check_inputs(
     check_float("x", x)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got {tuple(x.shape)}")
+    if qweight.dim() == 3:
+        _check_tiled(x, qweight, scales, zeros, group_size, g_idx)
+        return
     check_int4_weights(qweight, scales, zeros, group_size, g_idx)
     k = x.shape[1]
     if qweight.shape[0] * PACK != k:
@@ -280,26 +338,60 @@ def _check_inputs(
         raise ValueError(f"the weights are on {qweight.device}, x on {x.device}")
 
 
+def _check_tiled(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    g_idx: torch.Tensor | None,
+) -> None:
+    """A ``kernels.int4_gemv_cols.tile_qweight`` weight: only gemv_cols reads it (factored, no g_idx)."""
+    k, n = x.shape[1], scales.shape[-1]
+    if qweight.dtype != torch.int32 or not qweight.is_contiguous() or qweight.shape[1] * PACK != k:
+        raise ValueError(f"a tiled qweight must be contiguous int32 [tiles, {k // PACK}, block_n], got {qweight.shape}")
+    if qweight.shape[0] != -(-n // qweight.shape[2]):
+        raise ValueError(f"a tiled qweight {tuple(qweight.shape)} must have ceil(N / block_n) tiles for N={n}")
+    if g_idx is not None or group_size % PACK or k % group_size or x.shape[0] > GEMV_COLS_LIMIT_M:
+        raise ValueError(f"a tiled qweight runs gemv_cols only: no g_idx, group_size a multiple of {PACK}, M <= 8")
+    check_float("scales", scales)
+    if scales.shape != (k // group_size, n) or zeros.shape != scales.shape or zeros.dtype != torch.uint8:
+        raise ValueError(f"scales and zeros (uint8) must be [{k // group_size}, {n}]")
+    for name, t in (("scales", scales), ("zeros", zeros), ("qweight", qweight)):
+        if t.device != x.device or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be on {x.device} and contiguous along N")
+
+
 def int4_gemm(
     x: torch.Tensor,  # [M, K]
-    qweight: torch.Tensor,  # [K // 8, N] int32
+    qweight: torch.Tensor,  # [K // 8, N] int32, or kernels.int4_gemv_cols.tile_qweight's [tiles, K // 8, block_n]
     scales: torch.Tensor,  # [num_groups, N]
     zeros: torch.Tensor,  # [num_groups, N] uint8
     group_size: int,
     g_idx: torch.Tensor | None = None,  # [K] int32
     config: Int4GemmConfig | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`int4_gemm_ref`; ``[M, N]`` in ``x.dtype`` (fp32 accumulation)."""
+    """Triton version of :func:`int4_gemm_ref`; ``[M, N]`` in ``x.dtype`` (fp32 accumulation). A tiled
+    ``qweight`` (3-D) runs gemv_cols with its tile width, whatever ``config.kernel`` says."""
     require_triton("int4_gemm")
     _check_inputs(x, qweight, scales, zeros, group_size, g_idx)
     m, k = x.shape
-    n = qweight.shape[1]
+    n = scales.shape[1]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     device_index = x.device.index if x.device.type == "cuda" and x.device.index is not None else 0
-    cfg = pick_config(m, n, k, group_size, _num_sms(device_index), config or Int4GemmConfig(), g_idx is not None)
-    if cfg.kernel == "gemv":
+    user = config or Int4GemmConfig()
+    if qweight.dim() == 3:
+        user = replace(user, kernel="gemv_cols", block_n=qweight.shape[2])
+    cfg = pick_config(m, n, k, group_size, _num_sms(device_index), user, g_idx is not None)
+    if cfg.kernel == "gemv_cols":
+        int4_gemv_cols_launch(
+            x, qweight, scales, zeros, group_size, out,
+            block_n=cfg.block_n, rows=cfg.block_k // PACK, split_k=cfg.split_k, split_reduce=cfg.split_reduce,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    elif cfg.kernel == "gemv":
         int4_gemv_launch(
             x, qweight, scales, zeros, group_size, g_idx, out,
             block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, split_reduce=cfg.split_reduce,

@@ -147,7 +147,7 @@ def _load(ptrs, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _nibble(words, J: tl.constexpr, one_bits):
+def nibble(words, J: tl.constexpr, one_bits):
     """Nibble ``J`` of every word as the fp32 ``1 + code / 16``: the code moved to bits 19..22 (the top of
     the mantissa) and or-ed with ``one_bits`` (1.0's bits), instead of an int->float conversion. The bits
     come in as a kernel argument: with the literal, ptxas emits the and and the or as two LOP3s, not one."""
@@ -175,14 +175,14 @@ def _factored_tile(
 ):  # fmt: skip
     """One tile of group ``g``: ``s (sum_k c_k x_k - z sum_k x_k)`` ``[BM, BN]`` (x fp32 ``[BM, R, 8]``)."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x, BLOCK_M, ROWS)
-    t = _nibble(words, 0, one_bits)[None, :, :] * x0[:, :, None]  # [BM, R, BN]: sum_j (1 + c_j / 16) x_j
-    t += _nibble(words, 1, one_bits)[None, :, :] * x1[:, :, None]
-    t += _nibble(words, 2, one_bits)[None, :, :] * x2[:, :, None]
-    t += _nibble(words, 3, one_bits)[None, :, :] * x3[:, :, None]
-    t += _nibble(words, 4, one_bits)[None, :, :] * x4[:, :, None]
-    t += _nibble(words, 5, one_bits)[None, :, :] * x5[:, :, None]
-    t += _nibble(words, 6, one_bits)[None, :, :] * x6[:, :, None]
-    t += _nibble(words, 7, one_bits)[None, :, :] * x7[:, :, None]
+    t = nibble(words, 0, one_bits)[None, :, :] * x0[:, :, None]  # [BM, R, BN]: sum_j (1 + c_j / 16) x_j
+    t += nibble(words, 1, one_bits)[None, :, :] * x1[:, :, None]
+    t += nibble(words, 2, one_bits)[None, :, :] * x2[:, :, None]
+    t += nibble(words, 3, one_bits)[None, :, :] * x3[:, :, None]
+    t += nibble(words, 4, one_bits)[None, :, :] * x4[:, :, None]
+    t += nibble(words, 5, one_bits)[None, :, :] * x5[:, :, None]
+    t += nibble(words, 6, one_bits)[None, :, :] * x6[:, :, None]
+    t += nibble(words, 7, one_bits)[None, :, :] * x7[:, :, None]
     xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [BM, R]
     s = _load(s_ptr + g * stride_sg + offs_n, offs_n < N, EVEN).to(tl.float32)
     z = _load(z_ptr + g * stride_zg + offs_n, offs_n < N, EVEN).to(tl.float32)
@@ -301,6 +301,6 @@ def int4_gemv_launch(
         x.stride(0), x.stride(1), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None, FACTORED=factored and one_group,
         ONE_GROUP_PER_TILE=one_group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk, EVEN=n % block_n == 0 and k % k_per_split == 0,
+        SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk, EVEN=n % block_n == 0 and k % block_k == 0,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -43,69 +42,27 @@ from kernels.int4_dequant import (  # noqa: E402
     dequantize_int4,
     int4_dequant,
     int4_dequant_linear,
-    pack_int4,
 )
-from kernels.int4_gemm import Int4GemmConfig, Int4Launch, int4_gemm, int4_gemm_ref, pick_config  # noqa: E402
+from kernels.int4_gemm import Int4GemmConfig, int4_gemm, int4_gemm_ref  # noqa: E402
+from loadtest.int4_gemm_sweep import (  # noqa: E402
+    LAYER_SHAPES_8B,
+    LAYER_SHAPES_TINY,
+    PREFILL,
+    ShapeData,
+    check_and_time,
+    gemv_table,
+    int4_bytes,
+    make_shape,
+    random_int4,
+    rel_err,
+    time_fused_variants,
+    timer,
+)
 from loadtest.int4_model import GROUP_SIZE, bench_models  # noqa: E402
 from loadtest.int4_stats import DEQUANT, FUSED, gemm_summary  # noqa: E402
 
-ROTATE_BYTES = 512 << 20  # weight copies cycled per graph: ~10x the H200's L2
 M_VALUES = (1, 2, 4, 8, 16, 64, 128, 256, 1024, 4096)
 M_VALUES_TINY = (1, 4, 16, 33, 1024)  # 1024: the prefill variants
-# Llama-3-8B: (name, N, K) of each projection, fused as the engine runs them
-LAYER_SHAPES_8B = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
-LAYER_SHAPES_TINY = (("qkv", 256, 128), ("down", 128, 256))
-DECODE, PREFILL = (1, 16), (1024, 1 << 30)
-
-
-@dataclass(frozen=True)
-class Variant:
-    """``Int4GemmConfig`` fields, run at ``m_range[0] <= M <= m_range[1]``."""
-
-    name: str
-    fields: dict[str, Any] = field(default_factory=dict)
-    m_range: tuple[int, int] = (1, 1 << 30)
-
-
-# the defaults (kernels.int4_gemm.pick_config) and the alternatives that came close in the H200 run at 7f8955d
-# or were the defaults before it; where one is the default's launch at an M it is timed once, as an alias
-VARIANTS = [
-    Variant(FUSED),  # int4_gemm's default launch at M
-    Variant("gemv", {"kernel": "gemv"}, DECODE),
-    Variant("gemv counter", {"kernel": "gemv", "split_reduce": "counter"}, (1, 8)),
-    Variant("gemv atomic", {"kernel": "gemv", "split_reduce": "atomic"}, (1, 8)),
-    Variant("gemv bn128", {"kernel": "gemv", "block_n": 128}, (1, 8)),
-    Variant("gemv bk128", {"kernel": "gemv", "block_k": 128}, (1, 1)),
-    Variant("gemv split32", {"kernel": "gemv", "split_k": 32}, (1, 4)),
-    Variant("gemv stages3", {"kernel": "gemv", "num_stages": 3}, (1, 2)),
-    Variant("gemv exact", {"kernel": "gemv", "factored": False}, (1, 1)),  # what g_idx checkpoints run
-    Variant("dot", {"kernel": "dot"}),
-    Variant("dot counter", {"kernel": "dot", "split_reduce": "counter"}, (8, 256)),
-    Variant("dot atomic", {"kernel": "dot", "split_reduce": "atomic"}, (8, 256)),
-    Variant("dot rows", {"kernel": "dot", "unpack_in_registers": False}, (8, 1 << 30)),  # no unpack_in_registers
-    Variant("dot unpack", {"kernel": "dot", "unpack_in_registers": True}, (8, 1 << 30)),
-    Variant("dot bn128", {"kernel": "dot", "block_n": 128}, (16, 64)),
-    Variant("dot stages4", {"kernel": "dot", "num_stages": 4}, PREFILL),
-    Variant("dot bm128", {"kernel": "dot", "block_m": 128}, PREFILL),
-]
-
-
-def variants_at(m: int, n: int, k: int, num_sms: int) -> tuple[dict[str, Int4GemmConfig], dict[str, str]]:
-    """The variants that run at this shape, one per distinct launch ("fused" first), and the aliases
-    dropped (name -> the variant with the same launch)."""
-    launches: dict[Int4Launch, str] = {}
-    configs, aliases = {}, {}
-    for v in VARIANTS:
-        if not v.m_range[0] <= m <= v.m_range[1]:
-            continue
-        cfg = Int4GemmConfig(**v.fields)
-        launch = pick_config(m, n, k, GROUP_SIZE, num_sms, cfg)
-        if launch in launches:
-            aliases[v.name] = launches[launch]
-        else:
-            launches[launch] = v.name
-            configs[v.name] = cfg
-    return configs, aliases
 
 
 @dataclass(frozen=True)
@@ -127,71 +84,9 @@ DEQUANT_VARIANTS = [
 ]
 
 
-def random_int4(n: int, k: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    groups = k // GROUP_SIZE
-    codes = torch.randint(0, 16, (k, n), generator=gen, device=device)
-    return {
-        "qweight": pack_int4(codes),
-        "scales": (0.002 + 0.004 * torch.rand(groups, n, generator=gen, device=device)).to(dtype),
-        "zeros": torch.randint(6, 10, (groups, n), generator=gen, device=device).to(torch.uint8),
-    }
-
-
-def int4_bytes(m: int, n: int, k: int, elem: int = 2) -> int:
-    groups = k // GROUP_SIZE
-    return n * k // 2 + groups * n * (elem + 1) + m * k * elem + m * n * elem
-
-
 def dequant_bytes(n: int, k: int, elem: int = 2) -> int:
     """What ``int4_dequant`` reads (packed weights, scales, zeros) and writes (the dense weight)."""
     return int4_bytes(0, n, k, elem) + n * k * elem
-
-
-def _timer(device: torch.device) -> Callable[[list[Callable[[], object]], int], float]:
-    if device.type == "cuda":
-        from loadtest.kernels_bench import time_graph
-
-        return time_graph
-
-    def wall(calls: list[Callable[[], object]], reps: int) -> float:
-        calls[0]()
-        start = time.perf_counter()
-        for _ in range(reps):
-            for fn in calls:
-                fn()
-        return (time.perf_counter() - start) / (reps * len(calls))
-
-    return wall
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
-
-
-@dataclass
-class ShapeData:
-    """One layer shape's weights on the device: int4 copies and dense bf16 copies (GPU only) to cycle; the
-    dequantization's buffers (one, as in the engine: every weight copy is dequantized into it)."""
-
-    name: str
-    n: int
-    k: int
-    weights: list[dict[str, torch.Tensor]]
-    dense: list[torch.Tensor]
-    scratch: DequantScratch
-    kn_buffer: torch.Tensor  # [K, N]
-
-
-def make_shape(name: str, n: int, k: int, dtype: torch.dtype, device: torch.device) -> ShapeData:
-    on_gpu = device.type == "cuda"
-    copies = max(1, min(16, ROTATE_BYTES // (n * k // 2))) if on_gpu else 1
-    weights = [random_int4(n, k, dtype, device, seed=i) for i in range(copies)]
-    dense_copies = max(1, min(8, ROTATE_BYTES // (2 * n * k))) if on_gpu else 0
-    dense = [torch.randn(n, k, dtype=dtype, device=device) for _ in range(dense_copies)]
-    scratch = DequantScratch()
-    scratch.weight(n, k, dtype, device)  # allocated before any capture
-    return ShapeData(name, n, k, weights, dense, scratch, torch.empty(k, n, dtype=dtype, device=device))
 
 
 def _dequant_fns(shape: ShapeData, v: DequantVariant) -> tuple[Callable[..., torch.Tensor], Callable[..., object]]:
@@ -226,57 +121,30 @@ def dequant_exact(shape: ShapeData) -> dict[str, bool]:
     return exact
 
 
-def _check_and_time(
-    row: dict[str, Any],
-    name: str,
-    fn: Callable[..., torch.Tensor],
-    x: torch.Tensor,
-    ref: torch.Tensor,
-    weights: list[dict[str, torch.Tensor]],
-    reps: int,
-) -> None:
-    """``fn(x, w)`` checked against the reference (into ``row["err"]``, ``row["wrong"]``), then timed on
-    the GPU cycling through ``weights`` (``row["us"]``); a variant that fails to launch is skipped."""
-    tol = 1e-4 if x.dtype == torch.float32 else 1e-2
-    try:
-        err = _rel_err(fn(x, weights[0]), ref)  # compiles
-        row["err"][name] = float(f"{err:.1e}")
-        if err > tol:
-            row.setdefault("wrong", []).append(name)
-        elif x.is_cuda:
-            row["us"][name] = round(1e6 * _timer(x.device)([partial(fn, x, w) for w in weights], reps), 2)
-    except Exception as exc:  # a variant past the shared-memory limit (OutOfResources): skip it
-        if name in (FUSED, DEQUANT):
-            raise
-        row.setdefault("skipped", {})[name] = f"{type(exc).__name__}: {str(exc)[:80]}"
-
-
-def bench_case(shape: ShapeData, m: int, dtype: torch.dtype, device: torch.device, reps: int) -> dict[str, Any]:
+def bench_case(
+    shape: ShapeData, m: int, dtype: torch.dtype, device: torch.device, reps: int, with_dequant: bool = True
+) -> dict[str, Any]:
     """Every variant of both paths at this M: checked against the reference, then timed (GPU), and the
     dequantization alone; reference time (CPU)."""
     n, k, w0 = shape.n, shape.k, shape.weights[0]
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     x = torch.randn(m, k, dtype=dtype, device=device)
     ref = int4_gemm_ref(x, **w0, group_size=GROUP_SIZE)
-    configs, aliases = variants_at(m, n, k, num_sms)
-    row: dict[str, Any] = {"layer": shape.name, "m": m, "n": n, "k": k, "aliases": aliases, "us": {}, "err": {}}
+    row: dict[str, Any] = {"layer": shape.name, "m": m, "n": n, "k": k, "us": {}, "err": {}}
+    time_fused_variants(row, shape, x, ref, reps)
     weights = shape.weights if m < PREFILL[0] else shape.weights[:2]  # prefill is compute bound: no L2 games
-    for name, cfg in configs.items():
-        fused = partial(lambda cfg, x, w: int4_gemm(x, **w, group_size=GROUP_SIZE, config=cfg), cfg)
-        _check_and_time(row, name, fused, x, ref, weights, reps)
-    timer = _timer(device)
-    for v in DEQUANT_VARIANTS:
+    time_it = timer(device)
+    for v in DEQUANT_VARIANTS if with_dequant else ():
         linear, dequant = _dequant_fns(shape, v)
-        _check_and_time(row, v.name, linear, x, ref, weights, reps)
+        check_and_time(row, v.name, linear, x, ref, weights, reps)
         if device.type == "cuda" and v.name in row["us"]:
             row.setdefault("dequant_us", {})[v.name] = round(
-                1e6 * timer([partial(dequant, w) for w in weights], reps), 2
+                1e6 * time_it([partial(dequant, w) for w in weights], reps), 2
             )
     if device.type == "cpu":  # interpreter: correctness only; the reference is what the CPU engine runs
-        row["ref_ms"] = round(1e3 * timer([lambda: int4_gemm_ref(x, **w0, group_size=GROUP_SIZE)], reps), 3)
+        row["ref_ms"] = round(1e3 * time_it([lambda: int4_gemm_ref(x, **w0, group_size=GROUP_SIZE)], reps), 3)
         return row
     dense: list[Callable[[], object]] = [partial(torch.matmul, x, w.t()) for w in shape.dense]
-    t_cublas = timer(dense, reps) * 1e6
+    t_cublas = time_it(dense, reps) * 1e6
     row["cublas_us"] = round(t_cublas, 2)
     _add_rates(row, t_cublas)
     return row
@@ -299,14 +167,15 @@ def _add_rates(row: dict[str, Any], t_cublas: float) -> None:
 
 def bench_gemm(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
     shapes = LAYER_SHAPES_TINY if args.tiny else LAYER_SHAPES_8B
-    m_values = M_VALUES_TINY if args.tiny else M_VALUES
+    m_values = args.m or (M_VALUES_TINY if args.tiny else M_VALUES)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     rows = []
     for name, n, k in shapes:
         shape = make_shape(name, n, k, dtype, device)
-        exact = dequant_exact(shape)
+        exact = {} if args.skip_dequant else dequant_exact(shape)
         for m in m_values:
-            row = bench_case(shape, m, dtype, device, args.reps if m < PREFILL[0] else max(3, args.reps // 4))
+            reps = args.reps if m < PREFILL[0] else max(3, args.reps // 4)
+            row = bench_case(shape, m, dtype, device, reps, with_dequant=not args.skip_dequant)
             row["dequant_exact"] = exact
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -335,7 +204,7 @@ def _replay_error(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, w
     for _ in range(5):
         x.copy_(torch.randn_like(x))
         graph.replay()
-        worst = max(worst, _rel_err(out, int4_gemm_ref(x, **w, group_size=GROUP_SIZE)))
+        worst = max(worst, rel_err(out, int4_gemm_ref(x, **w, group_size=GROUP_SIZE)))
     return float(f"{worst:.1e}")
 
 
@@ -357,6 +226,10 @@ def check_graph_replay(device: torch.device) -> dict[str, float]:
         return int4_dequant_linear(x, w["qweight"], w["scales"], w["zeros"], GROUP_SIZE, scratch=scratch)
 
     errors[f"{DEQUANT} M=256"] = _replay_error(dequant_linear, x, w)
+    cols = Int4GemmConfig(kernel="gemv_cols")
+    for m in (1, 4):
+        x = torch.zeros(m, 14336, dtype=torch.bfloat16, device=device)
+        errors[f"gemv_cols M={m}"] = _replay_error(partial(int4_gemm, **w, group_size=GROUP_SIZE, config=cols), x, w)
     return errors
 
 
@@ -370,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed", action="store_true", help="also the mixed workload's throughput, int4 vs bf16")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--out", help="write the results here as JSON")
+    parser.add_argument("--m", type=int, nargs="+", help=f"GEMM rows to run (default {M_VALUES})")
+    parser.add_argument("--skip-dequant", action="store_true", help="time the fused GEMM variants only")
     args = parser.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
         print("int4_bench needs CUDA (or --tiny on CPU)", file=sys.stderr)
@@ -377,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.tiny else "cuda")
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     if args.only in ("gemm", "all"):
+        if device.type == "cuda":
+            from loadtest.shapes import measure_copy_bandwidth
+
+            results["gemm_copy_tb_s"] = round(measure_copy_bandwidth(), 3)  # the GEMV table's reference
         results["gemm"] = bench_gemm(args, device)
         if device.type == "cuda":
             results["graph_replay_err"] = check_graph_replay(device)
@@ -394,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in results.items() if k != "gemm"}))
     if "gemm" in results and device.type == "cuda":
         print("\n".join(gemm_summary(results["gemm"])))
+        print("\n".join(gemv_table(results["gemm"], results.get("gemm_copy_tb_s"))))
         bad = {case: err for case, err in results["graph_replay_err"].items() if not err < 1e-2}
         print(f"CUDA-graph replays WRONG: {bad}" if bad else "CUDA-graph replays: all match the reference")
     return 0

@@ -100,6 +100,12 @@ CASES = [
     (1, 192, N, 96, True, Cfg(block_k=64, split_k=2)),  # g_idx tile spanning groups
     (2, K, N, 4, False, None),  # groups narrower than a word: exact, scales gathered per feature
     (1, K, 256, 32, False, Cfg(split_k=2)),  # every tile full: the unmasked loads
+    # gemv_cols (tiny block_n: several column tiles, an N tail)
+    (1, K, N, 32, False, Cfg(kernel="gemv_cols", block_n=32, num_warps=1)),  # split-K picked, atomic
+    (2, K, 64, K, False, Cfg(kernel="gemv_cols", block_n=64, split_k=1, num_warps=2)),  # channel-wise, no split
+    (3, 2 * K, 40, 64, False, Cfg(kernel="gemv_cols", block_n=16, block_k=32, split_k=3, split_reduce="counter")),
+    (8, 192, N, 96, False, Cfg(kernel="gemv_cols", block_n=32, split_k=2)),  # group 96: 4-row tiles
+    (4, K, N, 32, True, Cfg(kernel="gemv_cols")),  # g_idx: falls back to the GEMV's exact path
 ]
 
 
@@ -127,7 +133,7 @@ def test_triton_matches_reference(
 
 
 @pytest.mark.parametrize("split_reduce", ["counter", "atomic"])
-@pytest.mark.parametrize("kernel", ["gemv", "dot"])
+@pytest.mark.parametrize("kernel", ["gemv", "gemv_cols", "dot"])
 def test_in_kernel_split_leaves_its_scratch_zeroed(kernel: str, split_reduce: str, gen: torch.Generator) -> None:
     """The arrival counters (and the atomic accumulator) are shared by every call and every captured graph:
     each launch must hand them back zeroed, and a second call gives the same result."""

@@ -1,0 +1,247 @@
+"""The fused-GEMM half of ``loadtest.int4_bench``: the Triton int4 GEMM's variants (``kernels.int4_gemm``
+launch choices, the GEMVs' among them), each checked against the torch reference and timed in CUDA graphs
+cycling through weight copies that overflow the L2; and the GEMV table: per M = 1..16, per variant and shape,
+µs, GB/s (packed weights + scales + zeros + activations + output, once) and the fraction of the copy
+bandwidth measured in the same run, plus the best variant per shape. The table decides
+``kernels.int4_gemm``'s GEMV defaults (GEMV_KERNEL, GEMV_COLS_PROGRAMS_PER_SM, _GEMV_COLS_TILES): its rows
+are named after the variants below.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from kernels.int4_dequant import DequantScratch, pack_int4
+from kernels.int4_gemm import Int4GemmConfig, Int4Launch, int4_gemm, pick_config
+from kernels.int4_gemv_cols import tile_qweight
+from loadtest.int4_model import GROUP_SIZE
+from loadtest.int4_stats import DEQUANT, FUSED
+
+ROTATE_BYTES = 512 << 20  # weight copies cycled per graph: ~10x the H200's L2
+# Llama-3-8B: (name, N, K) of each projection, fused as the engine runs them
+LAYER_SHAPES_8B = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
+LAYER_SHAPES_TINY = (("qkv", 256, 128), ("down", 128, 256))
+DECODE, PREFILL = (1, 16), (1024, 1 << 30)
+GEMV_TABLE_M = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """``Int4GemmConfig`` fields, run at ``m_range[0] <= M <= m_range[1]``; ``tiled``: on weights repacked
+    by ``tile_qweight`` (gemv_cols only; the engine does not repack, this measures whether it should)."""
+
+    name: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    m_range: tuple[int, int] = (1, 1 << 30)
+    tiled: bool = False
+
+
+COLS = {"kernel": "gemv_cols"}
+# the defaults (kernels.int4_gemm.pick_config) and the alternatives that came close in the H200 run at 7f8955d
+# or were the defaults before it; where one is the default's launch at an M it is timed once, as an alias.
+# "cols ...": kernels.int4_gemv_cols (unmeasured): its tiles, split-K target, pipeline depth, reduction and
+# weight layout, each changed alone from its default
+VARIANTS = [
+    Variant(FUSED),  # int4_gemm's default launch at M
+    Variant("gemv", {"kernel": "gemv"}, DECODE),
+    Variant("gemv counter", {"kernel": "gemv", "split_reduce": "counter"}, (1, 8)),
+    Variant("gemv atomic", {"kernel": "gemv", "split_reduce": "atomic"}, (1, 8)),
+    Variant("gemv bn128", {"kernel": "gemv", "block_n": 128}, (1, 8)),
+    Variant("gemv bk128", {"kernel": "gemv", "block_k": 128}, (1, 1)),
+    Variant("gemv split32", {"kernel": "gemv", "split_k": 32}, (1, 4)),
+    Variant("gemv stages3", {"kernel": "gemv", "num_stages": 3}, (1, 2)),
+    Variant("gemv pps2", {"kernel": "gemv", "programs_per_sm": 2}, (1, 4)),
+    Variant("gemv exact", {"kernel": "gemv", "factored": False}, (1, 1)),  # what g_idx checkpoints run
+    Variant("cols", COLS, (1, 8)),
+    Variant("cols tiled", COLS, (1, 8), tiled=True),
+    Variant("cols pps1", {**COLS, "programs_per_sm": 1}, (1, 8)),
+    Variant("cols pps4", {**COLS, "programs_per_sm": 4}, (1, 8)),
+    Variant("cols tiled pps4", {**COLS, "programs_per_sm": 4}, (1, 8), tiled=True),
+    Variant("cols counter", {**COLS, "split_reduce": "counter"}, (1, 8)),
+    Variant("cols stages1", {**COLS, "num_stages": 1}, (1, 4)),
+    Variant("cols stages3", {**COLS, "num_stages": 3}, (1, 4)),
+    Variant("cols bn512", {**COLS, "block_n": 512}, (1, 4)),  # 4 columns per thread
+    Variant("cols bn512 w2", {**COLS, "block_n": 512, "num_warps": 2}, (1, 2)),  # 8 columns, 64 threads
+    Variant("cols bk128", {**COLS, "block_k": 128}, (1, 1)),  # a whole group per tile
+    Variant("cols bk32", {**COLS, "block_k": 32}, (1, 2)),
+    Variant("dot", {"kernel": "dot"}),
+    Variant("dot counter", {"kernel": "dot", "split_reduce": "counter"}, (8, 256)),
+    Variant("dot atomic", {"kernel": "dot", "split_reduce": "atomic"}, (8, 256)),
+    Variant("dot rows", {"kernel": "dot", "unpack_in_registers": False}, (8, 1 << 30)),  # no unpack_in_registers
+    Variant("dot unpack", {"kernel": "dot", "unpack_in_registers": True}, (8, 1 << 30)),
+    Variant("dot bn128", {"kernel": "dot", "block_n": 128}, (16, 64)),
+    Variant("dot stages4", {"kernel": "dot", "num_stages": 4}, PREFILL),
+    Variant("dot bm128", {"kernel": "dot", "block_m": 128}, PREFILL),
+]
+
+Resolved = tuple[Int4GemmConfig, int | None]  # the config and, for a tiled variant, its tile width
+
+
+def variants_at(m: int, n: int, k: int, num_sms: int) -> tuple[dict[str, Resolved], dict[str, str]]:
+    """The variants that run at this shape, one per distinct launch ("fused" first), and the aliases
+    dropped (name -> the variant with the same launch)."""
+    launches: dict[tuple[Int4Launch, bool], str] = {}
+    configs: dict[str, Resolved] = {}
+    aliases = {}
+    for v in VARIANTS:
+        if not v.m_range[0] <= m <= v.m_range[1]:
+            continue
+        cfg = Int4GemmConfig(**v.fields)
+        launch = pick_config(m, n, k, GROUP_SIZE, num_sms, cfg)
+        if v.tiled and launch.kernel != "gemv_cols":
+            continue
+        key = (launch, v.tiled)
+        if key in launches:
+            aliases[v.name] = launches[key]
+        else:
+            launches[key] = v.name
+            configs[v.name] = (cfg, launch.block_n if v.tiled else None)
+    return configs, aliases
+
+
+def random_int4(n: int, k: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    groups = k // GROUP_SIZE
+    codes = torch.randint(0, 16, (k, n), generator=gen, device=device)
+    return {
+        "qweight": pack_int4(codes),
+        "scales": (0.002 + 0.004 * torch.rand(groups, n, generator=gen, device=device)).to(dtype),
+        "zeros": torch.randint(6, 10, (groups, n), generator=gen, device=device).to(torch.uint8),
+    }
+
+
+def int4_bytes(m: int, n: int, k: int, elem: int = 2) -> int:
+    groups = k // GROUP_SIZE
+    return n * k // 2 + groups * n * (elem + 1) + m * k * elem + m * n * elem
+
+
+def timer(device: torch.device) -> Callable[[list[Callable[[], object]], int], float]:
+    if device.type == "cuda":
+        from loadtest.kernels_bench import time_graph
+
+        return time_graph
+
+    def wall(calls: list[Callable[[], object]], reps: int) -> float:
+        calls[0]()
+        start = time.perf_counter()
+        for _ in range(reps):
+            for fn in calls:
+                fn()
+        return (time.perf_counter() - start) / (reps * len(calls))
+
+    return wall
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+@dataclass
+class ShapeData:
+    """One layer shape's weights on the device: int4 copies and dense bf16 copies (GPU only) to cycle, the
+    int4 copies tiled for gemv_cols (made on first use, per tile width); the dequantization's buffers (one,
+    as in the engine: every weight copy is dequantized into it)."""
+
+    name: str
+    n: int
+    k: int
+    weights: list[dict[str, torch.Tensor]]
+    dense: list[torch.Tensor]
+    scratch: DequantScratch
+    kn_buffer: torch.Tensor  # [K, N]
+    tiled: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
+
+    def tiled_weights(self, block_n: int) -> list[dict[str, torch.Tensor]]:
+        if block_n not in self.tiled:
+            self.tiled[block_n] = [{**w, "qweight": tile_qweight(w["qweight"], block_n)} for w in self.weights]
+        return self.tiled[block_n]
+
+
+def make_shape(name: str, n: int, k: int, dtype: torch.dtype, device: torch.device) -> ShapeData:
+    on_gpu = device.type == "cuda"
+    copies = max(1, min(16, ROTATE_BYTES // (n * k // 2))) if on_gpu else 1
+    weights = [random_int4(n, k, dtype, device, seed=i) for i in range(copies)]
+    dense_copies = max(1, min(8, ROTATE_BYTES // (2 * n * k))) if on_gpu else 0
+    dense = [torch.randn(n, k, dtype=dtype, device=device) for _ in range(dense_copies)]
+    scratch = DequantScratch()
+    scratch.weight(n, k, dtype, device)  # allocated before any capture
+    return ShapeData(name, n, k, weights, dense, scratch, torch.empty(k, n, dtype=dtype, device=device))
+
+
+def check_and_time(
+    row: dict[str, Any],
+    name: str,
+    fn: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    ref: torch.Tensor,
+    weights: list[dict[str, torch.Tensor]],
+    reps: int,
+) -> None:
+    """``fn(x, w)`` checked against the reference (into ``row["err"]``, ``row["wrong"]``), then timed on
+    the GPU cycling through ``weights`` (``row["us"]``); a variant that fails to launch is skipped."""
+    tol = 1e-4 if x.dtype == torch.float32 else 1e-2
+    try:
+        err = rel_err(fn(x, weights[0]), ref)  # compiles
+        row["err"][name] = float(f"{err:.1e}")
+        if err > tol:
+            row.setdefault("wrong", []).append(name)
+        elif x.is_cuda:
+            row["us"][name] = round(1e6 * timer(x.device)([partial(fn, x, w) for w in weights], reps), 2)
+    except Exception as exc:  # a variant past the shared-memory limit (OutOfResources): skip it
+        if name in (FUSED, DEQUANT):
+            raise
+        row.setdefault("skipped", {})[name] = f"{type(exc).__name__}: {str(exc)[:80]}"
+
+
+def _fused(cfg: Int4GemmConfig, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    return int4_gemm(x, **w, group_size=GROUP_SIZE, config=cfg)
+
+
+def time_fused_variants(row: dict[str, Any], shape: ShapeData, x: torch.Tensor, ref: torch.Tensor, reps: int) -> None:
+    """Every fused variant that runs at ``row``'s M, checked and timed into ``row`` (aliases listed)."""
+    m = x.shape[0]
+    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
+    configs, row["aliases"] = variants_at(m, shape.n, shape.k, num_sms)
+    weights = shape.weights if m < PREFILL[0] else shape.weights[:2]  # prefill is compute bound: no L2 games
+    for name, (cfg, tile_n) in configs.items():
+        ws = weights if tile_n is None else shape.tiled_weights(tile_n)[: len(weights)]
+        check_and_time(row, name, partial(_fused, cfg), x, ref, ws, reps)
+
+
+def gemv_table(rows: list[dict[str, Any]], copy_tb_s: float | None) -> list[str]:
+    """Per M of GEMV_TABLE_M: one line per fused variant (fastest first by the geometric mean over the
+    shapes of time / the shape's best fused time), cells "µs GB/s fraction-of-copy" per shape; then the
+    best fused variant per shape and cuBLAS."""
+    lines = [f"GEMV table: us  GB/s  fraction of the copy bandwidth ({copy_tb_s or math.nan:.2f} TB/s, same run)"]
+    fused_names = {v.name for v in VARIANTS}
+    for m in GEMV_TABLE_M:
+        cases = [r for r in rows if r["m"] == m and "cublas_us" in r]
+        if not cases:
+            continue
+        lines.append(f"M={m:<3d} {'variant':18s} | " + " | ".join(f"{r['layer']} {r['n']}x{r['k']:<14}" for r in cases))
+        best = {r["layer"]: min((t for n, t in r["us"].items() if n in fused_names), default=math.nan) for r in cases}
+
+        def cell(r: dict[str, Any], t: float | None, bf16: bool = False) -> str:
+            if t is None:
+                return f"{'-':>23s}"
+            n, k = r["n"], r["k"]
+            gb_s = (2 * (n * k + r["m"] * (n + k)) if bf16 else int4_bytes(r["m"], n, k)) / 1e3 / t
+            return f"{t:7.1f} {gb_s:6.0f} {gb_s / 1e3 / (copy_tb_s or math.nan):5.2f}    "
+
+        names = [n for n in dict.fromkeys(n for r in cases for n in r["us"]) if n in fused_names]
+        ratio = {n: math.prod(r["us"][n] / best[r["layer"]] for r in cases if n in r["us"]) for n in names}
+        count = {n: sum(n in r["us"] for r in cases) for n in names}
+        for n in sorted(names, key=lambda n: (-count[n], ratio[n] ** (1 / count[n]))):
+            lines.append(f"      {n:18s} | " + " | ".join(cell(r, r["us"].get(n)) for r in cases))
+        winners = [min((n for n in r["us"] if n in fused_names), key=r["us"].__getitem__) for r in cases]
+        lines.append(f"      {'best (variant)':18s} | " + " | ".join(f"{w:23s}" for w in winners))
+        lines.append(f"      {'best':18s} | " + " | ".join(cell(r, best[r["layer"]]) for r in cases))
+        lines.append(f"      {'cuBLAS (bf16 bytes)':18s} | " + " | ".join(cell(r, r["cublas_us"], True) for r in cases))
+    return lines

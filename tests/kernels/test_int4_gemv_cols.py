@@ -1,0 +1,90 @@
+"""gemv_cols (``kernels.int4_gemv_cols``) under the interpreter against the torch reference: M = 1..8,
+symmetric and asymmetric zeros, group 32 and channel-wise, the loader's layout and the GEMV-tiled one (an N
+tail padded), both split reductions; the tiling is a pure permutation; what pick_config gives it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.int4_dequant import pack_int4
+from kernels.int4_gemm import GEMV_COLS_LIMIT_M, Int4GemmConfig, int4_gemm, int4_gemm_ref, pick_config
+from kernels.int4_gemv import zeroed_scratch
+from kernels.int4_gemv_cols import tile_qweight
+from tests.kernels.helpers import DEVICE, rel_err, tolerance
+
+K = 128
+
+
+def _weights(
+    k: int, n: int, group_size: int, symmetric: bool, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    codes = torch.randint(0, 16, (k, n), generator=gen)
+    groups = k // group_size
+    scales = (0.01 + 0.05 * torch.rand(groups, n, generator=gen)).to(dtype)
+    zeros = torch.full((groups, n), 8) if symmetric else torch.randint(0, 16, (groups, n), generator=gen)
+    return pack_int4(codes).to(DEVICE), scales.to(DEVICE), zeros.to(torch.uint8).to(DEVICE)
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["loader-layout", "tiled"])
+@pytest.mark.parametrize(
+    ("m", "n", "group_size", "symmetric", "split_reduce"),
+    [
+        (1, 48, 32, False, "atomic"),
+        (2, 32, K, True, "counter"),  # channel-wise
+        (5, 40, 32, True, "atomic"),
+        (8, 32, 64, False, "counter"),
+    ],
+)
+def test_matches_reference(
+    m: int, n: int, group_size: int, symmetric: bool, split_reduce: str, tiled: bool, gen: torch.Generator
+) -> None:
+    qweight, scales, zeros = _weights(K, n, group_size, symmetric, torch.float32, gen)
+    x = torch.randn(m, K, generator=gen).to(DEVICE)
+    cfg = Int4GemmConfig(kernel="gemv_cols", block_n=16, block_k=32, split_reduce=split_reduce)  # type: ignore[arg-type]
+    w = tile_qweight(qweight, 16) if tiled else qweight
+    out = int4_gemm(x, w, scales, zeros, group_size, config=cfg)
+    assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, group_size)) < tolerance(torch.float32)
+    assert not zeroed_scratch(x.device, torch.float32, 1).any()  # the atomic accumulator handed back zeroed
+
+
+def test_bf16_activations_with_the_default_tiles(gen: torch.Generator) -> None:
+    """The pick_config tiles (block_n 1024 at M = 1) on a narrow N: one masked column tile."""
+    qweight, scales, zeros = _weights(K, 40, 32, False, torch.bfloat16, gen)
+    x = torch.randn(1, K, generator=gen).to(torch.bfloat16).to(DEVICE)
+    out = int4_gemm(x, qweight, scales, zeros, 32, config=Int4GemmConfig(kernel="gemv_cols"))
+    assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 32)) < tolerance(torch.bfloat16)
+
+
+def test_tile_qweight_is_a_permutation_of_the_words(gen: torch.Generator) -> None:
+    qweight = torch.randint(-(2**31), 2**31 - 1, (16, 40), generator=gen, dtype=torch.int32)
+    tiled = tile_qweight(qweight, 16)  # [3, 16, 16]: 40 columns padded to 48
+    assert tiled.shape == (3, 16, 16) and tiled.is_contiguous()
+    assert torch.equal(tiled.permute(1, 0, 2).reshape(16, 48)[:, :40], qweight)
+    assert not tiled[2, :, 8:].any()
+
+
+def test_pick_config() -> None:
+    auto = Int4GemmConfig(kernel="gemv_cols")
+    one = pick_config(1, 28672, 4096, 128, 132, auto)  # 28 column tiles
+    assert (one.kernel, one.block_n, one.block_k, one.factored) == ("gemv_cols", 1024, 64, True)
+    assert one.split_k == 10  # 280 programs: ~GEMV_COLS_PROGRAMS_PER_SM (2) per SM
+    assert pick_config(1, 4096, 4096, 128, 132, auto).split_k == 64  # one K tile per program at most
+    assert pick_config(1, 4096, 4096, 96, 132, auto).block_k == 32  # tiles inside a group of 96
+    assert pick_config(1, 4096, 4096, 128, 132, auto, has_g_idx=True).kernel == "gemv"  # exact path
+    more = pick_config(1, 28672, 4096, 128, 132, Int4GemmConfig(kernel="gemv_cols", programs_per_sm=4))
+    assert more.split_k == 19
+    with pytest.raises(ValueError, match="holds all M rows"):
+        pick_config(GEMV_COLS_LIMIT_M + 1, 4096, 4096, 128, 132, auto)
+
+
+def test_tiled_weight_rejects_other_uses(gen: torch.Generator) -> None:
+    qweight, scales, zeros = _weights(K, 32, 32, False, torch.float32, gen)
+    x = torch.randn(2, K, generator=gen).to(DEVICE)
+    tiled = tile_qweight(qweight, 16)
+    with pytest.raises(ValueError, match="ceil"):
+        int4_gemm(x, tile_qweight(qweight, 8)[:3], scales, zeros, 32)
+    with pytest.raises(ValueError, match="gemv_cols only"):
+        int4_gemm(torch.randn(9, K).to(DEVICE), tiled, scales, zeros, 32)
+    with pytest.raises(ValueError, match="gemv_cols only"):
+        int4_gemm(x, tiled, scales, zeros, 32, torch.zeros(K, dtype=torch.int32, device=DEVICE))

@@ -43,14 +43,36 @@ DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("fused_bn128_s2_p2", {"fused_reduce": True, "block_n": 128, "num_stages": 2, "partition_scale": 2}),
     ("fused_w8", {"fused_reduce": True, "num_warps": 8}),
 ]
-PREFILL_VARIANTS: list[dict[str, Any]] = [
-    {},
-    {"split_mask": False},  # every KV tile masked, as measured on 2026-11-29 (commit f936af9)
-    {"block_m": 128, "num_warps": 8},
-    {"block_n": 128},
-    {"num_stages": 3},
-    {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
+# (name, kernel, knobs): "paged" is kernels.prefill_attention._paged_prefill_attention (what the engine
+# calls), "new_kv" kernels.prefill_new_kv._prefill_attention_new_kv (this step's K/V from the contiguous
+# tensors; "tma": host tensor descriptors, "ptr": pointer loads). The first is the default's; "lf": longest
+# causal tiles launched first; "fma": the tutorial's softmax step below the diagonal (scale in the exponent's
+# FMA, PV accumulated in place); m/bn/w/s: rows, KV tile, warps, stages. The sweep decides the defaults.
+# Compiled for sm_90 with Triton 3.6 (offline, ptxas): every entry below fits without spills; block_n 128
+# spilled (paged 64 rows: 255 regs + 40 B stack; new_kv 128 rows: 144 B stack, 224 KB shared) and is left out.
+PREFILL_VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
+    ("default", "paged", {}),
+    ("paged_lf", "paged", {"largest_first": True}),
+    ("paged_fma_lf", "paged", {"fma_softmax": True, "largest_first": True}),
+    ("paged_s3_lf", "paged", {"num_stages": 3, "largest_first": True}),
+    ("paged_m128_w8_s2_lf", "paged", {"block_m": 128, "num_warps": 8, "num_stages": 2, "largest_first": True}),
+    ("paged_m128_w8_s3_lf", "paged", {"block_m": 128, "num_warps": 8, "num_stages": 3, "largest_first": True}),
+    (
+        "paged_fma_m128_w8_s3_lf",
+        "paged",
+        {"block_m": 128, "num_warps": 8, "num_stages": 3, "largest_first": True, "fma_softmax": True},
+    ),  # fmt: skip
+    ("new_kv_tma_m128_w8_s3", "new_kv", {"use_tma": True}),  # its defaults: the Triton tutorial's Hopper tile
+    ("new_kv_tma_m128_w8_s2", "new_kv", {"use_tma": True, "num_stages": 2}),
+    ("new_kv_tma_m128_w8_s4", "new_kv", {"use_tma": True, "num_stages": 4}),
+    ("new_kv_tma_m64_w4_s3", "new_kv", {"use_tma": True, "block_m": 64, "num_warps": 4}),
+    ("new_kv_tma_m64_w4_s2", "new_kv", {"use_tma": True, "block_m": 64, "num_warps": 4, "num_stages": 2}),
+    ("new_kv_ptr_m128_w8_s3", "new_kv", {"use_tma": False}),
+    ("new_kv_ptr_m64_w4_s3", "new_kv", {"use_tma": False, "block_m": 64, "num_warps": 4}),
 ]
+# (name, cached prefix, new tokens) of one sequence: the dense causal prefills SDPA is measured on, and a
+# chunk of a chunked prefill (SDPA with a lower-right causal mask over prefix + chunk)
+PREFILL_CASES: list[tuple[str, int, int]] = [("4k", 0, 4096), ("8k", 0, 8192), ("2k+2k", 2048, 2048)]
 
 
 def time_graph(calls: Sequence[Callable[[], object]], reps: int) -> float:
@@ -194,36 +216,89 @@ def _decode_variant_kwargs(batch: int, seq_len: int, name: str, variant: dict[st
     return kwargs, dataclasses.asdict(plan_decode(batch, NUM_HEADS, NUM_KV_HEADS, seq_len, sms, **knobs))
 
 
-def bench_prefill(num_tokens: int, reps: int, variants: list[dict[str, Any]]) -> dict[str, Any]:
-    from kernels.prefill_attention import _paged_prefill_attention
+def bench_prefill(
+    name: str, context_len: int, q_len: int, reps: int, variants: list[tuple[str, str, dict[str, Any]]]
+) -> dict[str, Any]:
+    """One sequence of ``q_len`` new tokens after ``context_len`` cached ones: SDPA on dense K/V, then each
+    variant on a paged cache (shuffled block table), TFLOP/s of the causal QK^T and PV, and each variant's
+    output against the torch reference at this size."""
+    from kernels.prefill_attention import paged_prefill_attention_ref
 
-    flops = 4 * NUM_HEADS * HEAD_DIM * num_tokens * (num_tokens + 1) / 2  # causal QK^T and PV
+    seq_len = context_len + q_len
+    # every query sees its prefix and the new tokens up to itself
+    flops = 4 * NUM_HEADS * HEAD_DIM * q_len * (context_len + (q_len + 1) / 2)
     scale = HEAD_DIM**-0.5
-    q = torch.randn(1, NUM_HEADS, num_tokens, HEAD_DIM, device="cuda", dtype=DTYPE)
-    k = torch.randn(1, NUM_KV_HEADS, num_tokens, HEAD_DIM, device="cuda", dtype=DTYPE)
-    v = torch.randn_like(k)
-    sdpa = partial(F.scaled_dot_product_attention, q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    t = time_graph([sdpa] * 8, reps)
-    result: dict[str, Any] = {"num_tokens": num_tokens, "sdpa_s": t, "sdpa_tflops": flops / t / 1e12, "variants": []}
-    num_blocks = num_tokens // BLOCK_SIZE
+    result: dict[str, Any] = {"case": name, "context_len": context_len, "num_tokens": q_len, "variants": []}
+    result["sdpa_s"] = t = _time_sdpa_prefill(context_len, q_len, scale, reps)
+    result["sdpa_tflops"] = flops / t / 1e12
+    num_blocks = -(-seq_len // BLOCK_SIZE)
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(1, num_blocks)
-    query = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device="cuda")
-    seq_lens = torch.tensor([num_tokens], dtype=torch.int32, device="cuda")
-    for variant in variants:
-        call = partial(_paged_prefill_attention, query, cache, tables, qsl, seq_lens, scale, None, **variant)
+    query = torch.randn(q_len, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    qsl = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32, device="cuda")
+    # the new tokens' K/V as the contiguous tensors the layer has: the same values as their cache slots
+    kv = cache[:, tables[0].long()].reshape(2, -1, NUM_KV_HEADS, HEAD_DIM)[:, context_len:seq_len].contiguous()
+    ref = paged_prefill_attention_ref(query, cache, tables, qsl, seq_lens, scale)
+    for vname, kernel, knobs in variants:
+        call = _prefill_call(kernel, knobs, query, kv[0], kv[1], cache, tables, qsl, seq_lens, scale)
         try:
+            err = _rel(call(), ref)
             t = time_graph([call] * 8, reps)
-        except Exception as exc:
-            print(f"  variant {variant} failed: {exc!r:.200}", flush=True)
+        except Exception as exc:  # a variant that fails to compile (resources) must not end the run
+            print(f"  prefill {name} variant {vname} failed: {exc!r:.300}", flush=True)
             continue
-        result["variants"].append({"variant": variant, "s": t, "tflops": flops / t / 1e12})
-    best = max(result["variants"], key=lambda r: r["tflops"])
-    result.update(
-        triton_tflops=result["variants"][0]["tflops"], best_tflops=best["tflops"], best_variant=best["variant"]
-    )
+        tflops = flops / t / 1e12
+        result["variants"].append(
+            {"name": vname, "kernel": kernel, "knobs": knobs, "s": t, "tflops": tflops,
+             "ratio": tflops / result["sdpa_tflops"], "rel_err": err}
+        )  # fmt: skip
+    del cache, kv, ref
+    torch.cuda.empty_cache()
+    ok = [v for v in result["variants"] if v["rel_err"] < 1e-2] or [{"name": None, "tflops": float("nan")}]
+    best = max(ok, key=lambda r: r["tflops"])
+    default = result["variants"][0] if result["variants"] else {"name": None, "tflops": float("nan")}
+    result.update(triton_tflops=default["tflops"], best_tflops=best["tflops"], best_variant=best["name"])
     return result
+
+
+def _time_sdpa_prefill(context_len: int, q_len: int, scale: float, reps: int) -> float:
+    """SDPA's seconds per call on dense K/V of the same shape: causal (flash) when there is no prefix, else
+    a lower-right causal mask (the new queries are the last positions), which SDPA serves without flash."""
+    seq_len = context_len + q_len
+    q = torch.randn(1, NUM_HEADS, q_len, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = torch.randn(1, NUM_KV_HEADS, seq_len, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    if context_len == 0:
+        sdpa = partial(F.scaled_dot_product_attention, q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        group = NUM_HEADS // NUM_KV_HEADS  # heads expanded: the masked path takes no enable_gqa
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        mask = causal_lower_right(q_len, seq_len)
+        sdpa = partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, scale=scale)
+    return time_graph([sdpa] * 8, reps)
+
+
+def _prefill_call(
+    kernel: str,
+    knobs: dict[str, Any],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    qsl: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> Callable[[], torch.Tensor]:
+    from kernels.prefill_attention import _paged_prefill_attention
+    from kernels.prefill_new_kv import _prefill_attention_new_kv
+
+    if kernel == "paged":
+        return partial(_paged_prefill_attention, query, cache, tables, qsl, seq_lens, scale, None, **knobs)
+    return partial(_prefill_attention_new_kv, query, key, value, cache, tables, qsl, seq_lens, scale, None, **knobs)
 
 
 def bench_silu_and_mul(num_tokens: int, inter: int, reps: int) -> dict[str, Any]:
@@ -254,7 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the full results as JSON here")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 8192, 32768])
-    parser.add_argument("--prefill-tokens", type=int, default=4096)
+    parser.add_argument(
+        "--prefill-cases", nargs="+", default=[c[0] for c in PREFILL_CASES], choices=[c[0] for c in PREFILL_CASES]
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=("decode", "prefill", "silu"), default=("decode", "prefill", "silu"),
+        help="benchmark only these kernels (the correctness check still runs unless --skip-check)",
+    )  # fmt: skip
     parser.add_argument("--reps", type=int, default=7, help="graph replays per timing (median reported)")
     parser.add_argument("--sweep", action="store_true", help="also time tuning variants of each kernel")
     parser.add_argument("--skip-check", action="store_true")
@@ -274,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     ok = all(r["rel_err"] < 1e-2 for r in report["correctness"])
     decode_variants = DECODE_VARIANTS if args.sweep else DECODE_VARIANTS[:1]
-    for batch in args.batches:
+    for batch in args.batches if "decode" in args.only else []:
         for seq_len in args.seq_lens:
             r = bench_decode(batch, seq_len, args.reps, decode_variants)
             report["decode"].append(r)
@@ -283,13 +364,22 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['best_variant']}  sdpa {r['sdpa_gbps']:7.0f} GB/s  ratio {r['triton_gbps'] / r['sdpa_gbps']:.2f}",
                 flush=True,
             )
-    report["prefill"] = bench_prefill(
-        args.prefill_tokens, args.reps, PREFILL_VARIANTS if args.sweep else PREFILL_VARIANTS[:1]
-    )
-    report["silu_and_mul"] = [bench_silu_and_mul(t, 14336, args.reps) for t in (256, 8192)]
+    report["prefill"] = []
+    prefill_variants = PREFILL_VARIANTS if args.sweep else PREFILL_VARIANTS[:1]
+    for case, context_len, q_len in PREFILL_CASES if "prefill" in args.only else []:
+        if case in args.prefill_cases:
+            report["prefill"].append(bench_prefill(case, context_len, q_len, args.reps, prefill_variants))
+            p = report["prefill"][-1]
+            print(
+                f"prefill {case}: triton {p['triton_tflops']:.0f} TFLOP/s  best {p['best_tflops']:.0f} "
+                f"{p['best_variant']}  sdpa {p['sdpa_tflops']:.0f} TFLOP/s", flush=True,
+            )  # fmt: skip
+    sizes = (256, 8192) if "silu" in args.only else ()
+    report["silu_and_mul"] = [bench_silu_and_mul(t, 14336, args.reps) for t in sizes]
     _print_table(report)
     if args.sweep:
         _print_decode_variants(report["decode"])
+        _print_prefill_variants(report["prefill"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
@@ -306,11 +396,12 @@ def _print_table(report: dict[str, Any]) -> None:
             f"{r['sdpa_gbps']:.0f} | {r['triton_gbps'] / r['sdpa_gbps']:.2f} | "
             f"{r['best_gbps']:.0f} ({r['best_gbps'] / r['sdpa_gbps']:.2f}) {r['best_variant']} |"
         )
-    p = report["prefill"]
-    print(
-        f"prefill {p['num_tokens']} tokens causal: triton {p['triton_tflops']:.0f} TFLOP/s, best {p['best_tflops']:.0f} "
-        f"{p['best_variant']}, SDPA {p['sdpa_tflops']:.0f} TFLOP/s, ratio {p['triton_tflops'] / p['sdpa_tflops']:.2f}"
-    )
+    for p in report["prefill"]:
+        print(
+            f"prefill {p['case']} (prefix {p['context_len']} + {p['num_tokens']} new, causal): triton "
+            f"{p['triton_tflops']:.0f} TFLOP/s, best {p['best_tflops']:.0f} {p['best_variant']}, SDPA "
+            f"{p['sdpa_tflops']:.0f} TFLOP/s, ratio {p['triton_tflops'] / p['sdpa_tflops']:.2f}"
+        )
     for a in report["silu_and_mul"]:
         print(
             f"silu_and_mul T={a['num_tokens']} I={a['inter']}: triton {a['triton_gbps']:.0f} GB/s, torch "
@@ -337,6 +428,28 @@ def _print_decode_variants(decode: list[dict[str, Any]]) -> None:
             star = "*" if v["name"] == r["best_variant"] else ""
             cells.append(f"{v['ratio']:.3f}{star} /{v['num_partitions']}{'F' if v['fused_reduce'] else ''}")
         print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def _print_prefill_variants(prefill: list[dict[str, Any]]) -> None:
+    """One row per prefill variant: TFLOP/s and ratio to SDPA at every case, * the best correct one of the
+    case, ! a rel err of 1e-2 or more against the reference (never a winner)."""
+    names = list(dict.fromkeys(v["name"] for r in prefill for v in r["variants"]))
+    print("\nprefill variants: TFLOP/s (ratio to SDPA), * best of the case, ! wrong (rel err >= 1e-2)")
+    print("| variant | " + " | ".join(f"{r['case']} (SDPA {r['sdpa_tflops']:.0f})" for r in prefill) + " |")
+    print("|---" * (len(prefill) + 1) + "|")
+    for name in names:
+        cells = []
+        for r in prefill:
+            v = next((v for v in r["variants"] if v["name"] == name), None)
+            if v is None:
+                cells.append("failed")
+                continue
+            mark = "!" if not v["rel_err"] < 1e-2 else "*" if name == r["best_variant"] else ""
+            cells.append(f"{v['tflops']:.0f} ({v['ratio']:.2f}){mark}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    errs = [v["rel_err"] for r in prefill for v in r["variants"]]
+    if errs:
+        print(f"prefill variants' rel err against the reference: max {max(errs):.2e}")
 
 
 if __name__ == "__main__":

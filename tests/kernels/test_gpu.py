@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
@@ -99,3 +100,54 @@ def test_silu_and_mul_real_size(gen: torch.Generator) -> None:
 
     x = torch.randn(4096, 2 * 14336, generator=gen).to(device="cuda", dtype=torch.bfloat16)
     assert rel_err(silu_and_mul(x), silu_and_mul_ref(x)) < 1e-2
+
+
+@pytest.mark.parametrize("sliding_window", [None, 700])
+@pytest.mark.parametrize("use_tma", [True, False])
+def test_prefill_new_kv_real_sizes(sliding_window: int | None, use_tma: bool, gen: torch.Generator) -> None:
+    """This step's K/V from contiguous tensors (views of a fused projection output, as the layer has them):
+    TMA on the GPU (host tensor descriptors) and the pointer path, a full prefill, a chunk after a prefix
+    that ends mid-tile, decode rows; the cache's new-token slots hold NaN, so reading them fails."""
+    from kernels.prefill_new_kv import _prefill_attention_new_kv, can_use_tma, prefill_attention_new_kv_ref
+
+    rows = [(0, 2048), (1000, 517), (3000, 1), (0, 1)]  # (cached prefix, new tokens)
+    lens = [c + q for c, q in rows]
+    cache, tables = paged_cache(lens, 16, 8, 128, torch.bfloat16, gen)
+    q_lens = torch.tensor([q for _, q in rows])
+    for i, (c, n) in enumerate(rows):
+        pos = torch.arange(c, c + n, device="cuda")
+        cache[:, tables[i].long()[pos // 16], pos % 16] = float("nan")
+    query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).cuda()
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    num_tokens = int(q_lens.sum())
+    query = torch.randn(num_tokens, 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    qkv = torch.randn(num_tokens, 32 + 16, 128, generator=gen).to(torch.bfloat16).cuda()
+    key, value = qkv[:, 32:40], qkv[:, 40:]
+    assert can_use_tma(key, value, 64)
+    args = (query, key, value, cache, tables, query_start_loc, seq_lens, 128**-0.5, sliding_window)
+    ref = prefill_attention_new_kv_ref(*args)
+    knob_sets: list[dict[str, Any]] = [{}, {"block_m": 64, "num_warps": 4}, {"block_n": 128, "num_stages": 2}]
+    for knobs in knob_sets:
+        out = _prefill_attention_new_kv(*args, use_tma=use_tma, **knobs)
+        assert rel_err(out, ref) < 1e-2, f"{knobs} seed {gen.initial_seed()}"
+
+
+def test_prefill_paged_largest_first_real_sizes(gen: torch.Generator) -> None:
+    """The paged kernel's sweep knobs at real sizes: longest tiles first, 128 rows x 8 warps, 3 stages."""
+    from kernels.prefill_attention import _paged_prefill_attention
+
+    rows = [(0, 2048), (1000, 517), (3000, 1), (0, 1)]
+    lens = [c + q for c, q in rows]
+    cache, tables = paged_cache(lens, 16, 8, 128, torch.bfloat16, gen)
+    q_lens = torch.tensor([q for _, q in rows])
+    query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).cuda()
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    query = torch.randn(int(q_lens.sum()), 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    ref = paged_prefill_attention_ref(query, cache, tables, query_start_loc, seq_lens, 128**-0.5)
+    knob_sets: list[dict[str, Any]] = [
+        {"largest_first": True, "fma_softmax": True},
+        {"block_m": 128, "num_warps": 8, "num_stages": 3, "largest_first": True},
+    ]
+    for knobs in knob_sets:
+        out = _paged_prefill_attention(query, cache, tables, query_start_loc, seq_lens, 128**-0.5, **knobs)
+        assert rel_err(out, ref) < 1e-2, f"{knobs} seed {gen.initial_seed()}"

@@ -1,0 +1,281 @@
+"""Prefill / chunked-prefill attention that reads this step's keys and values from the contiguous
+``[num_tokens, num_kv_heads, head_dim]`` tensors the layer just computed, and only the cached prefix
+through the block table.
+
+Below the causal diagonal a tile of new keys is ``BLOCK_N`` consecutive rows of one tensor, so on Hopper it
+comes by TMA (a host tensor descriptor: one bulk copy per tile, no per-row addresses, deeper pipelines in
+shared memory), where the paged kernel (``kernels.prefill_attention``) gathers every tile page by page
+through the block table with per-row pointer loads. The cached prefix and the diagonal tiles still take
+pointer loads; the portable pointer path (``use_tma=False``, and any GPU before sm_90) is the same kernel.
+The key and value must be the ones written into the cache at this step's slots (rotated key included):
+:func:`prefill_attention_new_kv_ref` is the paged reference with them written in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels._triton import next_pow2, require_triton, tl, triton
+from kernels.paged_attention import _LOG2E, _dot_precision, _load_kv_tile, _online_softmax_step, _upcast
+from kernels.prefill_attention import (
+    _locate_tile,
+    _program_tile,
+    _unmasked_step,
+    check_prefill_inputs,
+    paged_prefill_attention_ref,
+)
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - no Triton, or one older than 3.4: the pointer path only
+    TensorDescriptor = None
+
+# Its tile, as far as the CPU can say: the H200 sweep (``python -m loadtest.kernels_bench --sweep --only
+# prefill``) decides. 128 rows x 8 warps (two warpgroups of wgmma), 3 stages: the Triton tutorial's Hopper tile.
+NEW_KV_BLOCK_M = 128
+NEW_KV_BLOCK_N = 64
+NEW_KV_NUM_WARPS = 8
+NEW_KV_NUM_STAGES = 3
+
+
+def prefill_attention_new_kv_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences back to back
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]: this step's keys (rotated), row for row with query
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]: the cached prefixes
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32: cached prefix + new tokens
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """:func:`paged_prefill_attention_ref` over a copy of the cache with ``key`` / ``value`` written at the
+    new tokens' slots (whatever the cache held there)."""
+    cache = kv_cache.clone()
+    block_size = kv_cache.shape[2]
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q0, q1 = starts[i], starts[i + 1]
+        pos = torch.arange(seq_len - (q1 - q0), seq_len, device=kv_cache.device)
+        blocks = block_tables[i].to(torch.long)[pos // block_size]
+        cache[0, blocks, pos % block_size] = key[q0:q1]
+        cache[1, blocks, pos % block_size] = value[q0:q1]
+    return paged_prefill_attention_ref(query, cache, block_tables, query_start_loc, seq_lens, scale, sliding_window)
+
+
+@triton.jit
+def _load_split_kv(
+    k_ptr, v_ptr, bt_row, kn_ptr, vn_ptr, pos, pos_ok, context_len, new_row0, d, d_mask, kvh,
+    stride_kb, stride_kt, stride_kh, stride_nt, stride_nh, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """K and V ``[BLOCK_N, D]`` at positions ``pos`` (only where ``pos_ok``): the cached prefix through the
+    block table, the new tokens (``pos >= context_len``) from rows ``new_row0 + pos - context_len``."""
+    in_new = pos_ok & (pos >= context_len)
+    kc, vc = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, pos_ok & (pos < context_len), d, d_mask, kvh,
+                           stride_kb, stride_kt, stride_kh, BLOCK_SIZE, True, UPCAST)  # fmt: skip
+    rows = (new_row0 + pos - context_len).to(tl.int64)
+    offs = (rows * stride_nt + kvh * stride_nh)[:, None] + d[None, :]
+    new_mask = in_new[:, None] & d_mask[None, :]
+    kn = tl.load(kn_ptr + offs, mask=new_mask, other=0.0)
+    vn = tl.load(vn_ptr + offs, mask=new_mask, other=0.0)
+    if UPCAST:
+        kn = kn.to(tl.float32)
+        vn = vn.to(tl.float32)
+    return tl.where(in_new[:, None], kn, kc), tl.where(in_new[:, None], vn, vc)
+
+
+@triton.jit
+def _prefill_new_kv_kernel(
+    q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, kn_desc, vn_desc, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    out_ptr, scale_log2, sliding_window, num_seqs,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_nt, stride_nh, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, LARGEST_FIRST: tl.constexpr,
+):  # fmt: skip
+    tile, kvh = _program_tile(LARGEST_FIRST)
+    seq, q_start, q_len, q_tile_start = _locate_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_Q)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    tok = q_tile_start + r // GROUP_PAD  # [M] index among the sequence's new tokens
+    g = r % GROUP_PAD
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = d < HEAD_DIM
+    row_mask = (tok < q_len) & (g < GROUP)
+    heads = kvh * GROUP + g
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = context_len + tok  # [M] absolute positions
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+
+    kv_hi = tl.minimum(context_len + q_tile_start + BLOCK_Q, seq_len)  # causal: up to the tile's last query
+    kv_hi = tl.where(q_tile_start < q_len, kv_hi, 0)  # a spare tile of the grid's bound: nothing to read
+    bt_row = block_tables_ptr + seq * stride_bt
+    if USE_WINDOW:  # every tile masked, from the window's first key on (as the paged kernel does)
+        masked_start = (tl.maximum(context_len + q_tile_start - sliding_window + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        # keys before the tile's first query are visible to all its rows: three unmasked loops, by source
+        masked_start = (tl.minimum(context_len + q_tile_start, kv_hi) // BLOCK_N) * BLOCK_N
+        cached_end = tl.minimum((context_len // BLOCK_N) * BLOCK_N, masked_start)  # whole tiles of the prefix
+        new_start = tl.minimum(tl.cdiv(context_len, BLOCK_N) * BLOCK_N, masked_start)  # whole tiles of new keys
+        for start in range(0, cached_end, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, pos, d, d_mask, kvh, stride_kb, stride_kt, stride_kh,
+                                 BLOCK_SIZE, False, UPCAST)  # fmt: skip
+            m_i, l_i, acc = _unmasked_step(q, k, v, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+        for start in range(cached_end, new_start, BLOCK_N):  # at most one tile: the prefix ends inside it
+            pos = start + tl.arange(0, BLOCK_N)
+            k, v = _load_split_kv(k_ptr, v_ptr, bt_row, kn_ptr, vn_ptr, pos, pos >= 0, context_len, q_start, d,
+                                  d_mask, kvh, stride_kb, stride_kt, stride_kh, stride_nt, stride_nh, BLOCK_SIZE,
+                                  UPCAST)  # fmt: skip
+            m_i, l_i, acc = _unmasked_step(q, k, v, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+        row = q_start + new_start - context_len  # the new tensors' row of key position new_start
+        # (tl.range(warp_specialize=True) compiles to the same code for sm_90 with Triton 3.6: its automatic
+        # warp specialization is Blackwell's; checked in the TTGIR, which keeps one partition)
+        for _ in range(new_start, masked_start, BLOCK_N):
+            if USE_TMA:
+                k = kn_desc.load([row, kvh * HEAD_DIM])
+                v = vn_desc.load([row, kvh * HEAD_DIM])
+            else:
+                offs = ((row + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_nt + kvh * stride_nh)[:, None] + d[None, :]
+                k = tl.load(kn_ptr + offs, mask=d_mask[None, :], other=0.0)
+                v = tl.load(vn_ptr + offs, mask=d_mask[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            m_i, l_i, acc = _unmasked_step(q, k, v, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+            row += BLOCK_N
+    for start in range(masked_start, kv_hi, BLOCK_N):  # the diagonal (and window edge): masked
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_hi
+        k, v = _load_split_kv(k_ptr, v_ptr, bt_row, kn_ptr, vn_ptr, pos, pos_ok, context_len, q_start, d, d_mask,
+                              kvh, stride_kb, stride_kt, stride_kh, stride_nt, stride_nh, BLOCK_SIZE, UPCAST)  # fmt: skip
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, True, DOT_PRECISION)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def prefill_attention_new_kv(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences back to back
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]: this step's keys as written into the cache
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32: cached prefix + new tokens
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`prefill_attention_new_kv_ref`."""
+    return _prefill_attention_new_kv(
+        query, key, value, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
+    )
+
+
+def _prefill_attention_new_kv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    block_m: int = NEW_KV_BLOCK_M,
+    block_n: int = NEW_KV_BLOCK_N,
+    num_warps: int = NEW_KV_NUM_WARPS,
+    num_stages: int = NEW_KV_NUM_STAGES,
+    use_tma: bool | None = None,  # None: where the GPU and the tensors allow it (can_use_tma)
+    largest_first: bool = True,
+) -> torch.Tensor:
+    require_triton("prefill_attention_new_kv")
+    check_prefill_inputs(query, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window)
+    _check_new_kv(query, key, value, kv_cache, scale)
+    tma_ok = can_use_tma(key, value, block_n)
+    if use_tma and not tma_ok:
+        raise ValueError("use_tma: needs Triton tensor descriptors, sm_90+ or the interpreter, head_dim a power "
+                         "of two, the heads of a row adjacent and 16-byte aligned rows")  # fmt: skip
+    use_tma = tma_ok if use_tma is None else use_tma
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    group_pad = next_pow2(group)
+    block_q = max(1, block_m // group_pad)
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    kn_desc: Any = key
+    vn_desc: Any = value
+    if use_tma:  # [num_tokens, num_kv_heads * head_dim] rows; a tile is BLOCK_N rows of one head's columns
+        flat = [num_tokens, num_kv_heads * head_dim]
+        kn_desc = TensorDescriptor(key, flat, [key.stride(0), 1], [block_n, head_dim])
+        vn_desc = TensorDescriptor(value, flat, [value.stride(0), 1], [block_n, head_dim])
+    num_tiles = num_tokens // block_q + num_seqs  # bound on sum(cdiv(q_len, block_q)); no device sync
+    grid = (num_kv_heads, num_tiles) if largest_first else (num_tiles, num_kv_heads)
+    _prefill_new_kv_kernel[grid](
+        query, k_cache, v_cache, key, value, kn_desc, vn_desc, block_tables, query_start_loc, seq_lens, out,
+        scale * _LOG2E, sliding_window or 0, num_seqs,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        key.stride(0), key.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
+        USE_TMA=use_tma, DOT_PRECISION=_dot_precision(query),
+        UPCAST=_upcast(query), LARGEST_FIRST=largest_first, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def can_use_tma(key: torch.Tensor, value: torch.Tensor, block_n: int) -> bool:
+    """Whether the new tensors can be read by TMA: Triton's host tensor descriptors, a Hopper-or-later GPU
+    (or the CPU interpreter), a power-of-two head_dim (the box covers exactly one head), a row's heads side
+    by side and 16-byte aligned rows and base addresses."""
+    if TensorDescriptor is None:
+        return False
+    if key.device.type == "cuda" and torch.cuda.get_device_capability(key.device)[0] < 9:
+        return False
+    head_dim, size = key.shape[2], key.element_size()
+    return all(
+        t.stride(1) == head_dim
+        and (t.stride(0) * size) % 16 == 0
+        and t.data_ptr() % 16 == 0
+        and head_dim & (head_dim - 1) == 0
+        and head_dim >= 16
+        and block_n <= 256
+        for t in (key, value)
+    )
+
+
+def _check_new_kv(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, scale: float
+) -> None:
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    want = (query.shape[0], num_kv_heads, head_dim)
+    for name, t in (("key", key), ("value", value)):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_dim] = {list(want)}, got {list(t.shape)}")
+        if t.dtype != query.dtype or t.device != query.device:
+            raise ValueError(f"{name} must be {query.dtype} on {query.device}, got {t.dtype} on {t.device}")
+        if t.stride(2) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim, got strides {t.stride()}")
+    if key.stride() != value.stride():
+        raise ValueError(f"key and value need the same strides, got {key.stride()} and {value.stride()}")
+    if scale <= 0:
+        raise ValueError(f"scale must be > 0 (it is folded into the softmax's max), got {scale}")

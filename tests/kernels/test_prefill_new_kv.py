@@ -1,0 +1,130 @@
+"""Prefill attention with this step's K/V from contiguous tensors (kernels/prefill_new_kv.py) against its
+torch reference, and the paged kernel's launch-order knob. Under the interpreter the TMA path runs too
+(host tensor descriptors are emulated); tests/kernels/test_gpu.py checks both paths at real sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.prefill_attention import _paged_prefill_attention, paged_prefill_attention_ref
+from kernels.prefill_new_kv import (
+    _prefill_attention_new_kv,
+    can_use_tma,
+    prefill_attention_new_kv,
+    prefill_attention_new_kv_ref,
+)
+from tests.kernels.helpers import DEVICE, paged_cache, rel_err, tolerance
+
+HEAD_DIM = 32
+NUM_KV_HEADS = 2
+# (cached prefix, new tokens): a 1-token prompt, full prefills shorter and longer than a tile, chunked
+# prefills whose prefix ends mid-tile, on a tile edge and past several tiles, and decode rows (q_len 1)
+ROWS = [(0, 1), (0, 23), (17, 9), (32, 24), (70, 19), (40, 1), (5, 1), (0, 37)]
+
+
+def _batch(
+    rows: list[tuple[int, int]], group: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, ...]:
+    """Query, new key and value, a cache holding the prefixes and NaN in every new token's slot (so a
+    kernel that reads a new token through the block table fails), tables, query_start_loc, seq_lens."""
+    lens = [c + q for c, q in rows]
+    cache, tables = paged_cache(lens, 16, NUM_KV_HEADS, HEAD_DIM, dtype, gen)
+    q_lens = torch.tensor([q for _, q in rows])
+    num_tokens = int(q_lens.sum())
+    for i, (c, n) in enumerate(rows):
+        pos = torch.arange(c, c + n, device=DEVICE)
+        cache[:, tables[i].long()[pos // 16], pos % 16] = float("nan")
+    query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(num_tokens, NUM_KV_HEADS * group, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
+    # key and value as views of one fused projection output, as the attention layer has them
+    qkv = torch.randn(num_tokens, 2 * NUM_KV_HEADS + 1, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
+    key, value = qkv[:, 1 : 1 + NUM_KV_HEADS], qkv[:, 1 + NUM_KV_HEADS :]
+    return query, key, value, cache, tables, query_start_loc, seq_lens
+
+
+# every dtype, GQA group, window and load path, each pair of them at least once (the full product: 36 slow
+# interpreter runs)
+CASES = [
+    (torch.float32, 1, None, True), (torch.float32, 4, 10, False), (torch.float32, 8, 10, True),
+    (torch.bfloat16, 8, None, False), (torch.bfloat16, 4, None, True), (torch.bfloat16, 1, 10, False),
+    (torch.float16, 4, 10, True), (torch.float16, 8, None, True), (torch.float16, 1, None, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "group", "sliding_window", "use_tma"), CASES)
+def test_new_kv_mixed_batch_matches_ref(
+    dtype: torch.dtype, group: int, sliding_window: int | None, use_tma: bool, gen: torch.Generator
+) -> None:
+    query, key, value, cache, tables, qsl, seq_lens = _batch(ROWS, group, dtype, gen)
+    assert can_use_tma(key, value, 16)
+    # block_m 32, block_n 16: several query tiles per sequence and several KV tiles of each source
+    out = _prefill_attention_new_kv(
+        query, key, value, cache, tables, qsl, seq_lens, 0.17, sliding_window, block_m=32, block_n=16,
+        use_tma=use_tma,
+    )  # fmt: skip
+    ref = prefill_attention_new_kv_ref(query, key, value, cache, tables, qsl, seq_lens, 0.17, sliding_window)
+    assert rel_err(out, ref) < tolerance(dtype), f"seed {gen.initial_seed()}"
+
+
+@pytest.mark.parametrize(("block_m", "block_n", "largest_first"), [(64, 32, True), (32, 64, False)])
+def test_new_kv_tiles_and_order(block_m: int, block_n: int, largest_first: bool, gen: torch.Generator) -> None:
+    """Other tiles, a prefix longer than the KV tile (several whole cached tiles), both launch orders."""
+    rows = [(0, 70), (50, 30), (130, 7), (3, 1)]
+    query, key, value, cache, tables, qsl, seq_lens = _batch(rows, 4, torch.float32, gen)
+    out = _prefill_attention_new_kv(
+        query, key, value, cache, tables, qsl, seq_lens, 0.2, None, block_m=block_m, block_n=block_n,
+        largest_first=largest_first,
+    )  # fmt: skip
+    ref = prefill_attention_new_kv_ref(query, key, value, cache, tables, qsl, seq_lens, 0.2)
+    assert rel_err(out, ref) < tolerance(torch.float32), f"seed {gen.initial_seed()}"
+
+
+def test_new_kv_public_wrapper_odd_head_dim(gen: torch.Generator) -> None:
+    """head_dim 24 (no power of two): no TMA, the pointer path with padded columns."""
+    lens = [50]
+    cache, tables = paged_cache(lens, 16, NUM_KV_HEADS, 24, torch.float16, gen)
+    qsl = torch.tensor([0, 30], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(30, NUM_KV_HEADS * 4, 24, generator=gen).to(torch.float16).to(DEVICE)
+    key = torch.randn(30, NUM_KV_HEADS, 24, generator=gen).to(torch.float16).to(DEVICE)
+    value = torch.randn(30, NUM_KV_HEADS, 24, generator=gen).to(torch.float16).to(DEVICE)
+    assert not can_use_tma(key, value, 64)
+    out = prefill_attention_new_kv(query, key, value, cache, tables, qsl, seq_lens, 0.2)
+    ref = prefill_attention_new_kv_ref(query, key, value, cache, tables, qsl, seq_lens, 0.2)
+    assert rel_err(out, ref) < 1e-2, f"seed {gen.initial_seed()}"
+    with pytest.raises(ValueError, match="use_tma"):
+        _prefill_attention_new_kv(query, key, value, cache, tables, qsl, seq_lens, 0.2, use_tma=True)
+
+
+def test_new_kv_rejects_bad_inputs(gen: torch.Generator) -> None:
+    query, key, value, cache, tables, qsl, seq_lens = _batch([(0, 5)], 4, torch.bfloat16, gen)
+    with pytest.raises(ValueError, match="key must be"):
+        prefill_attention_new_kv(query, key[:4], value, cache, tables, qsl, seq_lens, 0.1)
+    with pytest.raises(ValueError, match="same strides"):
+        prefill_attention_new_kv(query, key.contiguous(), value, cache, tables, qsl, seq_lens, 0.1)
+    with pytest.raises(ValueError, match="scale"):
+        prefill_attention_new_kv(query, key, value, cache, tables, qsl, seq_lens, -0.1)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        prefill_attention_new_kv(query, key, value, cache, tables, seq_lens, seq_lens, 0.1)
+
+
+@pytest.mark.parametrize(("group", "fma_softmax"), [(1, True), (4, False)])
+def test_paged_largest_first_matches_ref(group: int, fma_softmax: bool, gen: torch.Generator) -> None:
+    """The paged kernel launched longest tiles first (grid (kv_head, tile)), windowed and not, with either
+    softmax step below the diagonal."""
+    rows = [(0, 1), (0, 40), (17, 9), (33, 1)]
+    lens = [c + q for c, q in rows]
+    cache, tables = paged_cache(lens, 16, NUM_KV_HEADS, HEAD_DIM, torch.float32, gen)
+    q_lens = torch.tensor([q for _, q in rows])
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(int(q_lens.sum()), NUM_KV_HEADS * group, HEAD_DIM, generator=gen).to(DEVICE)
+    for window in (None, 12):
+        out = _paged_prefill_attention(
+            query, cache, tables, qsl, seq_lens, 0.17, window, block_m=16, block_n=16, largest_first=True,
+            fma_softmax=fma_softmax,
+        )  # fmt: skip
+        ref = paged_prefill_attention_ref(query, cache, tables, qsl, seq_lens, 0.17, window)
+        assert rel_err(out, ref) < tolerance(torch.float32), f"seed {gen.initial_seed()}"

@@ -199,6 +199,7 @@ PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
 PREFILL_LARGEST_FIRST = False
 PREFILL_FMA_SOFTMAX = False
+_MAX_GRID_Y = 65536  # CUDA's grid limit on axis 1: more tiles take the (tile, kv_head) order
 
 
 def _paged_prefill_attention(
@@ -230,6 +231,7 @@ def _paged_prefill_attention(
         return out
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_tiles = num_tokens // block_q + num_seqs  # bound on sum(cdiv(q_len, block_q)); no device sync
+    largest_first = largest_first and num_tiles < _MAX_GRID_Y
     grid = (num_kv_heads, num_tiles) if largest_first else (num_tiles, num_kv_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,

@@ -20,6 +20,7 @@ import torch
 from kernels._triton import next_pow2, require_triton, tl, triton
 from kernels.paged_attention import _LOG2E, _dot_precision, _load_kv_tile, _online_softmax_step, _upcast
 from kernels.prefill_attention import (
+    _MAX_GRID_Y,
     _locate_tile,
     _program_tile,
     _unmasked_step,
@@ -229,6 +230,7 @@ def _prefill_attention_new_kv(
         kn_desc = TensorDescriptor(key, flat, [key.stride(0), 1], [block_n, head_dim])
         vn_desc = TensorDescriptor(value, flat, [value.stride(0), 1], [block_n, head_dim])
     num_tiles = num_tokens // block_q + num_seqs  # bound on sum(cdiv(q_len, block_q)); no device sync
+    largest_first = largest_first and num_tiles < _MAX_GRID_Y
     grid = (num_kv_heads, num_tiles) if largest_first else (num_tiles, num_kv_heads)
     _prefill_new_kv_kernel[grid](
         query, k_cache, v_cache, key, value, kn_desc, vn_desc, block_tables, query_start_loc, seq_lens, out,

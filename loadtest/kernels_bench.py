@@ -107,6 +107,7 @@ def time_graph(calls: Sequence[Callable[[], object]], reps: int) -> float:
 def check_correctness() -> list[dict[str, Any]]:
     from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
     from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+    from kernels.prefill_new_kv import prefill_attention_new_kv
 
     gen = torch.Generator(device="cuda")
     gen.seed()
@@ -132,9 +133,25 @@ def check_correctness() -> list[dict[str, Any]]:
         out = paged_prefill_attention(q, cache, tables, qsl, seq_lens, scale, window)
         ref = paged_prefill_attention_ref(q, cache, tables, qsl, seq_lens, scale, window)
         results.append({"kernel": "prefill", "rows": rows, "window": window, "rel_err": _rel(out, ref)})
+        key, value = _new_kv_from_cache(cache, tables, rows)
+        out = prefill_attention_new_kv(q, key, value, cache, tables, qsl, seq_lens, scale, window)
+        results.append({"kernel": "prefill_new_kv", "rows": rows, "window": window, "rel_err": _rel(out, ref)})
     for r in results:
-        print(f"correctness {r['kernel']:8s} window={r['window']}: rel err {r['rel_err']:.2e}", flush=True)
+        print(f"correctness {r['kernel']:14s} window={r['window']}: rel err {r['rel_err']:.2e}", flush=True)
     return results
+
+
+def _new_kv_from_cache(
+    cache: torch.Tensor, tables: torch.Tensor, rows: list[tuple[int, int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new tokens' K and V ``[num_tokens, num_kv_heads, head_dim]`` as the layer would hold them: the
+    values of their cache slots (sequence i's rows ``(cached prefix, new tokens)`` of ``rows``)."""
+    parts = []
+    for i, (context_len, q_len) in enumerate(rows):
+        pos = torch.arange(context_len, context_len + q_len, device=cache.device)
+        parts.append(cache[:, tables[i].long()[pos // BLOCK_SIZE], pos % BLOCK_SIZE])  # [2, q_len, Hkv, D]
+    kv = torch.cat(parts, dim=1)
+    return kv[0], kv[1]
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -237,11 +254,10 @@ def bench_prefill(
     query = torch.randn(q_len, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     qsl = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
     seq_lens = torch.tensor([seq_len], dtype=torch.int32, device="cuda")
-    # the new tokens' K/V as the contiguous tensors the layer has: the same values as their cache slots
-    kv = cache[:, tables[0].long()].reshape(2, -1, NUM_KV_HEADS, HEAD_DIM)[:, context_len:seq_len].contiguous()
+    key, value = _new_kv_from_cache(cache, tables, [(context_len, q_len)])
     ref = paged_prefill_attention_ref(query, cache, tables, qsl, seq_lens, scale)
     for vname, kernel, knobs in variants:
-        call = _prefill_call(kernel, knobs, query, kv[0], kv[1], cache, tables, qsl, seq_lens, scale)
+        call = _prefill_call(kernel, knobs, query, key, value, cache, tables, qsl, seq_lens, scale)
         try:
             err = _rel(call(), ref)
             t = time_graph([call] * 8, reps)
@@ -253,7 +269,7 @@ def bench_prefill(
             {"name": vname, "kernel": kernel, "knobs": knobs, "s": t, "tflops": tflops,
              "ratio": tflops / result["sdpa_tflops"], "rel_err": err}
         )  # fmt: skip
-    del cache, kv, ref
+    del cache, key, value, ref
     torch.cuda.empty_cache()
     ok = [v for v in result["variants"] if v["rel_err"] < 1e-2] or [{"name": None, "tflops": float("nan")}]
     best = max(ok, key=lambda r: r["tflops"])

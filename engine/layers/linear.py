@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.weights import LinearSlice, WeightSource, copy_checked, read_full, set_weight_loader
 from engine.parallel import ParallelState, divide
+from kernels.gemv import linear as dense_linear
 
 
 class QuantMethod(Protocol):
@@ -85,19 +85,18 @@ class _ParallelLinear(nn.Module):
     def _load_bias(self, param: nn.Parameter, source: WeightSource, sl: LinearSlice) -> None:
         copy_checked(param.data.narrow(0, sl.dst_offset, sl.out_size), source.narrow(0, sl.out_start, sl.out_size))
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x W^T`` without the bias."""
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T (+ bias)``. Dense weights: ``F.linear``, or the Triton GEMV where ``kernels.gemv.plan_gemv``
+        picks it for this (M, N, K) on CUDA (a few rows: decode; a pure function of the shape, so a CUDA
+        graph keeps the choice it was captured with)."""
         if self.quant is not None:
-            return self.quant.apply(self, x)
+            y = self.quant.apply(self, x)
+            return y if bias is None else y + bias
         assert self.weight is not None
-        return F.linear(x, self.weight)
+        return dense_linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is None:
-            assert self.weight is not None
-            return F.linear(x, self.weight, self.bias)
-        y = self.quant.apply(self, x)
-        return y if self.bias is None else y + self.bias
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(_ParallelLinear):

@@ -151,3 +151,90 @@ def test_prefill_paged_largest_first_real_sizes(gen: torch.Generator) -> None:
     for knobs in knob_sets:
         out = _paged_prefill_attention(query, cache, tables, query_start_loc, seq_lens, 128**-0.5, **knobs)
         assert rel_err(out, ref) < 1e-2, f"{knobs} seed {gen.initial_seed()}"
+
+
+# ---- kernels.gemv: the dense GEMV of a few rows ----
+
+GEMV_SHAPES_8B = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # qkv, o, gate_up, down
+
+
+def _cuda_randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    cuda_gen = torch.Generator(device="cuda").manual_seed(gen.initial_seed())
+    return torch.randn(*shape, generator=cuda_gen, device="cuda").to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_gemv_real_sizes(m: int, gen: torch.Generator) -> None:
+    """The 8B projections in bf16: each kernel's default launch and each split reduction (bias on qkv)."""
+    from kernels.gemv import GemvConfig, gemv, gemv_ref, scratch_is_zero
+
+    configs = [
+        GemvConfig(), GemvConfig(kernel="fma"), GemvConfig(kernel="dot"),
+        GemvConfig(kernel="fma", split_k=4), GemvConfig(kernel="dot", split_k=4, split_reduce="atomic"),
+        GemvConfig(kernel="dot", split_k=3, split_reduce="two_pass"),
+    ]  # fmt: skip
+    for n, k in GEMV_SHAPES_8B:
+        w, x = _cuda_randn(gen, n, k), _cuda_randn(gen, m, k)
+        b = _cuda_randn(gen, n) if n == 6144 else None
+        ref = gemv_ref(x, w, b)
+        for cfg in configs:
+            assert rel_err(gemv(x, w, b, cfg), ref) < 1e-2, f"{n}x{k} {cfg} seed {gen.initial_seed()}"
+        assert scratch_is_zero()
+
+
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("split_reduce", ["counter", "atomic", "two_pass", None])  # None: the default launch
+def test_gemv_in_cuda_graph(m: int, split_reduce: str | None, gen: torch.Generator) -> None:
+    """down_proj (K = 14336) with a bias, captured in a CUDA graph and replayed: equal to the eager call (bit
+    for bit where the reduction is deterministic), the counters back at zero, then a new x read."""
+    from kernels.gemv import GemvConfig, gemv, gemv_ref, scratch_is_zero
+
+    cfg = GemvConfig(split_k=4, split_reduce=split_reduce) if split_reduce else GemvConfig()  # type: ignore[arg-type]
+    w, x, b = _cuda_randn(gen, 4096, 14336), _cuda_randn(gen, m, 14336), _cuda_randn(gen, 4096)
+    eager = gemv(x, w, b, cfg)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gemv(x, w, b, cfg)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gemv(x, w, b, cfg)
+    for _ in range(2):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert scratch_is_zero()
+        if split_reduce == "atomic":
+            assert rel_err(captured, eager) < 1e-2
+        else:
+            assert torch.equal(captured, eager)
+    x.copy_(_cuda_randn(gen, m, 14336) * 2)
+    graph.replay()
+    assert rel_err(captured, gemv_ref(x, w, b)) < 1e-2, f"seed {gen.initial_seed()}"
+
+
+def test_dense_linear_with_gemv_in_decode_graphs(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the dense layers call, with the GEMV switched on for M <= 8: one graph per batch size 8..1 in
+    one memory pool (as engine.cuda_graphs captures them, each size run eagerly first), every replay equal
+    to the reference for new inputs."""
+    from kernels import gemv as gemv_mod
+
+    monkeypatch.setattr(gemv_mod, "GEMV_MAX_M", 8)
+    w, b = _cuda_randn(gen, 4096, 14336), _cuda_randn(gen, 4096)
+    x = torch.zeros(8, 14336, dtype=torch.bfloat16, device="cuda")
+    graphs, outs, pool = {}, {}, None
+    for bs in range(8, 0, -1):
+        assert gemv_mod.plan_gemv(bs, 4096, 14336, num_sms(0)).use_gemv
+        for _ in range(2):
+            gemv_mod.linear(x[:bs], w, b)
+        torch.cuda.synchronize()
+        graphs[bs] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[bs], pool=pool):
+            outs[bs] = gemv_mod.linear(x[:bs], w, b)
+        pool = graphs[bs].pool()
+    for bs in (1, 3, 8, 2):
+        x.copy_(_cuda_randn(gen, 8, 14336))
+        graphs[bs].replay()
+        assert rel_err(outs[bs], gemv_mod.gemv_ref(x[:bs], w, b)) < 1e-2, f"bs {bs} seed {gen.initial_seed()}"
+    assert gemv_mod.scratch_is_zero()

@@ -1,0 +1,377 @@
+"""Dense bf16/fp16 GEMV for a few rows: ``out[M, N] = x[M, K] @ W[N, K]^T (+ bias)`` (``F.linear``), M <= 16.
+
+At batch 1 a decode step reads every weight once and does two flops per weight, so a projection can only
+be as fast as its weight streams from HBM. cuBLAS reaches ~57-92 % of the copy bandwidth on the Llama-3-8B
+shapes at M = 1 (issue 11); what a GEMV needs to do better on Hopper:
+
+- bytes in flight: each SM must keep ~30 KB of loads outstanding (4.2 TB/s x ~1 us latency / 132 SMs). A
+  program loads a ``[block_n, block_k]`` tile of W, contiguous along K (16-byte vectors per thread), the
+  loop is software-pipelined (``num_stages``) and enough programs run (split-K when N alone gives too few);
+- the activations ``[M, block_k]`` are re-read by every program from L1/L2 (``evict_last``), the weights
+  streamed once (``evict_first``);
+- fp32 accumulation, the output (and bias) cast once.
+
+Two kernels (``kernel``):
+
+- ``fma``: CUDA-core multiply-adds into an fp32 ``[M, block_n, block_k]`` accumulator (no reduction across
+  threads inside the loop), summed along K once after the loop;
+- ``dot``: ``W_tile @ x_tile^T`` on the tensor cores (rows padded to 16: "swap AB", W is the big operand),
+  which the pipeliner feeds through shared memory.
+
+Split-K (``split_reduce``), each deterministic except ``atomic``:
+
+- ``counter``: the programs of one output tile store fp32 partials ``[split, M, N]``; the last to arrive
+  (a per-tile arrival counter) sums them in split order, adds the bias and writes the output: one launch;
+- ``atomic``: fp32 atomic adds into a zeroed ``[M, N]`` accumulator; the last program to arrive writes the
+  output and zeroes the accumulator again. Summation order varies from run to run (so do the last bits);
+- ``two_pass``: partials ``[split, M, N]``, summed in split order by a second small launch.
+
+Counters and the atomic accumulator are per-device buffers that every launch leaves at zero (zeroed when
+allocated, outside any CUDA graph; inside a graph they are zeroed again by the kernel that used them), so
+calls of one device must not overlap on two streams.
+
+``plan_gemv`` says, from (M, N, K, SM count) alone, whether the linear layers use this kernel or cuBLAS, and
+with which knobs; ``loadtest.gemv_bench`` is the sweep that decides its constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton import next_pow2, require_triton, tl, triton
+from kernels.decode_plan import num_sms
+
+Kernel = Literal["fma", "dot"]
+SplitReduce = Literal["counter", "atomic", "two_pass"]
+SPLIT_MODES = {"none": 0, "counter": 1, "atomic": 2, "two_pass": 3}
+GEMV_LIMIT_M = 16  # the fma kernel holds all rows in registers, the dot kernel pads them to 16
+
+# ---- the plan: constants decided by the H200 sweep ``python -m loadtest.gemv_bench`` ----
+
+# THE switch: the linear layers run the GEMV for M <= GEMV_MAX_M rows, cuBLAS above. 0: cuBLAS everywhere,
+# until the H200 sweep (loadtest.gemv_bench, best variant vs cuBLAS per shape and M) says otherwise.
+GEMV_MAX_M = 0
+# ... and only for weights of at most this many elements (cuBLAS already streams gate_up, 28672 x 4096, at
+# ~92 % of the copy bandwidth); 1 << 62: no limit. Decided by the same sweep.
+GEMV_MAX_WEIGHT_ELEMS = 1 << 62
+# Split-K doubles while the grid holds fewer programs than this many per SM. H200 sweep at the first commit
+# (loadtest.gemv_bench, 8B shapes): at M = 1 the fma kernel lost 10-60 % with split 2-8 where N gave >= 4
+# programs per SM; the dot kernel (64 columns a tile) was best with 4 splits on o and down (64 tiles) and
+# unsplit on qkv (96 tiles).
+PROGRAMS_PER_SM = 1
+MAX_SPLIT_K = 16
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Knobs a caller (the benchmark, the tests) may force; None leaves the plan's default."""
+
+    kernel: Kernel | None = None
+    block_n: int | None = None
+    block_k: int | None = None
+    split_k: int | None = None  # wanted splits; fewer when K has fewer block_k tiles
+    split_reduce: SplitReduce | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+@dataclass(frozen=True)
+class GemvPlan:
+    """One launch: ``use_gemv`` False means the linear layers call cuBLAS (the knobs still say what
+    ``gemv`` itself would launch). ``split_k`` is the number of K ranges of ``k_per_split`` elements."""
+
+    use_gemv: bool
+    kernel: Kernel
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    k_per_split: int
+    split_reduce: SplitReduce
+    num_warps: int
+    num_stages: int
+
+
+# (block_n, block_k, num_warps, num_stages) by block_m: the fma kernel's accumulator holds
+# block_m * block_n * block_k / (32 * num_warps) fp32 registers per thread. H200 sweeps (loadtest.gemv_bench,
+# geometric mean over the 8B shapes of time / the best variant's), M = 1: bn4 bk512 w2 1.01 (bn8 bk512 w2
+# 1.01, bn4 bk512 w4 1.05, cuBLAS 1.11). Past M = 1 the [M, bn, bk] products cost layout shuffles: at M = 2
+# the best fma 1.02-1.04 against dot 1.02, fma 1.23 (M = 4) and 1.96 (M = 8).
+_FMA_TILES = {1: (4, 512, 2, 3), 2: (8, 256, 2, 3), 4: (8, 256, 4, 3), 8: (4, 256, 4, 3), 16: (2, 256, 4, 3)}
+# block_n, block_k, num_warps, num_stages: 1.02-1.04 at M = 2-8 (s5 1.02-1.04, s3 1.04, bn128 bk128 s3 1.07)
+_DOT_TILE = (64, 128, 4, 4)
+_DEFAULT_KERNEL_MAX_M = 1  # fma up to here, dot above
+
+
+def _is_pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def _fill_split(num_tiles: int, num_k_tiles: int, sms: int) -> int:
+    """Smallest power-of-two split giving ~PROGRAMS_PER_SM programs per SM, within K's tiles."""
+    split = 1
+    while num_tiles * split < PROGRAMS_PER_SM * sms and split * 2 <= min(MAX_SPLIT_K, num_k_tiles):
+        split *= 2
+    return split
+
+
+def plan_gemv(m: int, n: int, k: int, sms: int, config: GemvConfig | None = None) -> GemvPlan:
+    """A pure function of the shape and the SM count (no device sync: a CUDA graph keeps the plan it was
+    captured with). A ``config`` forces its knobs (and the GEMV); None fields keep the defaults above."""
+    if not 1 <= m <= GEMV_LIMIT_M or n < 1 or k < 1:
+        raise ValueError(f"gemv needs 1 <= M <= {GEMV_LIMIT_M} and N, K >= 1, got M={m} N={n} K={k}")
+    user = config or GemvConfig()
+    kernel: Kernel = user.kernel or ("fma" if m <= _DEFAULT_KERNEL_MAX_M else "dot")
+    if kernel == "dot":
+        block_m = max(16, next_pow2(m))
+        bn, bk, warps, stages = _DOT_TILE
+    elif kernel == "fma":
+        block_m = next_pow2(m)
+        bn, bk, warps, stages = _FMA_TILES[block_m]
+    else:
+        raise ValueError(f"gemv kernel must be 'fma' or 'dot', got {kernel!r}")
+    bn, bk = user.block_n or bn, user.block_k or bk
+    warps, stages = user.num_warps or warps, user.num_stages or stages
+    min_tile = 16 if kernel == "dot" else 1
+    if not (_is_pow2(bn) and _is_pow2(bk) and bn >= min_tile and bk >= max(min_tile, 8)):
+        raise ValueError(f"gemv {kernel}: block_n and block_k must be powers of two >= {min_tile} (block_k >= 8)")
+    if not _is_pow2(warps) or stages < 1 or (user.split_k is not None and user.split_k < 1):
+        raise ValueError(f"gemv: num_warps must be a power of two, num_stages and split_k >= 1, got {user}")
+    reduce = user.split_reduce or "counter"
+    if reduce not in ("counter", "atomic", "two_pass"):
+        raise ValueError(f"gemv split_reduce must be 'counter', 'atomic' or 'two_pass', got {reduce!r}")
+    num_k_tiles = -(-k // bk)
+    split = min(user.split_k, num_k_tiles) if user.split_k else _fill_split(-(-n // bn), num_k_tiles, sms)
+    k_per_split = -(-num_k_tiles // split) * bk  # whole tiles per split
+    split = -(-k // k_per_split)
+    use = config is not None or (m <= GEMV_MAX_M and n * k <= GEMV_MAX_WEIGHT_ELEMS)
+    return GemvPlan(use, kernel, block_m, bn, bk, split, k_per_split, reduce, warps, stages)
+
+
+# ---- reference ----
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` in fp32, cast once to x's dtype: what the kernel computes, up to summation order."""
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), weight.float(), b).to(x.dtype)
+
+
+# ---- Triton ----
+
+
+@triton.jit
+def _store_out(total, out_ptr, b_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS: tl.constexpr):
+    """``total [BM, BN]`` fp32 (+ bias) cast once to the output's dtype."""
+    if HAS_BIAS:
+        total += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _finish(
+    acc, out_ptr, b_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k, num_splits,
+    HAS_BIAS: tl.constexpr, SPLIT_MODE: tl.constexpr,
+):  # fmt: skip
+    """Writes one program's fp32 ``acc [BM, BN]`` as the module docstring's split modes say."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    mn = offs_m[:, None] * N + offs_n[None, :]  # [BM, BN] offsets in a contiguous fp32 [M, N] plane
+    if SPLIT_MODE == 0:  # none
+        _store_out(acc, out_ptr, b_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+    elif SPLIT_MODE == 3:  # two_pass: _gemv_reduce_kernel sums the partials
+        tl.store(ws_ptr + pid_k * M * N + mn, acc, mask=mask)
+    else:
+        if SPLIT_MODE == 1:  # counter
+            tl.store(ws_ptr + pid_k * M * N + mn, acc, mask=mask)
+        else:  # atomic
+            tl.atomic_add(ws_ptr + mn, acc, mask=mask, sem="relaxed")
+        # Ordering (PTX memory model, the pattern of a cooperative-groups grid sync): the barrier makes every
+        # thread's part above visible to the thread that does the acq_rel add below, which releases them at
+        # GPU scope. In the last program that add acquires the other programs' parts; every thread learns
+        # its result through shared memory behind a barrier, so its loads below come after the acquire.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == num_splits - 1:  # the last program of this tile: every other part is visible
+            if SPLIT_MODE == 1:
+                total = tl.zeros_like(acc)
+                for s in range(0, num_splits):  # split order: the sum does not depend on arrival order
+                    total += tl.load(ws_ptr + s * M * N + mn, mask=mask, other=0.0, cache_modifier=".cg")
+            else:
+                total = tl.load(ws_ptr + mn, mask=mask, other=0.0, cache_modifier=".cg")  # L2, not this L1
+                # the load and the zeroing store may get different thread layouts: without the barrier a
+                # warp could zero sums another warp has yet to read (the int4 GEMV's race at 7f8955d)
+                tl.debug_barrier()
+                tl.store(ws_ptr + mn, tl.zeros_like(acc), mask=mask)
+            _store_out(total, out_ptr, b_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+            tl.store(cnt_ptr + pid_n, 0)  # ready for the next launch
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every M of a block_m
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT_MODE: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    # int64 rows: a 256k-vocab x 8k head has more than 2^31 elements
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [BN, BK]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]  # [BM, BK]
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    elif BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # a dot-free loop is software-pipelined only when the loop itself carries num_stages
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN:  # masks along N and K only where there are tails: they would cut the 16-byte loads
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0, eviction_policy="evict_last")
+        else:
+            mask_k = (k0 + offs_k) < k_end
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_last")
+        if USE_DOT:
+            acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
+        elif BLOCK_M == 1:
+            acc += w.to(tl.float32) * x.to(tl.float32)  # [BN, BK]
+        else:
+            acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]  # [BM, BN, BK]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if USE_DOT:
+        total = tl.trans(acc)  # [BM, BN]
+    elif BLOCK_M == 1:
+        total = tl.sum(acc, axis=1)[None, :]  # [1, BN]
+    else:
+        total = tl.sum(acc, axis=2)  # [BM, BN]
+    _finish(
+        total, out_ptr, b_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k, tl.num_programs(1),
+        HAS_BIAS, SPLIT_MODE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _gemv_reduce_kernel(
+    ws_ptr, b_ptr, out_ptr, M, N, num_splits, stride_om, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """two_pass: one program per (row, BLOCK_N columns) sums the partials in split order."""
+    m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in range(0, num_splits):
+        total += tl.load(ws_ptr + (s * M + m) * N + offs_n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- launch ----
+
+_ZEROED: dict[tuple[str, int | None, torch.dtype], list[torch.Tensor]] = {}
+
+
+def zeroed_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """At least ``numel`` zeros that every GEMV launch leaves zero (split-K counters, the atomic
+    accumulator). Grown on demand and never freed, as a captured CUDA graph keeps the address of the one it
+    was captured with; growing inside a capture is refused (the zeroing would only be recorded, not run):
+    run each shape once before capturing it, as the engine's decode graphs do."""
+    bufs = _ZEROED.setdefault((device.type, device.index, dtype), [])
+    if not bufs or bufs[-1].numel() < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("gemv split-K: run this shape once before capturing it in a CUDA graph")
+        bufs.append(torch.zeros(max(numel, 2 * bufs[-1].numel() if bufs else 1 << 14), dtype=dtype, device=device))
+    return bufs[-1]
+
+
+def scratch_is_zero() -> bool:
+    """Whether every counter and accumulator is back at zero (tests and the benchmark check it)."""
+    return all(not buf.any() for bufs in _ZEROED.values() for buf in bufs)
+
+
+def check_gemv_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"gemv: x must be float16 or bfloat16, got {x.dtype}")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"gemv: weight and bias must have x's dtype {x.dtype}, got {weight.dtype}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv: x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"gemv: bias must be [N={weight.shape[0]}], got {tuple(bias.shape)}")
+    if (x.shape[1] > 1 and x.stride(1) != 1) or (weight.shape[1] > 1 and weight.stride(1) != 1):
+        raise ValueError(f"gemv: x and weight must be contiguous along K, got {x.stride()}, {weight.stride()}")
+    if bias is not None and weight.shape[0] > 1 and bias.stride(0) != 1:
+        raise ValueError(f"gemv: bias must be contiguous, got stride {bias.stride()}")
+    devices = {x.device, weight.device} | ({bias.device} if bias is not None else set())
+    if len(devices) > 1:
+        raise ValueError(f"gemv: all tensors must be on one device, got {devices}")
+
+
+def gemv(
+    x: torch.Tensor,  # [M, K], M <= GEMV_LIMIT_M
+    weight: torch.Tensor,  # [N, K], contiguous along K (nn.Linear's layout)
+    bias: torch.Tensor | None = None,  # [N]
+    config: GemvConfig | None = None,
+    *,
+    plan: GemvPlan | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by the Triton GEMV with ``plan`` (default: ``plan_gemv``'s knobs, with
+    ``config`` forcing some); CUDA-graph capturable once the shape has run eagerly (split-K counters)."""
+    require_triton("gemv")
+    check_gemv_inputs(x, weight, bias)
+    (m, k), n = x.shape, weight.shape[0]
+    sms = num_sms(x.device.index or 0) if x.is_cuda else 8
+    plan = plan or plan_gemv(m, n, k, sms, config)
+    if plan.block_m < m or (plan.kernel == "dot" and plan.block_m < 16):
+        raise ValueError(f"gemv: {plan} does not fit M={m}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    mode = SPLIT_MODES["none" if plan.split_k == 1 else plan.split_reduce]
+    num_tiles = -(-n // plan.block_n)
+    ws, cnt = out, out
+    if mode in (1, 3):
+        ws = torch.empty(plan.split_k, m, n, dtype=torch.float32, device=x.device)  # every element written
+    elif mode == 2:
+        ws = zeroed_buffer(x.device, torch.float32, m * n)
+    if mode in (1, 2):
+        cnt = zeroed_buffer(x.device, torch.int32, num_tiles)
+    b = bias if bias is not None else out
+    _gemv_kernel[(num_tiles, plan.split_k)](
+        x, weight, b, out, ws, cnt, m, n, k, plan.k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, USE_DOT=plan.kernel == "dot", BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        BLOCK_K=plan.block_k, NUM_STAGES=plan.num_stages, SPLIT_MODE=mode,
+        EVEN=n % plan.block_n == 0 and k % plan.k_per_split == 0, num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )  # fmt: skip
+    if mode == 3:
+        _gemv_reduce_kernel[(m, -(-n // 1024))](
+            ws, b, out, m, n, plan.split_k, out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=1024, num_warps=4
+        )
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, by the GEMV where ``plan_gemv`` picks it for this shape (CUDA, fp16/bf16, 2-D x): what the
+    dense linear layers call. The first test is on M alone, so prefill pays nothing for the check."""
+    if x.dim() != 2 or x.shape[0] > GEMV_MAX_M or not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
+        return F.linear(x, weight, bias)
+    (m, k), n = x.shape, weight.shape[0]
+    plan = plan_gemv(m, n, k, num_sms(x.device.index or 0)) if m >= 1 else None
+    contiguous = x.stride(-1) == 1 and weight.stride(-1) == 1 and (bias is None or bias.stride(-1) == 1)
+    if plan is None or not plan.use_gemv or weight.dtype != x.dtype or not contiguous:
+        return F.linear(x, weight, bias)
+    return gemv(x, weight, bias, plan=plan)

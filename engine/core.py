@@ -37,6 +37,7 @@ from engine.core_messages import (
     output_encoder,
 )
 from engine.sampling_params import SamplingParams
+from engine.step_trace import StepTrace
 
 if TYPE_CHECKING:  # the module is imported by the front to name the spawn target: no torch there
     from engine.engine import Engine
@@ -65,6 +66,7 @@ class EngineCore:
         self._pending: list[SeqOutput] = []  # finals of aborted samples, sent with the next step
         self._errors: list[RequestError] = []
         self._stopping = False
+        self.trace = StepTrace.from_env()  # benchmarks only: per-step times and sizes
 
     def run(self) -> None:
         """Until ``Shutdown``, SIGTERM or the parent's death: take commands, step, send the step's outputs."""
@@ -112,6 +114,8 @@ class EngineCore:
             try:
                 params = SamplingParams.from_dict(command.params)
                 self.engine.add_request(command.request_id, command.prompt_token_ids, params, priority=command.priority)
+                if self.trace is not None:
+                    self.trace.added()
             except (ValueError, TypeError) as exc:
                 self._errors.append(RequestError(command.request_id, str(exc), "invalid"))
         elif isinstance(command, AbortRequest):
@@ -120,6 +124,8 @@ class EngineCore:
             self._stopping = True
 
     def _step(self) -> None:
+        if self.trace is not None:
+            self.trace.begin(self.engine.computed_tokens_total)
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a broken step must not leave callers hanging
@@ -128,6 +134,9 @@ class EngineCore:
                 self.engine.abort_request(request_id)
                 self._errors.append(RequestError(request_id, f"engine step failed: {exc}", "engine"))
             outputs = []
+        if self.trace is not None:
+            scheduler = self.engine.scheduler
+            self.trace.end(self.engine.computed_tokens_total, len(scheduler.running), len(scheduler.waiting))
         self._send(outputs)
 
     def _send(self, outputs: list[SeqOutput]) -> None:
@@ -189,6 +198,8 @@ def run_engine_core(
     try:
         core.run()
     finally:
+        if core.trace is not None:
+            core.trace.write()
         engine.shutdown()
         commands.close(linger=0)
         for socket in outputs:

@@ -35,8 +35,11 @@ import httpx
 
 import modelfiles
 from engine.args import EngineArgs
+from engine.step_trace import ENV_VAR as STEP_TRACE_ENV
+from engine.step_trace import StepRecord, read_trace
 from loadtest.stack_profile import StackProfiler
 from loadtest.stack_stats import compare, format_table, summarize, worker_histograms, worker_means
+from loadtest.step_stats import level_ramps, print_ramps, wave_windows
 from loadtest.stream_client import ClientPool, Record, StreamJob, finish_record
 
 WARMUP_OUTPUT_LEN = 8
@@ -88,8 +91,11 @@ def _num_resolved(token_ids: list[int]) -> int:
     return len(token_ids)  # resolved ids only: a step in flight is Request.num_output_placeholders
 
 
-def engine_wave(engine: Any, prompts: list[list[int]], output_len: int, wave: int) -> tuple[list[Record], float, int]:
-    """All prompts at t=0 through ``engine.step()``; returns the records, the decode time and its steps."""
+def engine_wave(
+    engine: Any, prompts: list[list[int]], output_len: int, wave: int, steps: list[StepRecord] | None = None
+) -> tuple[list[Record], float, int]:
+    """All prompts at t=0 through ``engine.step()``; returns the records, the decode time and its steps (each
+    step's record appended to ``steps``, as the stack's core traces them)."""
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -103,9 +109,18 @@ def engine_wave(engine: Any, prompts: list[list[int]], output_len: int, wave: in
     start = time.perf_counter()
     all_started: float | None = None
     decode_steps = 0
+    added = len(prompts)
     while engine.has_unfinished_requests():
+        step_start, tokens = time.perf_counter(), engine.computed_tokens_total
         engine.step()
         now = time.perf_counter()
+        if steps is not None:
+            sched = engine.scheduler
+            num_tokens = engine.computed_tokens_total - tokens
+            steps.append(
+                StepRecord(step_start, now - step_start, num_tokens, len(sched.running), len(sched.waiting), added)
+            )
+        added = 0
         for i in active:
             times[i].extend([now] * (_num_resolved(reqs[i].output_token_ids) - len(times[i])))
         active = [i for i in active if len(times[i]) < output_len]
@@ -136,14 +151,16 @@ def run_engine_only(args: argparse.Namespace) -> dict[str, Any]:
         res["levels"] = []
         for level in args.concurrency:
             records, walls, decode_s, decode_steps = [], [], 0.0, 0
+            step_records: list[StepRecord] = []
             for wave in range(num_waves(args, level)):
                 prompts = make_prompts(engine.vocab_size, level, wave, args.prompt_len, args.seed)
-                recs, dec_s, steps = engine_wave(engine, prompts, args.output_len, wave)
+                recs, dec_s, steps = engine_wave(engine, prompts, args.output_len, wave, step_records)
                 records += recs
                 walls.append(recs[0].end_s - recs[0].start_s)
                 decode_s, decode_steps = decode_s + dec_s, decode_steps + steps
             summary = summarize(level, records, walls)
             summary["mean_step_ms"] = round(decode_s / decode_steps * 1e3, 3) if decode_steps else None
+            summary["ramps"] = level_ramps(step_records, wave_windows(records), summary["mean_step_ms"])
             print(json.dumps({"engine": {k: v for k, v in summary.items() if k != "failures"}}), flush=True)
             res["levels"].append(summary)
     finally:
@@ -191,6 +208,7 @@ def stack_levels(
         if profiling:
             print("\n".join(profiler.stop()), flush=True)  # type: ignore[union-attr]
         summary = summarize(level, records, walls) | worker_means(hist_before, worker_histograms(metrics_url))
+        summary["windows"] = wave_windows(records)  # for the core's step trace (ramp_stats), read after the run
         print(json.dumps({"stack": {k: v for k, v in summary.items() if k != "failures"}}), flush=True)
         levels.append(summary)
     return levels
@@ -243,8 +261,10 @@ def run_stack(args: argparse.Namespace, vocab_size: int, log: Path) -> dict[str,
     argv += shlex.split(args.serve_args)
     res: dict[str, Any] = {"command": " ".join(["python", *argv[1:]]), "log": str(log)}
     t0 = time.perf_counter()
+    res["step_trace"] = str(log.with_suffix(".steps.jsonl"))  # the core's steps (engine.step_trace)
+    env = os.environ | {STEP_TRACE_ENV: res["step_trace"]}
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         base_url = f"http://127.0.0.1:{port}"
         name = modelfiles.resolve(args.model or None).name
@@ -338,6 +358,9 @@ def run_both(argv: list[str], args: argparse.Namespace, base: Path) -> dict[str,
         res["stack"] = {"error": str(exc), "log": str(base.with_suffix(".serve.log"))}
     if "levels" in res["stack"]:
         res["levels"] = compare(res["engine"]["levels"], res["stack"]["levels"])
+        steps = read_trace(res["stack"]["step_trace"])
+        for eng, stack in zip(res["engine"]["levels"], res["stack"]["levels"], strict=True):
+            stack["ramps"] = level_ramps(steps, stack.pop("windows"), eng["mean_step_ms"])
     return res
 
 
@@ -366,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(text)
     if "levels" in res:
+        print_ramps(res)
         print(format_table(res["levels"]))
     failures = [f for lv in res.get("stack", {}).get("levels", []) + res["engine"]["levels"] for f in lv["failures"]]
     for f in failures[:20]:

@@ -88,6 +88,43 @@ def _load_split_kv(
 
 
 @triton.jit
+def _new_rows(
+    ptr, desc, row, kvh, d, d_mask, stride_nt, stride_nh,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Rows ``row .. row + BLOCK_N`` (all inside the tensor) of KV head ``kvh`` of a new-token tensor."""
+    if USE_TMA:
+        x = desc.load([row, kvh * HEAD_DIM])
+    else:
+        offs = ((row + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_nt + kvh * stride_nh)[:, None] + d[None, :]
+        x = tl.load(ptr + offs, mask=d_mask[None, :], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _new_kv_loop(
+    q, m_i, l_i, acc, kn_ptr, vn_ptr, kn_desc, vn_desc, row, num_tiles, kvh, d, d_mask, stride_nt, stride_nh,
+    scale_log2, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """``num_tiles`` unmasked tiles of new keys from row ``row`` on.
+
+    Two Hopper overlaps were tried here and compiled for sm_90 with Triton 3.6 (the TTGIR read): the next
+    tile's QK^T issued before this tile's softmax (FlashAttention-3's intra-warpgroup overlap) gets a
+    ``warp_group_dot_wait {pendings = 0}`` right after it, so nothing overlaps; and
+    ``tl.range(warp_specialize=True)`` leaves one partition (its automatic warp specialization is
+    Blackwell's). Neither is a knob."""
+    for _ in range(0, num_tiles):
+        k = _new_rows(kn_ptr, kn_desc, row, kvh, d, d_mask, stride_nt, stride_nh, HEAD_DIM, BLOCK_N, USE_TMA, UPCAST)
+        v = _new_rows(vn_ptr, vn_desc, row, kvh, d, d_mask, stride_nt, stride_nh, HEAD_DIM, BLOCK_N, USE_TMA, UPCAST)
+        m_i, l_i, acc = _unmasked_step(q, k, v, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+        row += BLOCK_N
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _prefill_new_kv_kernel(
     q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, kn_desc, vn_desc, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     out_ptr, scale_log2, sliding_window, num_seqs,
@@ -139,22 +176,11 @@ def _prefill_new_kv_kernel(
                                   d_mask, kvh, stride_kb, stride_kt, stride_kh, stride_nt, stride_nh, BLOCK_SIZE,
                                   UPCAST)  # fmt: skip
             m_i, l_i, acc = _unmasked_step(q, k, v, m_i, l_i, acc, scale_log2, DOT_PRECISION)
-        row = q_start + new_start - context_len  # the new tensors' row of key position new_start
-        # (tl.range(warp_specialize=True) compiles to the same code for sm_90 with Triton 3.6: its automatic
-        # warp specialization is Blackwell's; checked in the TTGIR, which keeps one partition)
-        for _ in range(new_start, masked_start, BLOCK_N):
-            if USE_TMA:
-                k = kn_desc.load([row, kvh * HEAD_DIM])
-                v = vn_desc.load([row, kvh * HEAD_DIM])
-            else:
-                offs = ((row + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_nt + kvh * stride_nh)[:, None] + d[None, :]
-                k = tl.load(kn_ptr + offs, mask=d_mask[None, :], other=0.0)
-                v = tl.load(vn_ptr + offs, mask=d_mask[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            m_i, l_i, acc = _unmasked_step(q, k, v, m_i, l_i, acc, scale_log2, DOT_PRECISION)
-            row += BLOCK_N
+        m_i, l_i, acc = _new_kv_loop(
+            q, m_i, l_i, acc, kn_ptr, vn_ptr, kn_desc, vn_desc, q_start + new_start - context_len,
+            (masked_start - new_start) // BLOCK_N, kvh, d, d_mask, stride_nt, stride_nh, scale_log2,
+            HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
     for start in range(masked_start, kv_hi, BLOCK_N):  # the diagonal (and window edge): masked
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_hi

@@ -43,7 +43,8 @@ from kernels.int4_dequant import (  # noqa: E402
     int4_dequant,
     int4_dequant_linear,
 )
-from kernels.int4_gemm import Int4GemmConfig, int4_gemm, int4_gemm_ref  # noqa: E402
+from kernels.int4_gemm import int4_gemm, int4_gemm_ref  # noqa: E402
+from kernels.int4_plan import Int4GemmConfig  # noqa: E402
 from loadtest.int4_gemm_sweep import (  # noqa: E402
     LAYER_SHAPES_8B,
     LAYER_SHAPES_TINY,

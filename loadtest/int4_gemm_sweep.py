@@ -3,7 +3,7 @@ launch choices, the GEMVs' among them), each checked against the torch reference
 cycling through weight copies that overflow the L2; and the GEMV table: per M = 1..16, per variant and shape,
 µs, GB/s (packed weights + scales + zeros + activations + output, once) and the fraction of the copy
 bandwidth measured in the same run, plus the best variant per shape. The table decides
-``kernels.int4_gemm``'s GEMV defaults (GEMV_KERNEL, GEMV_COLS_PROGRAMS_PER_SM, _GEMV_COLS_TILES): its rows
+``kernels.int4_plan``'s GEMV defaults (GEMV_KERNEL, GEMV_COLS_PROGRAMS_PER_SM, _GEMV_COLS_TILES): its rows
 are named after the variants below.
 """
 
@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from kernels.int4_dequant import DequantScratch, pack_int4
-from kernels.int4_gemm import Int4GemmConfig, Int4Launch, int4_gemm, pick_config
+from kernels.int4_gemm import int4_gemm
 from kernels.int4_gemv_cols import tile_qweight
+from kernels.int4_plan import Int4GemmConfig, Int4Launch, pick_config
 from loadtest.int4_model import GROUP_SIZE
 from loadtest.int4_stats import DEQUANT, FUSED
 
@@ -44,7 +45,7 @@ class Variant:
 
 
 COLS = {"kernel": "gemv_cols"}
-# the defaults (kernels.int4_gemm.pick_config) and the alternatives that came close in the H200 run at 7f8955d
+# the defaults (kernels.int4_plan.pick_config) and the alternatives that came close in the H200 run at 7f8955d
 # or were the defaults before it; where one is the default's launch at an M it is timed once, as an alias.
 # "cols ...": kernels.int4_gemv_cols (unmeasured): its tiles, split-K target, pipeline depth, reduction and
 # weight layout, each changed alone from its default
@@ -71,6 +72,10 @@ VARIANTS = [
     Variant("cols bn512 w2", {**COLS, "block_n": 512, "num_warps": 2}, (1, 2)),  # 8 columns, 64 threads
     Variant("cols bk128", {**COLS, "block_k": 128}, (1, 1)),  # a whole group per tile
     Variant("cols bk32", {**COLS, "block_k": 32}, (1, 2)),
+    Variant("cols bk32 pps4", {**COLS, "block_k": 32, "programs_per_sm": 4}, (1, 2)),  # more, shorter programs
+    Variant("cols w2", {**COLS, "num_warps": 2}, (1, 1)),  # 16 columns per thread
+    Variant("cols unpaired", {**COLS, "paired_nibbles": False}, (1, 2)),  # one shift per nibble
+    Variant("cols paired", {**COLS, "paired_nibbles": True}, (4, 8)),
     Variant("dot", {"kernel": "dot"}),
     Variant("dot counter", {"kernel": "dot", "split_reduce": "counter"}, (8, 256)),
     Variant("dot atomic", {"kernel": "dot", "split_reduce": "atomic"}, (8, 256)),
@@ -225,23 +230,26 @@ def gemv_table(rows: list[dict[str, Any]], copy_tb_s: float | None) -> list[str]
         cases = [r for r in rows if r["m"] == m and "cublas_us" in r]
         if not cases:
             continue
-        lines.append(f"M={m:<3d} {'variant':18s} | " + " | ".join(f"{r['layer']} {r['n']}x{r['k']:<14}" for r in cases))
+        lines.append(
+            f"M={m:<3d} {'variant':20s} | "
+            + " | ".join(f"{r['layer'] + ' ' + str(r['n']) + 'x' + str(r['k']):23s}" for r in cases)
+        )
         best = {r["layer"]: min((t for n, t in r["us"].items() if n in fused_names), default=math.nan) for r in cases}
 
         def cell(r: dict[str, Any], t: float | None, bf16: bool = False) -> str:
             if t is None:
-                return f"{'-':>23s}"
+                return f"{'-':>7s}{'':16s}"
             n, k = r["n"], r["k"]
             gb_s = (2 * (n * k + r["m"] * (n + k)) if bf16 else int4_bytes(r["m"], n, k)) / 1e3 / t
-            return f"{t:7.1f} {gb_s:6.0f} {gb_s / 1e3 / (copy_tb_s or math.nan):5.2f}    "
+            return f"{t:7.1f} {gb_s:6.0f} {gb_s / 1e3 / (copy_tb_s or math.nan):5.2f}   "
 
         names = [n for n in dict.fromkeys(n for r in cases for n in r["us"]) if n in fused_names]
         ratio = {n: math.prod(r["us"][n] / best[r["layer"]] for r in cases if n in r["us"]) for n in names}
         count = {n: sum(n in r["us"] for r in cases) for n in names}
         for n in sorted(names, key=lambda n: (-count[n], ratio[n] ** (1 / count[n]))):
-            lines.append(f"      {n:18s} | " + " | ".join(cell(r, r["us"].get(n)) for r in cases))
+            lines.append(f"      {n:20s} | " + " | ".join(cell(r, r["us"].get(n)) for r in cases))
         winners = [min((n for n in r["us"] if n in fused_names), key=r["us"].__getitem__) for r in cases]
-        lines.append(f"      {'best (variant)':18s} | " + " | ".join(f"{w:23s}" for w in winners))
-        lines.append(f"      {'best':18s} | " + " | ".join(cell(r, best[r["layer"]]) for r in cases))
-        lines.append(f"      {'cuBLAS (bf16 bytes)':18s} | " + " | ".join(cell(r, r["cublas_us"], True) for r in cases))
+        lines.append(f"      {'best (variant)':20s} | " + " | ".join(f"{w:23s}" for w in winners))
+        lines.append(f"      {'best':20s} | " + " | ".join(cell(r, best[r["layer"]]) for r in cases))
+        lines.append(f"      {'cuBLAS (bf16 bytes)':20s} | " + " | ".join(cell(r, r["cublas_us"], True) for r in cases))
     return lines

@@ -27,8 +27,9 @@ from kernels.int4_dequant import (
     pack_int4,
     unpack_int4,
 )
-from kernels.int4_gemm import GEMV_MAX_M, Int4GemmConfig, int4_gemm, int4_gemm_ref, pick_config
+from kernels.int4_gemm import int4_gemm, int4_gemm_ref
 from kernels.int4_gemv import SPLIT_MODES, zeroed_scratch
+from kernels.int4_plan import GEMV_MAX_M, Int4GemmConfig, pick_config
 from tests.kernels.helpers import DEVICE, rel_err, tolerance
 
 K, N = 128, 48
@@ -151,7 +152,7 @@ def test_in_kernel_split_leaves_its_scratch_zeroed(kernel: str, split_reduce: st
 
 
 # Compiles a split-K kernel for sm_90 (no GPU needed) with the launcher's specialization of 16-aligned
-# pointers and sizes, and prints its TTGIR: argv = kernel ("gemv" | "dot"), constexprs (JSON), num_warps.
+# pointers and sizes, and prints its TTGIR: argv = kernel ("gemv" | "gemv_cols" | "dot"), constexprs (JSON), num_warps.
 _COMPILE_SM90 = """
 import json, sys
 import triton
@@ -159,8 +160,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.int4_gemm import _int4_gemm_kernel
 from kernels.int4_gemv import _int4_gemv_kernel
+from kernels.int4_gemv_cols import _int4_gemv_cols_kernel
 
-kernel = {"gemv": _int4_gemv_kernel, "dot": _int4_gemm_kernel}[sys.argv[1]]
+kernel = {"gemv": _int4_gemv_kernel, "gemv_cols": _int4_gemv_cols_kernel, "dot": _int4_gemm_kernel}[sys.argv[1]]
 constexprs = json.loads(sys.argv[2])
 pointers = {"qw_ptr": "*i32", "g_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 names = kernel.arg_names
@@ -185,6 +187,10 @@ _GEMV_ATOMIC = {
     "GROUP_SIZE": 128, "HAS_G_IDX": False, "FACTORED": True, "ONE_GROUP_PER_TILE": True, "BLOCK_M": 4,
     "BLOCK_N": 256, "BLOCK_K": 32, "NUM_STAGES": 2, "SPLIT_MODE": 2, "SPLIT_CHUNK": 1, "EVEN": True,
 }  # fmt: skip
+_COLS_ATOMIC = {
+    "GROUP_SIZE": 128, "BLOCK_M": 8, "BLOCK_N": 256, "ROWS": 4, "NUM_STAGES": 2, "SPLIT_MODE": 2,
+    "SPLIT_CHUNK": 1, "EVEN_N": True, "PAIRED": False,
+}  # fmt: skip
 _DOT_ATOMIC = {
     "GROUP_SIZE": 128, "HAS_G_IDX": False, "ONE_GROUP_PER_TILE": True, "BLOCK_M": 128, "BLOCK_N": 128,
     "BLOCK_K": 64, "UPCAST": False, "DOT_PRECISION": "tf32", "UNPACK_IN_REGISTERS": False, "SPLIT_MODE": 2,
@@ -194,8 +200,8 @@ _DOT_ATOMIC = {
 
 @pytest.mark.parametrize(
     ("kernel", "constexprs", "num_warps"),
-    [("gemv", _GEMV_ATOMIC, 4), ("dot", _DOT_ATOMIC, 8)],
-    ids=["gemv-4x256", "dot-128x128"],
+    [("gemv", _GEMV_ATOMIC, 4), ("gemv_cols", _COLS_ATOMIC, 2), ("dot", _DOT_ATOMIC, 8)],
+    ids=["gemv-4x256", "gemv_cols-8x256", "dot-128x128"],
 )
 def test_atomic_split_reads_every_sum_before_zeroing_it(
     kernel: str, constexprs: dict[str, object], num_warps: int

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from kernels.int4_dequant import pack_int4
-from kernels.int4_gemm import GEMV_COLS_LIMIT_M, Int4GemmConfig, int4_gemm, int4_gemm_ref, pick_config
+from kernels.int4_gemm import int4_gemm, int4_gemm_ref
 from kernels.int4_gemv import zeroed_scratch
 from kernels.int4_gemv_cols import tile_qweight
+from kernels.int4_plan import GEMV_COLS_LIMIT_M, Int4GemmConfig, pick_config
 from tests.kernels.helpers import DEVICE, rel_err, tolerance
 
 K = 128
@@ -28,20 +29,35 @@ def _weights(
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["loader-layout", "tiled"])
 @pytest.mark.parametrize(
-    ("m", "n", "group_size", "symmetric", "split_reduce"),
+    ("m", "n", "group_size", "symmetric", "split_reduce", "paired"),
     [
-        (1, 48, 32, False, "atomic"),
-        (2, 32, K, True, "counter"),  # channel-wise
-        (5, 40, 32, True, "atomic"),
-        (8, 32, 64, False, "counter"),
+        (1, 48, 32, False, "atomic", True),
+        (1, 48, 32, True, "counter", False),
+        (2, 32, K, True, "counter", True),  # channel-wise
+        (3, 32, 64, False, "atomic", False),
+        (5, 40, 32, True, "atomic", True),
+        (8, 32, 64, False, "counter", False),
     ],
 )
 def test_matches_reference(
-    m: int, n: int, group_size: int, symmetric: bool, split_reduce: str, tiled: bool, gen: torch.Generator
+    m: int,
+    n: int,
+    group_size: int,
+    symmetric: bool,
+    split_reduce: str,
+    paired: bool,
+    tiled: bool,
+    gen: torch.Generator,
 ) -> None:
     qweight, scales, zeros = _weights(K, n, group_size, symmetric, torch.float32, gen)
     x = torch.randn(m, K, generator=gen).to(DEVICE)
-    cfg = Int4GemmConfig(kernel="gemv_cols", block_n=16, block_k=32, split_reduce=split_reduce)  # type: ignore[arg-type]
+    cfg = Int4GemmConfig(
+        kernel="gemv_cols",
+        block_n=16,
+        block_k=32,
+        split_reduce=split_reduce,  # type: ignore[arg-type]
+        paired_nibbles=paired,
+    )
     w = tile_qweight(qweight, 16) if tiled else qweight
     out = int4_gemm(x, w, scales, zeros, group_size, config=cfg)
     assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, group_size)) < tolerance(torch.float32)
@@ -67,7 +83,13 @@ def test_tile_qweight_is_a_permutation_of_the_words(gen: torch.Generator) -> Non
 def test_pick_config() -> None:
     auto = Int4GemmConfig(kernel="gemv_cols")
     one = pick_config(1, 28672, 4096, 128, 132, auto)  # 28 column tiles
-    assert (one.kernel, one.block_n, one.block_k, one.factored) == ("gemv_cols", 1024, 64, True)
+    assert (one.kernel, one.block_n, one.block_k, one.factored, one.paired_nibbles) == (
+        "gemv_cols",
+        1024,
+        64,
+        True,
+        True,
+    )
     assert one.split_k == 10  # 280 programs: ~GEMV_COLS_PROGRAMS_PER_SM (2) per SM
     assert pick_config(1, 4096, 4096, 128, 132, auto).split_k == 64  # one K tile per program at most
     assert pick_config(1, 4096, 4096, 96, 132, auto).block_k == 32  # tiles inside a group of 96

@@ -1,0 +1,243 @@
+"""Launch choices of the W4A16 GEMM (``kernels.int4_gemm``): which kernel runs a shape (the GEMVs of
+``kernels.int4_gemv`` and ``kernels.int4_gemv_cols`` for a few rows, tl.dot tiles above) and its tiles,
+split-K and reduction. The defaults are named constants; each comment says which H200 measurement set it,
+or which ``loadtest.int4_gemm_sweep`` row is to decide it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+import torch
+
+from kernels._triton import next_pow2
+from kernels.int4_dequant import PACK
+
+Kernel = Literal["dot", "gemv", "gemv_cols"]
+SplitReduce = Literal["counter", "atomic"]
+KERNELS: tuple[Kernel, ...] = ("dot", "gemv", "gemv_cols")
+SPLIT_REDUCES: tuple[SplitReduce, ...] = ("counter", "atomic")
+GEMV_MAX_M = 4  # the default kernel is the GEMV up to this many rows (pick_config says why)
+# Which GEMV runs up to GEMV_MAX_M rows: "gemv" (kernels.int4_gemv, measured) or "gemv_cols"
+# (kernels.int4_gemv_cols, not yet measured on a GPU). Decided by loadtest.int4_gemm_sweep's "best per shape"
+# table at M = 1..4 (rows "gemv" against "cols ..."): switch once "cols" wins on all four 8B shapes.
+GEMV_KERNEL: Kernel = "gemv"
+ATOMIC_MAX_M = 64  # the default split-K reduction is "atomic" up to this many rows, "counter" above
+UNPACK_M = (17, 64)  # tl.dot with unpack_in_registers by default only at these M (_pick_dot says why)
+PREFILL_M = 1024  # tl.dot tiles of 256 rows from this M on
+GEMV_LIMIT_M = 16  # the GEMV holds a tile's [M, BLOCK_K / 8, BLOCK_N] fp32 products in registers
+GEMV_PROGRAMS_PER_SM = 4  # GEMV split-K target: enough programs per SM to keep loads in flight
+# gemv_cols split-K target (sweep rows "cols pps1/2/4"): fewer, longer programs than the GEMV's, since each
+# split costs a reduction round trip (atomic + arrival counter) at the end of its program
+GEMV_COLS_PROGRAMS_PER_SM = 2
+GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thread
+
+
+@dataclass(frozen=True)
+class Int4GemmConfig:
+    """Launch choices of :func:`int4_gemm`; ``None`` fields are picked by :func:`pick_config`."""
+
+    # "gemv" (kernels.int4_gemv: CUDA cores, all M rows in one program) or "dot" (tl.dot tiles);
+    # None: the GEMV up to GEMV_MAX_M rows
+    kernel: Kernel | None = None
+    block_m: int | None = None  # dot only: a GEMV program holds all M rows
+    block_n: int | None = None
+    block_k: int | None = None
+    split_k: int | None = None
+    # how split-K partials are summed (kernels.int4_gemv's docstring); None: atomic up to ATOMIC_MAX_M rows
+    split_reduce: SplitReduce | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    # dot: load each packed word once and replicate it to its 8 rows in registers, instead of one load per row
+    unpack_in_registers: bool | None = None
+    # gemv: scale and zero applied per group to sums instead of per weight (without g_idx only)
+    factored: bool | None = None
+    # gemv / gemv_cols split-K target: about this many programs per SM (None: GEMV_PROGRAMS_PER_SM,
+    # GEMV_COLS_PROGRAMS_PER_SM); split_k, when given, wins
+    programs_per_sm: int | None = None
+    # gemv_cols: two nibbles per shift (even ones as 1 + c / 256, a second set of sums; None: by M, see
+    # _GEMV_COLS_TILES) instead of one shift per nibble
+    paired_nibbles: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.kernel not in (None, *KERNELS):
+            raise ValueError(f"kernel must be one of {KERNELS} or None, got {self.kernel!r}")
+        if self.split_reduce not in (None, *SPLIT_REDUCES):
+            raise ValueError(f"split_reduce must be one of {SPLIT_REDUCES} or None, got {self.split_reduce!r}")
+        for name, block in (("block_m", self.block_m), ("block_n", self.block_n), ("block_k", self.block_k)):
+            if block is not None and (block < 1 or block & (block - 1)):
+                raise ValueError(f"{name} must be a power of two, got {block}")
+        if self.block_k is not None and self.block_k < PACK:
+            raise ValueError(f"block_k must be at least {PACK} (one packed word), got {self.block_k}")
+        counts = (
+            ("split_k", self.split_k),
+            ("num_warps", self.num_warps),
+            ("num_stages", self.num_stages),
+            ("programs_per_sm", self.programs_per_sm),
+        )
+        for name, count in counts:
+            if count is not None and count < 1:
+                raise ValueError(f"{name} must be at least 1, got {count}")
+
+
+@dataclass(frozen=True)
+class Int4Launch:
+    """One launch of :func:`int4_gemm` with every choice made (what :func:`pick_config` returns)."""
+
+    kernel: Kernel
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    split_reduce: SplitReduce
+    num_warps: int
+    num_stages: int
+    unpack_in_registers: bool
+    factored: bool
+    paired_nibbles: bool = False  # gemv_cols only
+
+
+@lru_cache(maxsize=8)
+def num_sms(device_index: int) -> int:
+    if not torch.cuda.is_available():
+        return 8  # interpreter on CPU: any small number
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def _fill_split(tiles: int, k_tiles: int, target: int, max_split: int) -> int:
+    """Split-K doubled until ``tiles * split`` reaches ``target`` programs, keeping a K tile per split."""
+    split = 1
+    while tiles * split < target and split * 2 <= k_tiles and split < max_split:
+        split *= 2
+    return split
+
+
+def _reduce(user: Int4GemmConfig, m: int, split: int) -> SplitReduce:
+    """The user's reduction or the default for M; "counter" when nothing is split (one description of
+    one launch)."""
+    if split == 1:
+        return "counter"
+    return user.split_reduce or ("atomic" if m <= ATOMIC_MAX_M else "counter")
+
+
+def pick_config(
+    m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig, has_g_idx: bool = False
+) -> Int4Launch:
+    """The GEMV up to GEMV_MAX_M rows, the tl.dot path above; split-K summed by atomics up to ATOMIC_MAX_M
+    rows. The defaults are the winners of one H200 run (``int4_bench --mixed`` at 7f8955d, Llama-3-8B layer
+    shapes; per M, the geometric mean over the shapes of time / the best variant's): the GEMV beat tl.dot
+    2.8x at M = 1 and 1.4x at M = 4, tl.dot beat the GEMV 1.2x at M = 8 and 2.5x at M = 16; the atomic
+    reduction beat the counter by 6 % at M = 1, 13 % at M = 2, 33 % at M = 4 and 4-5 % at M = 8-64 (the
+    atomic results at M = 4-8 and 256 were wrong then, fixed since; M = 256 keeps the counter it was
+    measured with)."""
+    kernel = user.kernel or (GEMV_KERNEL if m <= GEMV_MAX_M else "dot")
+    if kernel == "gemv_cols" and (has_g_idx or group_size % PACK):
+        kernel = "gemv"  # the exact dequantization (g_idx, groups narrower than a word) is the GEMV's
+    if kernel == "gemv_cols":
+        return _pick_gemv_cols(m, n, k, group_size, num_sms, user)
+    if kernel == "gemv":
+        return _pick_gemv(m, n, k, group_size, num_sms, user, has_g_idx)
+    return _pick_dot(m, n, k, group_size, num_sms, user)
+
+
+def _split_for(tiles: int, k_tiles: int, programs_per_sm: int, num_sms: int) -> int:
+    """Split-K giving about ``programs_per_sm * num_sms`` programs, at most one per K tile."""
+    return max(1, min(k_tiles, -(-programs_per_sm * num_sms // tiles)))
+
+
+# gemv_cols by block_m: (block_n, word rows per tile, num_warps, paired nibbles), from the sm_90 compile
+# (ptxas of the Triton wheel, group 128): 8 columns per thread (BLOCK_N / 32 / num_warps; 4 at M = 8) so
+# each activation's load, conversion and sum serve 8 columns; rows shrink with M so the [M, columns] sums and
+# the tile's activations stay in registers. Loop instructions per weight and row, registers: M = 1 3.2, 64
+# (unpaired 3.6, 56); M = 2 2.44, 128 (2.8, 72); M = 4 unpaired 2.22, 168 (paired 2.15 but 254); M = 8
+# unpaired 2.52, 168 (block_n 512 with 2 rows: 2.71). The old GEMV: 5.2, 2.8, 2.3, 2.75.
+_GEMV_COLS_TILES = {1: (1024, 8, 4, True), 2: (1024, 8, 4, True), 4: (1024, 4, 4, False), 8: (256, 4, 2, False)}
+
+
+def _pick_gemv_cols(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:
+    """Tiles from _GEMV_COLS_TILES; each tile inside one group (rows halved until 8 * rows divides it);
+    split-K to about GEMV_COLS_PROGRAMS_PER_SM programs per SM; 2 stages (the next tile's words prefetched)."""
+    if m > GEMV_COLS_LIMIT_M:
+        raise ValueError(f"gemv_cols holds all M rows in registers: M={m} > {GEMV_COLS_LIMIT_M}")
+    block_m = next_pow2(m)
+    bn, rows, warps, paired = _GEMV_COLS_TILES[block_m]
+    bn = user.block_n or bn
+    rows = (user.block_k or PACK * rows) // PACK
+    while group_size % (PACK * rows):
+        rows //= 2  # group_size is a multiple of PACK: ends at 1 at the latest
+    split = user.split_k or _split_for(
+        -(-n // bn), k // (PACK * rows), user.programs_per_sm or GEMV_COLS_PROGRAMS_PER_SM, num_sms
+    )
+    return Int4Launch(
+        "gemv_cols", block_m, bn, PACK * rows, split, _reduce(user, m, split), user.num_warps or warps,
+        user.num_stages or 2, unpack_in_registers=False, factored=True,
+        paired_nibbles=paired if user.paired_nibbles is None else user.paired_nibbles,
+    )  # fmt: skip
+
+
+# by block_m: the fewest instructions per weight and row (sm_90 SASS), but M = 1: 64, not 128, was 4-6 % faster
+# on qkv, gate_up and down_proj at 7f8955d (H200; 72 registers instead of 96)
+_GEMV_BLOCK_K = {1: 64, 2: 64, 4: 32, 8: 32, 16: 16}
+
+
+def _pick_gemv(
+    m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig, has_g_idx: bool
+) -> Int4Launch:
+    """block_n 256 with 4 warps: 8 columns per thread share each activation's conversion and sum (3.98
+    instructions per weight at M = 1 against 4.27 at block_n 128; block_n 128 measured 1.13x the best at
+    M = 1); block_k shrinks as rows are added so the [M, block_k / 8, block_n] products stay in registers
+    (72 at M = 1, 128 at M = 2, 96 at M = 4, 196 at M = 8); the tile stays inside one group. Split-K until
+    ~4 programs per SM (one wave that keeps loads in flight; split 8 measured 1.30x the best at M = 1, the
+    whole K per program 3.4x). Two stages: one stage is not pipelined and spills (255 registers)."""
+    if m > GEMV_LIMIT_M:
+        raise ValueError(f"the GEMV holds all M rows in registers: M={m} > {GEMV_LIMIT_M}; use kernel='dot'")
+    block_m = next_pow2(m)
+    bk = user.block_k or _GEMV_BLOCK_K[block_m]
+    group_pow2 = group_size & -group_size  # largest power of two dividing the group
+    if not has_g_idx and group_pow2 >= PACK:
+        bk = min(bk, group_pow2)  # every tile inside one group
+    bn = user.block_n or 256
+    target = (user.programs_per_sm or GEMV_PROGRAMS_PER_SM) * num_sms
+    split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), target, 32)
+    factored = (user.factored is None or user.factored) and not has_g_idx and group_size % bk == 0
+    return Int4Launch(
+        "gemv", block_m, bn, bk, split, _reduce(user, m, split), user.num_warps or 4, user.num_stages or 2,
+        unpack_in_registers=False, factored=factored,
+    )  # fmt: skip
+
+
+def _pick_dot(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:
+    """Tiles from H200 runs: block_k 64 beat 128 by ~20 % at M <= 16 (an earlier run); at M = 4096
+    (7f8955d) block_m 256 beat 128 by 8-11 % on every shape (8 warps, 3 stages: 255 registers and ~300 B of
+    spills in the sm_90 compile, faster all the same), block_k 128 was 1.43x the best and block_n 256 lost.
+    Split-K until ~2 programs per SM up to M = 256 (split 4 halved down_proj at M = 256).
+    unpack_in_registers (each packed word loaded once and replicated to its 8 rows in registers instead of
+    loaded once per row: 8x less L2 and shared-memory traffic, ~15 % more instructions), at 7f8955d against
+    per-row loads: 2 % faster at M = 16, 1.4x at M = 64, 1.24x at M = 4096, but per-row loads were best on
+    3 of 4 shapes at M = 256 (down_proj 72.5 vs 80.8 us; 1.05 vs 1.08 of the best over the shapes). The
+    second H200 run (b066a95, block_m 256 at M >= 1024) turned M = 8-16 and 4096 to per-row loads (time /
+    best 1.01 vs 1.04 at M = 8 and 16, 1.00 vs 1.13 at M = 4096; 1.07 each at M = 256) and kept unpacking at
+    M = 64 (per-row 1.46x): UNPACK_M."""
+    if m <= 16:
+        bm, bn, bk, warps, stages = 16, 64, 64, 4, 4
+    elif m <= 64:
+        bm, bn, bk, warps, stages = 32 if m <= 32 else 64, 64, 64, 4, 4
+    else:
+        bm, bn, bk, warps, stages = 256 if m >= PREFILL_M else 128 if m >= 128 else 64, 128, 64, 8, 3
+    bm, bn, bk = user.block_m or bm, user.block_n or bn, user.block_k or bk
+    if bm < 16 or bk < 16:
+        raise ValueError(f"tl.dot needs block_m and block_k >= 16, got {bm} and {bk}")
+    if group_size < bk and group_size >= 16 and group_size & (group_size - 1) == 0:
+        bk = group_size  # one scale row per tile
+    split = user.split_k
+    if split is None:
+        split = _fill_split(-(-m // bm) * -(-n // bn), -(-k // bk), 2 * num_sms, 16) if m <= 256 else 1
+    unpack = user.unpack_in_registers
+    if unpack is None:
+        unpack = UNPACK_M[0] <= m <= UNPACK_M[1]
+    return Int4Launch(
+        "dot", bm, bn, bk, split, _reduce(user, m, split), user.num_warps or warps, user.num_stages or stages,
+        unpack_in_registers=unpack, factored=False,
+    )  # fmt: skip

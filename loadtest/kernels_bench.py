@@ -48,8 +48,8 @@ DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
 # tensors; "tma": host tensor descriptors, "ptr": pointer loads). The first is the default's; "lf": longest
 # causal tiles launched first; "fma": the tutorial's softmax step below the diagonal (scale in the exponent's
 # FMA, PV accumulated in place); m/bn/w/s: rows, KV tile, warps, stages. The sweep decides the defaults.
-# Compiled for sm_90 with Triton 3.6 (offline, ptxas): every entry below fits without spills; block_n 128
-# spilled (paged 64 rows: 255 regs + 40 B stack; new_kv 128 rows: 144 B stack, 224 KB shared) and is left out.
+# Compiled for sm_90 with Triton 3.6 (offline, ptxas): no entry below spills. Left out for spilling: the
+# paged kernel at block_n 128 (255 regs + 40 B stack) and 128 rows on 4 warps (either kernel).
 PREFILL_VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("default", "paged", {}),
     ("paged_lf", "paged", {"largest_first": True}),
@@ -65,6 +65,8 @@ PREFILL_VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("new_kv_tma_m128_w8_s3", "new_kv", {"use_tma": True}),  # its defaults: the Triton tutorial's Hopper tile
     ("new_kv_tma_m128_w8_s2", "new_kv", {"use_tma": True, "num_stages": 2}),
     ("new_kv_tma_m128_w8_s4", "new_kv", {"use_tma": True, "num_stages": 4}),
+    ("new_kv_tma_m128_bn128_w8_s2", "new_kv", {"use_tma": True, "block_n": 128, "num_stages": 2}),
+    ("new_kv_tma_m128_bn128_w8_s3", "new_kv", {"use_tma": True, "block_n": 128}),
     ("new_kv_tma_m64_w4_s3", "new_kv", {"use_tma": True, "block_m": 64, "num_warps": 4}),
     ("new_kv_tma_m64_w4_s2", "new_kv", {"use_tma": True, "block_m": 64, "num_warps": 4, "num_stages": 2}),
     ("new_kv_ptr_m128_w8_s3", "new_kv", {"use_tma": False}),

@@ -39,8 +39,8 @@ GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thre
 class Int4GemmConfig:
     """Launch choices of :func:`int4_gemm`; ``None`` fields are picked by :func:`pick_config`."""
 
-    # "gemv" (kernels.int4_gemv: CUDA cores, all M rows in one program) or "dot" (tl.dot tiles);
-    # None: the GEMV up to GEMV_MAX_M rows
+    # "gemv" (kernels.int4_gemv: CUDA cores, all M rows in one program), "gemv_cols" (kernels.int4_gemv_cols:
+    # each thread owns whole columns) or "dot" (tl.dot tiles); None: GEMV_KERNEL up to GEMV_MAX_M rows
     kernel: Kernel | None = None
     block_m: int | None = None  # dot only: a GEMV program holds all M rows
     block_n: int | None = None
@@ -152,7 +152,9 @@ def _split_for(tiles: int, k_tiles: int, programs_per_sm: int, num_sms: int) -> 
 # each activation's load, conversion and sum serve 8 columns; rows shrink with M so the [M, columns] sums and
 # the tile's activations stay in registers. Loop instructions per weight and row, registers: M = 1 3.2, 64
 # (unpaired 3.6, 56); M = 2 2.44, 128 (2.8, 72); M = 4 unpaired 2.22, 168 (paired 2.15 but 254); M = 8
-# unpaired 2.52, 168 (block_n 512 with 2 rows: 2.71). The old GEMV: 5.2, 2.8, 2.3, 2.75.
+# unpaired 2.52, 168 (block_n 512 with 2 rows: 2.71). The old GEMV: 5.2, 2.8, 2.3, 2.75. Unmeasured on a GPU:
+# the sweep rows "cols bn512", "cols bn512 w2", "cols w2", "cols bk32", "cols bk128", "cols paired" and
+# "cols unpaired" each change one field of an entry; "cols stages1/3" the 2 stages below.
 _GEMV_COLS_TILES = {1: (1024, 8, 4, True), 2: (1024, 8, 4, True), 4: (1024, 4, 4, False), 8: (256, 4, 2, False)}
 
 

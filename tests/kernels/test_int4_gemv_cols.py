@@ -1,6 +1,7 @@
-"""gemv_cols (``kernels.int4_gemv_cols``) under the interpreter against the torch reference: M = 1..8,
+"""gemv_cols (``kernels.int4_gemv_cols``) against the torch reference (interpreter on CPU): M = 1..8,
 symmetric and asymmetric zeros, group 32 and channel-wise, the loader's layout and the GEMV-tiled one (an N
-tail padded), both split reductions; the tiling is a pure permutation; what pick_config gives it."""
+tail padded), both split reductions, paired and unpaired nibbles; the tiling is a pure permutation; what
+pick_config gives it. On a GPU: the default tiles at the 8B shapes, and replays from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -110,3 +111,39 @@ def test_tiled_weight_rejects_other_uses(gen: torch.Generator) -> None:
         int4_gemm(torch.randn(9, K).to(DEVICE), tiled, scales, zeros, 32)
     with pytest.raises(ValueError, match="gemv_cols only"):
         int4_gemm(x, tiled, scales, zeros, 32, torch.zeros(K, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (28672, 4096), (4096, 14336)], ids=["qkv", "gate_up", "down"])
+def test_8b_shapes_on_the_gpu(n: int, k: int, gen: torch.Generator) -> None:
+    """The default tiles at M = 1, 2, 4, 8 (paired at M <= 2), loader and tiled layouts, both reductions,
+    a few times each (the in-kernel reduction races only show on a GPU)."""
+    qweight, scales, zeros = _weights(k, n, 128, False, torch.bfloat16, gen)
+    for m in (1, 2, 4, 8):
+        for split_reduce in ("atomic", "counter"):
+            cfg = Int4GemmConfig(kernel="gemv_cols", split_reduce=split_reduce)  # type: ignore[arg-type]
+            tiled = tile_qweight(qweight, pick_config(m, n, k, 128, 132, cfg).block_n)
+            for w in (qweight, tiled):
+                for _ in range(3):
+                    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+                    out = int4_gemm(x, w, scales, zeros, 128, config=cfg)
+                    assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 128)) < tolerance(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 4])
+def test_replayed_from_a_cuda_graph(m: int, gen: torch.Generator) -> None:
+    """down_proj captured after one eager call and replayed with new activations (counters back to zero)."""
+    qweight, scales, zeros = _weights(14336, 4096, 128, False, torch.bfloat16, gen)
+    cfg = Int4GemmConfig(kernel="gemv_cols")
+    x = torch.zeros(m, 14336, dtype=torch.bfloat16, device=DEVICE)
+    int4_gemm(x, qweight, scales, zeros, 128, config=cfg)  # compiles, grows the shared scratch
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int4_gemm(x, qweight, scales, zeros, 128, config=cfg)
+    for _ in range(5):
+        x.copy_(torch.randn(m, 14336, generator=gen).to(torch.bfloat16))
+        graph.replay()
+        assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 128)) < tolerance(torch.bfloat16)

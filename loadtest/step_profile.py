@@ -1,0 +1,128 @@
+"""Where an engine step's time goes on the GPU: a short prompt's prefill step and a batch-1 decode step, each
+timed alone (wall, with a device sync) and under ``torch.profiler`` (host ops and kernel launches by self CPU
+time, device time), on the 8B shape with random weights.
+
+    python -m loadtest.step_profile --shape 8b --prompt-len 20 --out step_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from engine.args import EngineArgs
+from engine.sampling_params import SamplingParams
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    from engine.engine import Engine
+    from loadtest.shapes import shape_folder
+
+    folder = shape_folder(args.shape, args.max_model_len)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine_args = EngineArgs(
+        model=str(folder),
+        load_format="dummy",
+        max_model_len=args.max_model_len,
+        device=device,
+        skip_tokenizer_init=True,
+    )
+    return Engine(engine_args.create_engine_config())
+
+
+def _prefill_step(engine: Any, prompt: list[int], rid: str) -> float:
+    """One step that prefills ``prompt`` alone and samples its one token; seconds, synced."""
+    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    _sync()
+    t0 = time.perf_counter()
+    engine.step()
+    _sync()
+    elapsed = time.perf_counter() - t0
+    while engine.has_unfinished_requests():
+        engine.step()
+    return elapsed
+
+
+def _decode_steps(engine: Any, prompt: list[int], n: int) -> list[float]:
+    engine.add_request("decode", prompt, SamplingParams(temperature=0.0, max_tokens=n + 1, ignore_eos=True))
+    engine.step()  # the prefill
+    times = []
+    for _ in range(n):
+        _sync()
+        t0 = time.perf_counter()
+        engine.step()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _profile(fn: Any, top: int) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync()
+    events = prof.key_averages()
+    rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {
+        "self_cpu_ms_total": round(sum(e.self_cpu_time_total for e in events) / 1e3, 2),
+        "device_ms_total": round(sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3, 2),
+        "top_self_cpu": [
+            {
+                "name": e.key[:80],
+                "calls": e.count,
+                "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
+                "device_ms": round(getattr(e, "self_device_time_total", 0) / 1e3, 3),
+            }
+            for e in rows
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="8b")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--prompt-len", type=int, default=20)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    engine = _engine(args)
+    prompt = [(7 * i + 3) % 1000 + 1 for i in range(args.prompt_len)]
+    for i in range(3):  # warm-up: compiles, allocator
+        _prefill_step(engine, prompt, f"warm{i}")
+    prefill = [_prefill_step(engine, prompt, f"p{i}") for i in range(args.reps)]
+    decode = _decode_steps(engine, prompt, args.reps * 5)
+    res: dict[str, Any] = {
+        "prompt_len": args.prompt_len,
+        "prefill_step_ms": [round(t * 1e3, 2) for t in prefill],
+        "prefill_step_ms_median": round(statistics.median(prefill) * 1e3, 2),
+        "decode_step_ms_median": round(statistics.median(decode) * 1e3, 2),
+    }
+    print(json.dumps(res), flush=True)
+    res["profile_prefill"] = _profile(lambda: _prefill_step(engine, prompt, "prof"), args.top)
+    for row in res["profile_prefill"]["top_self_cpu"]:
+        print(f"  {row['self_cpu_ms']:8.3f} ms cpu {row['device_ms']:8.3f} ms dev {row['calls']:6d}x {row['name']}")
+    prof = res["profile_prefill"]
+    print(f"prefill step: host ops {prof['self_cpu_ms_total']} ms, device {prof['device_ms_total']} ms", flush=True)
+    engine.shutdown()
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -19,10 +19,12 @@ Kernel = Literal["dot", "gemv", "gemv_cols"]
 SplitReduce = Literal["counter", "atomic"]
 KERNELS: tuple[Kernel, ...] = ("dot", "gemv", "gemv_cols")
 SPLIT_REDUCES: tuple[SplitReduce, ...] = ("counter", "atomic")
+SplitPolicy = Literal["fill", "balance"]
 GEMV_MAX_M = 4  # the default kernel is the GEMV up to this many rows (pick_config says why)
 # Which GEMV runs up to GEMV_MAX_M rows: "gemv" (kernels.int4_gemv, measured) or "gemv_cols"
 # (kernels.int4_gemv_cols, not yet measured on a GPU). Decided by loadtest.int4_gemm_sweep's "best per shape"
-# table at M = 1..4 (rows "gemv" against "cols ..."): switch once "cols" wins on all four 8B shapes.
+# table at M = 1..4 (rows "gemv" against "cols ..."): switch once "cols" wins on all four 8B shapes (and
+# GEMV_MAX_M to 8 if it also beats "fused", tl.dot there, at M = 8).
 GEMV_KERNEL: Kernel = "gemv"
 ATOMIC_MAX_M = 64  # the default split-K reduction is "atomic" up to this many rows, "counter" above
 UNPACK_M = (17, 64)  # tl.dot with unpack_in_registers by default only at these M (_pick_dot says why)
@@ -32,6 +34,12 @@ GEMV_PROGRAMS_PER_SM = 4  # GEMV split-K target: enough programs per SM to keep 
 # gemv_cols split-K target (sweep rows "cols pps1/2/4"): fewer, longer programs than the GEMV's, since each
 # split costs a reduction round trip (atomic + arrival counter) at the end of its program
 GEMV_COLS_PROGRAMS_PER_SM = 2
+# gemv_cols split policy (sweep rows "cols balance ..." against "cols" and "cols pps4"): "fill" can leave
+# some SMs one program more than others (qkv at M = 1: 192 programs on 132 SMs); "balance" minimizes the
+# busiest SM's K tiles, often one program per SM (qkv 132, o 128, down 128, gate_up 112 at M = 1)
+GEMV_COLS_SPLIT: SplitPolicy = "fill"
+BALANCE_PROGRAM_COST = 0.5  # "balance": a program's fixed cost (prologue, reduction) in K tiles
+GEMV_COLS_STAGES = 2  # gemv_cols pipeline: the next tile's words in flight (sweep rows "cols stages1/3")
 GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thread
 
 
@@ -57,6 +65,9 @@ class Int4GemmConfig:
     # gemv / gemv_cols split-K target: about this many programs per SM (None: GEMV_PROGRAMS_PER_SM,
     # GEMV_COLS_PROGRAMS_PER_SM); split_k, when given, wins
     programs_per_sm: int | None = None
+    # gemv_cols: split-K as many programs as programs_per_sm says ("fill"), or the split whose busiest SM
+    # has the least work, with at most that many programs per SM ("balance"); None: GEMV_COLS_SPLIT
+    split_policy: SplitPolicy | None = None
     # gemv_cols: two nibbles per shift (even ones as 1 + c / 256, a second set of sums; None: by M, see
     # _GEMV_COLS_TILES) instead of one shift per nibble
     paired_nibbles: bool | None = None
@@ -64,6 +75,8 @@ class Int4GemmConfig:
     def __post_init__(self) -> None:
         if self.kernel not in (None, *KERNELS):
             raise ValueError(f"kernel must be one of {KERNELS} or None, got {self.kernel!r}")
+        if self.split_policy not in (None, "fill", "balance"):
+            raise ValueError(f"split_policy must be 'fill', 'balance' or None, got {self.split_policy!r}")
         if self.split_reduce not in (None, *SPLIT_REDUCES):
             raise ValueError(f"split_reduce must be one of {SPLIT_REDUCES} or None, got {self.split_reduce!r}")
         for name, block in (("block_m", self.block_m), ("block_n", self.block_n), ("block_k", self.block_k)):
@@ -142,9 +155,22 @@ def pick_config(
     return _pick_dot(m, n, k, group_size, num_sms, user)
 
 
-def _split_for(tiles: int, k_tiles: int, programs_per_sm: int, num_sms: int) -> int:
-    """Split-K giving about ``programs_per_sm * num_sms`` programs, at most one per K tile."""
-    return max(1, min(k_tiles, -(-programs_per_sm * num_sms // tiles)))
+def _split_for(tiles: int, k_tiles: int, programs_per_sm: int, num_sms: int, policy: SplitPolicy) -> int:
+    """Split-K giving about ``programs_per_sm * num_sms`` programs ("fill"), at most one per K tile; or
+    ("balance") the split of at most ``programs_per_sm`` programs per SM whose busiest SM has the least
+    work: ``ceil(programs / num_sms) * (K tiles per program + BALANCE_PROGRAM_COST)``, ties to more programs."""
+    if policy == "fill":
+        return max(1, min(k_tiles, -(-programs_per_sm * num_sms // tiles)))
+    best: tuple[float, int] | None = None
+    for per_program in range(1, k_tiles + 1):
+        split = -(-k_tiles // per_program)
+        per_sm = -(-tiles * split // num_sms)
+        if per_sm > programs_per_sm:
+            continue
+        cost = per_sm * (per_program + BALANCE_PROGRAM_COST)
+        if best is None or (cost, -split) < (best[0], -best[1]):
+            best = (cost, split)
+    return best[1] if best is not None else 1
 
 
 # gemv_cols by block_m: (block_n, word rows per tile, num_warps, paired nibbles), from the sm_90 compile
@@ -154,13 +180,13 @@ def _split_for(tiles: int, k_tiles: int, programs_per_sm: int, num_sms: int) -> 
 # (unpaired 3.6, 56); M = 2 2.44, 128 (2.8, 72); M = 4 unpaired 2.22, 168 (paired 2.15 but 254); M = 8
 # unpaired 2.52, 168 (block_n 512 with 2 rows: 2.71). The old GEMV: 5.2, 2.8, 2.3, 2.75. Unmeasured on a GPU:
 # the sweep rows "cols bn512", "cols bn512 w2", "cols w2", "cols bk32", "cols bk128", "cols paired" and
-# "cols unpaired" each change one field of an entry; "cols stages1/3" the 2 stages below.
+# "cols unpaired" each change one field of an entry.
 _GEMV_COLS_TILES = {1: (1024, 8, 4, True), 2: (1024, 8, 4, True), 4: (1024, 4, 4, False), 8: (256, 4, 2, False)}
 
 
 def _pick_gemv_cols(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:
     """Tiles from _GEMV_COLS_TILES; each tile inside one group (rows halved until 8 * rows divides it);
-    split-K to about GEMV_COLS_PROGRAMS_PER_SM programs per SM; 2 stages (the next tile's words prefetched)."""
+    split-K by GEMV_COLS_SPLIT with GEMV_COLS_PROGRAMS_PER_SM; GEMV_COLS_STAGES."""
     if m > GEMV_COLS_LIMIT_M:
         raise ValueError(f"gemv_cols holds all M rows in registers: M={m} > {GEMV_COLS_LIMIT_M}")
     block_m = next_pow2(m)
@@ -169,12 +195,13 @@ def _pick_gemv_cols(m: int, n: int, k: int, group_size: int, num_sms: int, user:
     rows = (user.block_k or PACK * rows) // PACK
     while group_size % (PACK * rows):
         rows //= 2  # group_size is a multiple of PACK: ends at 1 at the latest
-    split = user.split_k or _split_for(
-        -(-n // bn), k // (PACK * rows), user.programs_per_sm or GEMV_COLS_PROGRAMS_PER_SM, num_sms
-    )
+    pps = user.programs_per_sm or GEMV_COLS_PROGRAMS_PER_SM
+    tiles, k_tiles = -(-n // bn), k // (PACK * rows)
+    split = user.split_k or _split_for(tiles, k_tiles, pps, num_sms, user.split_policy or GEMV_COLS_SPLIT)
+    split = -(-k_tiles // -(-k_tiles // split))  # what runs: whole tiles per program (aliases compare equal)
     return Int4Launch(
         "gemv_cols", block_m, bn, PACK * rows, split, _reduce(user, m, split), user.num_warps or warps,
-        user.num_stages or 2, unpack_in_registers=False, factored=True,
+        user.num_stages or GEMV_COLS_STAGES, unpack_in_registers=False, factored=True,
         paired_nibbles=paired if user.paired_nibbles is None else user.paired_nibbles,
     )  # fmt: skip
 

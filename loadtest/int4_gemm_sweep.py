@@ -66,6 +66,10 @@ VARIANTS = [
     Variant("cols pps4", {**COLS, "programs_per_sm": 4}, (1, 8)),
     Variant("cols tiled pps4", {**COLS, "programs_per_sm": 4}, (1, 8), tiled=True),
     Variant("cols counter", {**COLS, "split_reduce": "counter"}, (1, 8)),
+    Variant("cols balance", {**COLS, "split_policy": "balance"}, (1, 8)),  # ~1 program per SM, even work
+    Variant("cols balance pps4", {**COLS, "split_policy": "balance", "programs_per_sm": 4}, (1, 8)),
+    Variant("cols balance stages3", {**COLS, "split_policy": "balance", "num_stages": 3}, (1, 4)),
+    Variant("cols tiled balance", {**COLS, "split_policy": "balance"}, (1, 8), tiled=True),
     Variant("cols stages1", {**COLS, "num_stages": 1}, (1, 4)),
     Variant("cols stages3", {**COLS, "num_stages": 3}, (1, 4)),
     Variant("cols bn512", {**COLS, "block_n": 512}, (1, 4)),  # 4 columns per thread

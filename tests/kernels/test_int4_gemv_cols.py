@@ -96,7 +96,15 @@ def test_pick_config() -> None:
     assert pick_config(1, 4096, 4096, 96, 132, auto).block_k == 32  # tiles inside a group of 96
     assert pick_config(1, 4096, 4096, 128, 132, auto, has_g_idx=True).kernel == "gemv"  # exact path
     more = pick_config(1, 28672, 4096, 128, 132, Int4GemmConfig(kernel="gemv_cols", programs_per_sm=4))
-    assert more.split_k == 19
+    assert more.split_k == 16  # 19 asked: 4 K tiles per program
+    # "balance": qkv's 6 column tiles x 22 splits of 3 K tiles (the last 1) fill the 132 SMs once, where
+    # "fill" gives 6 x 32 = 192 programs (2 on some SMs, 1 on others); gate_up at most 2 per SM: 28 x 4
+    balance = Int4GemmConfig(kernel="gemv_cols", split_policy="balance")
+    assert pick_config(1, 6144, 4096, 128, 132, auto).split_k == 32
+    assert pick_config(1, 6144, 4096, 128, 132, balance).split_k == 22
+    assert pick_config(1, 28672, 4096, 128, 132, balance).split_k == 4
+    with pytest.raises(ValueError, match="split_policy"):
+        Int4GemmConfig(split_policy="even")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="holds all M rows"):
         pick_config(GEMV_COLS_LIMIT_M + 1, 4096, 4096, 128, 132, auto)
 

@@ -31,12 +31,15 @@ allocated, outside any CUDA graph; inside a graph they are zeroed again by the k
 calls of one device must not overlap on two streams.
 
 ``plan_gemv`` says, from (M, N, K, SM count) alone, whether the linear layers use this kernel or cuBLAS, and
-with which knobs; ``loadtest.gemv_bench`` is the sweep that decides its constants.
+with which knobs; ``loadtest.gemv_bench`` is the sweep that decides its constants. ``pdl`` (off) launches
+with programmatic dependent launch: the programs wait for the kernel before (``griddepcontrol.wait``).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -47,22 +50,32 @@ from kernels.decode_plan import num_sms
 
 Kernel = Literal["fma", "dot"]
 SplitReduce = Literal["counter", "atomic", "two_pass"]
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SPLIT_MODES = {"none": 0, "counter": 1, "atomic": 2, "two_pass": 3}
 GEMV_LIMIT_M = 16  # the fma kernel holds all rows in registers, the dot kernel pads them to 16
 
 # ---- the plan: constants decided by the H200 sweep ``python -m loadtest.gemv_bench`` ----
 
-# THE switch: the linear layers run the GEMV for M <= GEMV_MAX_M rows, cuBLAS above. 0: cuBLAS everywhere,
-# until the H200 sweep (loadtest.gemv_bench, best variant vs cuBLAS per shape and M) says otherwise.
-GEMV_MAX_M = 0
-# ... and only for weights of at most this many elements (cuBLAS already streams gate_up, 28672 x 4096, at
-# ~92 % of the copy bandwidth); 1 << 62: no limit. Decided by the same sweep.
-GEMV_MAX_WEIGHT_ELEMS = 1 << 62
-# Split-K doubles while the grid holds fewer programs than this many per SM. H200 sweep at the first commit
-# (loadtest.gemv_bench, 8B shapes): at M = 1 the fma kernel lost 10-60 % with split 2-8 where N gave >= 4
-# programs per SM; the dot kernel (64 columns a tile) was best with 4 splits on o and down (64 tiles) and
-# unsplit on qkv (96 tiles).
-PROGRAMS_PER_SM = 1
+# THE switch: the dense layers run the GEMV for M <= GEMV_MAX_M rows, cuBLAS above (0: cuBLAS everywhere)...
+# H200 sweeps (loadtest.gemv_bench, three runs, 2026-12-01): the default launch against cuBLAS, alone / behind a
+# small kernel that writes x (as in a decode step): M = 1 qkv 14.8 vs 16.0 / 16.5 vs 18.5 us, o 10.5 vs 13.7 /
+# 11.8 vs 15.2, down 29.8 vs 32.7 / 31.7 vs 34.3; M = 2-8 o 11.7-11.9 vs 13.3-13.5, down 31.4-31.9 vs
+# 32.7-33.1, qkv within 1 %.
+GEMV_MAX_M = 8
+# ... for weights of at most this many elements: gate_up (28672 x 4096 = 117 M) went either way by 2-8 % from
+# one machine to the next (cuBLAS streams it at ~92 % of the copy bandwidth), so it keeps cuBLAS; down_proj
+# (4096 x 14336 = 58.7 M) is the largest that gains every time. 1 << 62: no limit.
+GEMV_MAX_WEIGHT_ELEMS = 64 << 20
+# Programmatic dependent launch (sweep rows "fma pdl" / "dot pdl"): within 1-2 % of the plain launch either
+# way on the H200, alone and behind a small kernel, so off. The variant that also prefetched the first
+# 2048 weights of each row into L2 before waiting lost 5-25 % and was deleted.
+USE_PDL = False
+# Split-K (sweep rows "dot split1/2/4"): none when N alone gives SPLIT_MIN_FILL programs per SM, else doubling
+# until there is one per SM. Three H200 runs, dot kernel (64 columns a tile) at M = 2-8: qkv (96 tiles) was
+# fastest unsplit (15.5-16.3 us against 15.7-17.2 split 2 and 17.1-18.4 split 4); o and down (64 tiles) with
+# 4 splits (o 11.6-12.0 us against 11.4-12.2 split 2 and 12.8-13.4 unsplit; down 31.3-32.0 against 38.8-39.5
+# unsplit). The fma kernel at M = 1 (1024+ tiles) lost 10-30 % with any split.
+SPLIT_MIN_FILL = 0.7
 MAX_SPLIT_K = 16
 
 
@@ -77,12 +90,15 @@ class GemvConfig:
     split_reduce: SplitReduce | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    pdl: bool | None = None  # programmatic dependent launch (CUDA only), see GemvPlan
 
 
 @dataclass(frozen=True)
 class GemvPlan:
     """One launch: ``use_gemv`` False means the linear layers call cuBLAS (the knobs still say what
-    ``gemv`` itself would launch). ``split_k`` is the number of K ranges of ``k_per_split`` elements."""
+    ``gemv`` itself would launch). ``split_k`` is the number of K ranges of ``k_per_split`` elements.
+    ``pdl``: launched with programmatic dependent launch, so the programs may start while the kernel before
+    finishes; they wait for it (``griddepcontrol.wait``) before any load or store."""
 
     use_gemv: bool
     kernel: Kernel
@@ -94,6 +110,7 @@ class GemvPlan:
     split_reduce: SplitReduce
     num_warps: int
     num_stages: int
+    pdl: bool = False
 
 
 # (block_n, block_k, num_warps, num_stages) by block_m: the fma kernel's accumulator holds
@@ -104,7 +121,7 @@ class GemvPlan:
 _FMA_TILES = {1: (4, 512, 2, 3), 2: (8, 256, 2, 3), 4: (8, 256, 4, 3), 8: (4, 256, 4, 3), 16: (2, 256, 4, 3)}
 # block_n, block_k, num_warps, num_stages: 1.02-1.04 at M = 2-8 (s5 1.02-1.04, s3 1.04, bn128 bk128 s3 1.07)
 _DOT_TILE = (64, 128, 4, 4)
-_DEFAULT_KERNEL_MAX_M = 1  # fma up to here, dot above
+_DEFAULT_KERNEL_MAX_M = 1  # fma up to here, dot above (M = 2: the best of each kernel within 1 %)
 
 
 def _is_pow2(v: int) -> bool:
@@ -112,9 +129,12 @@ def _is_pow2(v: int) -> bool:
 
 
 def _fill_split(num_tiles: int, num_k_tiles: int, sms: int) -> int:
-    """Smallest power-of-two split giving ~PROGRAMS_PER_SM programs per SM, within K's tiles."""
+    """1 when the N tiles fill SPLIT_MIN_FILL of the SMs, else the smallest power of two giving every SM a
+    program (within K's tiles)."""
     split = 1
-    while num_tiles * split < PROGRAMS_PER_SM * sms and split * 2 <= min(MAX_SPLIT_K, num_k_tiles):
+    if num_tiles >= SPLIT_MIN_FILL * sms:
+        return split
+    while num_tiles * split < sms and split * 2 <= min(MAX_SPLIT_K, num_k_tiles):
         split *= 2
     return split
 
@@ -149,7 +169,8 @@ def plan_gemv(m: int, n: int, k: int, sms: int, config: GemvConfig | None = None
     k_per_split = -(-num_k_tiles // split) * bk  # whole tiles per split
     split = -(-k // k_per_split)
     use = config is not None or (m <= GEMV_MAX_M and n * k <= GEMV_MAX_WEIGHT_ELEMS)
-    return GemvPlan(use, kernel, block_m, bn, bk, split, k_per_split, reduce, warps, stages)
+    pdl = USE_PDL if user.pdl is None else user.pdl
+    return GemvPlan(use, kernel, block_m, bn, bk, split, k_per_split, reduce, warps, stages, pdl)
 
 
 # ---- reference ----
@@ -217,6 +238,7 @@ def _gemv_kernel(
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT_MODE: tl.constexpr, EVEN: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -230,6 +252,10 @@ def _gemv_kernel(
     # int64 rows: a 256k-vocab x 8k head has more than 2^31 elements
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [BN, BK]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]  # [BM, BK]
+    if PDL:  # launched before the kernel before has finished (whose output x may be): wait for it
+        tl.inline_asm_elementwise(
+            "griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     elif BLOCK_M == 1:
@@ -350,12 +376,13 @@ def gemv(
     if mode in (1, 2):
         cnt = zeroed_buffer(x.device, torch.int32, num_tiles)
     b = bias if bias is not None else out
+    pdl = plan.pdl and x.is_cuda and not _INTERPRET  # inline PTX: not under the interpreter
     _gemv_kernel[(num_tiles, plan.split_k)](
         x, weight, b, out, ws, cnt, m, n, k, plan.k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, USE_DOT=plan.kernel == "dot", BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         BLOCK_K=plan.block_k, NUM_STAGES=plan.num_stages, SPLIT_MODE=mode,
-        EVEN=n % plan.block_n == 0 and k % plan.k_per_split == 0, num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
+        EVEN=n % plan.block_n == 0 and k % plan.k_per_split == 0, PDL=pdl,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     if mode == 3:
         _gemv_reduce_kernel[(m, -(-n // 1024))](
@@ -364,13 +391,20 @@ def gemv(
     return out
 
 
+@lru_cache(maxsize=1024)
+def _layer_plan(m: int, n: int, k: int, sms: int, max_m: int, max_elems: int) -> GemvPlan:
+    """``plan_gemv`` of the layers, cached (~5 us of Python per call, eager steps make hundreds); the switch
+    constants are part of the key, so changing them (tests, the benchmark) is seen."""
+    return plan_gemv(m, n, k, sms)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, by the GEMV where ``plan_gemv`` picks it for this shape (CUDA, fp16/bf16, 2-D x): what the
     dense linear layers call. The first test is on M alone, so prefill pays nothing for the check."""
     if x.dim() != 2 or x.shape[0] > GEMV_MAX_M or not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
         return F.linear(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
-    plan = plan_gemv(m, n, k, num_sms(x.device.index or 0)) if m >= 1 else None
+    plan = _layer_plan(m, n, k, num_sms(x.device.index or 0), GEMV_MAX_M, GEMV_MAX_WEIGHT_ELEMS) if m else None
     contiguous = x.stride(-1) == 1 and weight.stride(-1) == 1 and (bias is None or bias.stride(-1) == 1)
     if plan is None or not plan.use_gemv or weight.dtype != x.dtype or not contiguous:
         return F.linear(x, weight, bias)

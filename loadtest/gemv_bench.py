@@ -82,7 +82,12 @@ VARIANTS: list[tuple[str, GemvConfig, tuple[int, int]]] = [
     ("dot bk64 s6", GemvConfig(kernel="dot", block_k=64, num_stages=6), (1, 16)),
     ("dot bn128 bk128 s3", GemvConfig(kernel="dot", block_n=128, block_k=128, num_stages=3), (1, 16)),
     ("dot w8", GemvConfig(kernel="dot", num_warps=8), (1, 16)),
+    ("fma pdl", GemvConfig(kernel="fma", pdl=True), (1, 2)),
+    ("dot pdl", GemvConfig(kernel="dot", pdl=True), (1, 16)),
 ]
+# timed again each behind a small kernel that writes x (as a norm or an activation does in a decode step):
+# what programmatic dependent launch can overlap
+CHAINED = ("default", "fma", "dot", "fma pdl", "dot pdl")
 
 
 def variants_at(m: int, n: int, k: int, sms: int) -> tuple[dict[str, GemvPlan], dict[str, str]]:
@@ -184,7 +189,24 @@ def bench_case(name: str, weights: list[torch.Tensor], m: int, reps: int, sms: i
     if device.type == "cuda":
         row["us"][CUBLAS] = round(1e6 * timer([partial(F.linear, x, w) for w in weights], reps), 2)
         _add_rates(row, copy_bw)
+        row["chained_us"] = _chained(x, weights, plans, row["us"], reps)
     return row
+
+
+def _chained(
+    x: torch.Tensor, weights: list[torch.Tensor], plans: dict[str, GemvPlan], us: dict[str, float], reps: int
+) -> dict[str, float]:
+    """us per (small kernel writing x, then the matmul) pair for cuBLAS and the CHAINED variants."""
+    x2 = torch.empty_like(x)
+    timer = _timer(x.device)
+
+    def pair(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], w: torch.Tensor) -> torch.Tensor:
+        torch.mul(x, 1.0, out=x2)
+        return fn(x2, w)
+
+    fns: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {CUBLAS: F.linear}
+    fns.update({v: partial(gemv, plan=plans[v]) for v in CHAINED if v in plans and v in us})
+    return {v: round(1e6 * timer([partial(pair, fn, w) for w in weights], reps), 2) for v, fn in fns.items()}
 
 
 def _add_rates(row: dict[str, Any], copy_bw: float) -> None:
@@ -207,6 +229,9 @@ def summary(rows: list[dict[str, Any]], copy_bw: float) -> list[str]:
             f"{r['layer']:8s} {r['m']:2d} {us[CUBLAS]:9.2f} {frac[CUBLAS]:7.1%}  {us[best]:8.2f} {frac[best]:7.1%} "
             f"{r['best_vs_cublas']:8.2f}  {best} / default {us.get('default', float('nan')):.2f} us"
         )
+    lines += ["", "behind a small kernel that writes x (us per pair):"]
+    for r in rows:
+        lines.append(f"{r['layer']:8s} {r['m']:2d} " + ", ".join(f"{v} {t:.2f}" for v, t in r["chained_us"].items()))
     lines += ["", "per M: time / best variant's, geometric mean over the shapes (1.00 = best everywhere)"]
     for m in sorted({r["m"] for r in rows}):
         at_m = [r for r in rows if r["m"] == m]

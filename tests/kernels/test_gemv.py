@@ -79,26 +79,33 @@ def test_reference_is_f_linear() -> None:
     torch.testing.assert_close(gemv_ref(x, w, b), F.linear(x, w, b))
 
 
-def test_plan_defaults_are_cublas() -> None:
-    """Landing the GEMV changes nothing until the H200 sweep turns it on; every plan is a launch that fits."""
-    assert gemv_mod.GEMV_MAX_M == 0
+def test_plan_defaults() -> None:
+    """The GEMV for qkv, o and down at M <= 8, cuBLAS for gate_up, lm_head and past 8 rows; every plan is a
+    launch that fits."""
     for n, k in SHAPES_8B:
-        for m in range(1, 9):
+        for m in range(1, GEMV_LIMIT_M + 1):
             plan = plan_gemv(m, n, k, H200_SMS)
-            assert not plan.use_gemv
+            assert plan.use_gemv == (m <= 8 and n * k < 64 << 20)
             assert plan.block_m >= m and plan.k_per_split % plan.block_k == 0
             assert (plan.split_k - 1) * plan.k_per_split < k <= plan.split_k * plan.k_per_split
-    assert plan_gemv(1, 4096, 4096, H200_SMS, GemvConfig()).use_gemv  # a config forces the GEMV
+    assert plan_gemv(1, 28672, 4096, H200_SMS, GemvConfig()).use_gemv  # a config forces the GEMV
 
 
 def test_plan_picks() -> None:
-    """fma at M = 1, unsplit where N gives every SM a program; dot above, split until it does."""
+    """fma at M = 1, unsplit; dot above, unsplit where N fills 70 % of the SMs, else split to fill them."""
     o_m1 = plan_gemv(1, 4096, 4096, H200_SMS)
     assert (o_m1.kernel, o_m1.split_k) == ("fma", 1)
     o_m8 = plan_gemv(8, 4096, 4096, H200_SMS)
     assert (o_m8.kernel, o_m8.block_m, o_m8.split_k) == ("dot", 16, 4)
+    assert plan_gemv(4, 6144, 4096, H200_SMS).split_k == 1  # 96 tiles of 64 columns
     assert plan_gemv(8, 28672, 4096, H200_SMS).split_k == 1
     assert plan_gemv(1, 64, 4096, H200_SMS, GemvConfig(split_k=64)).split_k == 8  # no more splits than K tiles
+
+
+def test_pdl_is_off_by_default_and_runs_in_the_interpreter(gen: torch.Generator) -> None:
+    assert not plan_gemv(1, 4096, 4096, H200_SMS).pdl and plan_gemv(1, 64, 64, H200_SMS, GemvConfig(pdl=True)).pdl
+    x, w, b = _inputs(2, 37, 100, torch.bfloat16, gen, bias=True)
+    assert rel_err(gemv(x, w, b, GemvConfig(**{**_config("fma", 2).__dict__, "pdl": True})), gemv_ref(x, w, b)) < 1e-2
 
 
 def test_plan_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,9 +156,9 @@ def test_wrapper_checks() -> None:
         gemv(x, w, plan=plan_gemv(1, 16, 32, 8))
 
 
-def test_linear_is_f_linear_off_cuda_or_past_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linear_is_f_linear_off_cuda() -> None:
     """What the dense layers call: ``F.linear`` itself on CPU and while the plan says cuBLAS."""
-    monkeypatch.setattr(gemv_mod, "GEMV_MAX_M", 8)  # on CPU the GEMV is still never taken
+    assert gemv_mod.GEMV_MAX_M >= 2  # on CPU the GEMV is still never taken
     x, w, b = torch.randn(2, 32).bfloat16(), torch.randn(16, 32).bfloat16(), torch.randn(16).bfloat16()
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))
     assert torch.equal(linear(x[None], w), F.linear(x[None], w))

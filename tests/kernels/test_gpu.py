@@ -171,7 +171,8 @@ def test_gemv_real_sizes(m: int, gen: torch.Generator) -> None:
     configs = [
         GemvConfig(), GemvConfig(kernel="fma"), GemvConfig(kernel="dot"),
         GemvConfig(kernel="fma", split_k=4), GemvConfig(kernel="dot", split_k=4, split_reduce="atomic"),
-        GemvConfig(kernel="dot", split_k=3, split_reduce="two_pass"),
+        GemvConfig(kernel="dot", split_k=3, split_reduce="two_pass"), GemvConfig(kernel="fma", pdl=True),
+        GemvConfig(kernel="dot", split_k=4, pdl=True),
     ]  # fmt: skip
     for n, k in GEMV_SHAPES_8B:
         w, x = _cuda_randn(gen, n, k), _cuda_randn(gen, m, k)
@@ -184,12 +185,15 @@ def test_gemv_real_sizes(m: int, gen: torch.Generator) -> None:
 
 @pytest.mark.parametrize("m", [1, 8])
 @pytest.mark.parametrize("split_reduce", ["counter", "atomic", "two_pass", None])  # None: the default launch
-def test_gemv_in_cuda_graph(m: int, split_reduce: str | None, gen: torch.Generator) -> None:
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gemv_in_cuda_graph(m: int, split_reduce: str | None, pdl: bool, gen: torch.Generator) -> None:
     """down_proj (K = 14336) with a bias, captured in a CUDA graph and replayed: equal to the eager call (bit
-    for bit where the reduction is deterministic), the counters back at zero, then a new x read."""
+    for bit where the reduction is deterministic), the counters back at zero, then a new x read (with
+    programmatic dependent launch: written by the kernel just before)."""
     from kernels.gemv import GemvConfig, gemv, gemv_ref, scratch_is_zero
 
-    cfg = GemvConfig(split_k=4, split_reduce=split_reduce) if split_reduce else GemvConfig()  # type: ignore[arg-type]
+    split = {"split_k": 4, "split_reduce": split_reduce} if split_reduce else {}
+    cfg = GemvConfig(pdl=pdl, **split)  # type: ignore[arg-type]
     w, x, b = _cuda_randn(gen, 4096, 14336), _cuda_randn(gen, m, 14336), _cuda_randn(gen, 4096)
     eager = gemv(x, w, b, cfg)
     stream = torch.cuda.Stream()
@@ -212,6 +216,13 @@ def test_gemv_in_cuda_graph(m: int, split_reduce: str | None, gen: torch.Generat
     x.copy_(_cuda_randn(gen, m, 14336) * 2)
     graph.replay()
     assert rel_err(captured, gemv_ref(x, w, b)) < 1e-2, f"seed {gen.initial_seed()}"
+    x2 = torch.empty_like(x)
+    graph2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph2):  # x2 written by the kernel right before the GEMV
+        torch.mul(x, 3.0, out=x2)
+        captured2 = gemv(x2, w, b, cfg)
+    graph2.replay()
+    assert rel_err(captured2, gemv_ref(x * 3.0, w, b)) < 1e-2, f"seed {gen.initial_seed()}"
 
 
 def test_dense_linear_with_gemv_in_decode_graphs(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:

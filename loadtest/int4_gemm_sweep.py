@@ -78,6 +78,8 @@ VARIANTS = [
     Variant("cols bk32", {**COLS, "block_k": 32}, (1, 2)),
     Variant("cols bk32 pps4", {**COLS, "block_k": 32, "programs_per_sm": 4}, (1, 2)),  # more, shorter programs
     Variant("cols w2", {**COLS, "num_warps": 2}, (1, 1)),  # 16 columns per thread
+    Variant("cols bn2048 w8", {**COLS, "block_n": 2048, "num_warps": 8}, (1, 2)),  # 8 warps, 8 columns each
+    Variant("cols balance bn2048 w8", {**COLS, "split_policy": "balance", "block_n": 2048, "num_warps": 8}, (1, 2)),
     Variant("cols unpaired", {**COLS, "paired_nibbles": False}, (1, 2)),  # one shift per nibble
     Variant("cols paired", {**COLS, "paired_nibbles": True}, (4, 8)),
     Variant("dot", {"kernel": "dot"}),

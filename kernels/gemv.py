@@ -56,18 +56,20 @@ GEMV_LIMIT_M = 16  # the fma kernel holds all rows in registers, the dot kernel 
 
 # ---- the plan: constants decided by the H200 sweep ``python -m loadtest.gemv_bench`` ----
 
-# THE switch: the dense layers run the GEMV for M <= GEMV_MAX_M rows, cuBLAS above (0: cuBLAS everywhere)...
-# H200 sweeps (loadtest.gemv_bench, three runs, 2026-12-01): the default launch against cuBLAS, alone / behind a
-# small kernel that writes x (as in a decode step): M = 1 qkv 14.8 vs 16.0 / 16.5 vs 18.5 us, o 10.5 vs 13.7 /
-# 11.8 vs 15.2, down 29.8 vs 32.7 / 31.7 vs 34.3; M = 2-8 o 11.7-11.9 vs 13.3-13.5, down 31.4-31.9 vs
-# 32.7-33.1, qkv within 1 %.
+# THE switch: the dense layers run the GEMV for M <= GEMV_MAX_M rows, cuBLAS above (0: cuBLAS everywhere).
+# H200 sweeps (loadtest.gemv_bench, four runs, 2026-12-01), the default launch against cuBLAS, alone / behind a
+# small kernel that writes x (as in a decode step): M = 1 qkv 14.5-14.8 vs 15.8-16.5 / 16.3-17.2 vs 18.4-18.8
+# us, o 10.4-10.6 vs 13.5-14.2 / 11.8-12.7 vs 14.8-15.3, down 29.7-31.5 vs 32.6-33.7 / 32.0-32.9 vs 34.4-35.2;
+# M = 2-8 o 11.7-12.0 vs 13.3-14.0, down 31.4-32.7 vs 32.7-34.1, qkv within +-1-4 %. The 8B-shape batch-1 TPOT
+# (loadtest.throughput latency, dummy weights, CUDA graphs), same device call: 4.977 ms with cuBLAS, 4.709
+# with these two constants (an earlier call: 4.985 -> 4.712).
 GEMV_MAX_M = 8
-# ... for weights of at most this many elements: gate_up (28672 x 4096 = 117 M) went either way by 2-8 % from
-# one machine to the next (cuBLAS streams it at ~92 % of the copy bandwidth), so it keeps cuBLAS; down_proj
-# (4096 x 14336 = 58.7 M) is the largest that gains every time. 1 << 62: no limit.
+# ... for weights of at most this many elements: gate_up (28672 x 4096 = 117 M) went either way by 2-8 % in
+# the sweeps (cuBLAS streams it at ~92 % of the copy bandwidth) and the TPOT with it on the GEMV too was
+# 4.722 ms (against 4.709 without), so it keeps cuBLAS; down (4096 x 14336 = 58.7 M) gains every time.
 GEMV_MAX_WEIGHT_ELEMS = 64 << 20
-# Programmatic dependent launch (sweep rows "fma pdl" / "dot pdl"): within 1-2 % of the plain launch either
-# way on the H200, alone and behind a small kernel, so off. The variant that also prefetched the first
+# Programmatic dependent launch (sweep rows "fma pdl" / "dot pdl"): within 1-3 % of the plain launch either
+# way on the H200, behind a small kernel slightly slower (qkv 16.5 vs 16.3 us at M = 1), so off. The variant that also prefetched the first
 # 2048 weights of each row into L2 before waiting lost 5-25 % and was deleted.
 USE_PDL = False
 # Split-K (sweep rows "dot split1/2/4"): none when N alone gives SPLIT_MIN_FILL programs per SM, else doubling

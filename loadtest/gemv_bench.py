@@ -1,18 +1,23 @@
 """Dense GEMV sweep (issue 11): ``python -m loadtest.gemv_bench [--tiny] [--out FILE]``.
 
 Every variant of the Triton GEMV (``kernels.gemv``: the fma and dot kernels, tiles, stages, split-K and its
-reductions) against bf16 cuBLAS (``F.linear``, what the layers run now) in the same run, on the Llama-3-8B
-projection shapes at M = 1, 2, 4, 8. Each variant (aliases of one launch run once) is checked against the
+reductions, PDL) against bf16 cuBLAS (``F.linear``) in the same run, on the Llama-3-8B projection shapes
+(qkv, o, gate_up, down, lm_head) at M = 1, 2, 4, 8. Each variant (aliases of one launch run once) is checked against the
 torch reference (and, for the deterministic reductions, run twice for bit-equal results), then timed:
 CUDA-event timing of CUDA-graph replays (``kernels_bench.time_graph``: warm-up, many calls per graph, the
 median replay) cycling through weight copies that overflow the 50 MB L2 (each layer is 33-235 MB already;
 lm_head 1 GB has one copy). GB/s counts the weight, x and the output once; "of copy" is that over the copy
-bandwidth measured in the same process (a 1 GiB device-to-device copy, read + write).
+bandwidth measured in the same process (a 1 GiB device-to-device copy, read + write). cuBLAS, the default
+and a few variants are timed again each behind a small kernel that writes x, as in a decode step.
 
 Printed last: per shape and M, cuBLAS and the best variant (us, fraction of the copy bandwidth, speedup);
-per M, each variant's time over the best (geometric mean over the shapes), which decides
-``kernels.gemv``'s defaults; the batch-1 time per token the best variants would save over the 32 layers.
-``--tiny`` runs every variant on CPU under the Triton interpreter at tiny shapes (correctness only).
+the pairs behind a small kernel; per M, each variant's time over the best (geometric mean over the shapes),
+which decides ``kernels.gemv``'s defaults; the batch-1 time per token the best variants, and the layers as
+wired, would save over the 32 layers. ``--tiny`` runs every variant on CPU under the Triton interpreter at
+tiny shapes (correctness only).
+
+On the H200 (one device call; the script runs in 15-30 s, compiles included):
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python -m loadtest.gemv_bench --out $OUT/gemv.json
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ CUBLAS = "cublas"
 # default tile. fma tiles are sized for their M range: the accumulator holds M * bn * bk / (32 * warps) fp32
 # registers per thread. The first H200 sweep dropped: fma past M = 2 but its default (1.3-1.9x the dot
 # kernel), fma bn16 bk256 (1.13 at M = 1), fma w8 (1.13), fma s1 (1.11), fma split8 (1.46), dot bk256 s3
-# (1.45), dot s6 (1.41).
+# (1.45), dot s6 (1.41); the later ones: dot split8 (1.20-1.27 at every M), dot bn32 (1.09-1.23), the
+# L2-prefetching PDL variant (1.20-1.27).
 VARIANTS: list[tuple[str, GemvConfig, tuple[int, int]]] = [
     ("default", GemvConfig(), (1, 16)),
     ("fma", GemvConfig(kernel="fma"), (1, 8)),
@@ -73,12 +79,10 @@ VARIANTS: list[tuple[str, GemvConfig, tuple[int, int]]] = [
     ("dot split1", GemvConfig(kernel="dot", split_k=1), (1, 16)),
     ("dot split2", GemvConfig(kernel="dot", split_k=2), (1, 16)),
     ("dot split4", GemvConfig(kernel="dot", split_k=4), (1, 16)),
-    ("dot split8", GemvConfig(kernel="dot", split_k=8), (1, 16)),
     ("dot split4 atomic", GemvConfig(kernel="dot", split_k=4, split_reduce="atomic"), (1, 16)),
     ("dot split4 two_pass", GemvConfig(kernel="dot", split_k=4, split_reduce="two_pass"), (1, 16)),
     ("dot s3", GemvConfig(kernel="dot", num_stages=3), (1, 16)),
     ("dot s5", GemvConfig(kernel="dot", num_stages=5), (1, 16)),
-    ("dot bn32", GemvConfig(kernel="dot", block_n=32), (1, 16)),
     ("dot bk64 s6", GemvConfig(kernel="dot", block_k=64, num_stages=6), (1, 16)),
     ("dot bn128 bk128 s3", GemvConfig(kernel="dot", block_n=128, block_k=128, num_stages=3), (1, 16)),
     ("dot w8", GemvConfig(kernel="dot", num_warps=8), (1, 16)),
@@ -164,6 +168,7 @@ def bench_case(name: str, weights: list[torch.Tensor], m: int, reps: int, sms: i
     ref = gemv_ref(x, weights[0])
     plans, aliases = variants_at(m, n, k, sms)
     row: dict[str, Any] = {"layer": name, "m": m, "n": n, "k": k, "aliases": aliases, "us": {}, "err": {}}
+    row["wired"] = name != "lm_head" and plan_gemv(m, n, k, sms).use_gemv  # what the dense layers run
     row["plans"] = {v: asdict(p) for v, p in plans.items()}
     timer = _timer(device)
     tol = 1e-2
@@ -252,6 +257,10 @@ def summary(rows: list[dict[str, Any]], copy_bw: float) -> list[str]:
     )
     lines.append(f"batch 1: the best variant where it beats cuBLAS saves {saved / 1e3:.3f} ms per token "
                  f"({NUM_LAYERS} layers + lm_head)")  # fmt: skip
+    wired = [r for r in m1 if r["wired"] and "default" in r["chained_us"]]
+    saved = sum((r["chained_us"][CUBLAS] - r["chained_us"]["default"]) * NUM_LAYERS for r in wired)
+    lines.append(f"batch 1 as wired ({', '.join(r['layer'] for r in wired)}: plan_gemv's switch), behind a small "
+                 f"kernel: {saved / 1e3:.3f} ms per token less than cuBLAS")  # fmt: skip
     bad = [(r["layer"], r["m"], r.get("wrong"), r.get("nondeterministic")) for r in rows
            if r.get("wrong") or r.get("nondeterministic") or not r["scratch_zero"]]  # fmt: skip
     lines.append(

@@ -66,10 +66,6 @@ class BatchClaimWorker(Worker):
     _wake: asyncio.Event | None = None
     _taken: dict[str, float] | None = None  # job id -> until when (monotonic s) not to try it again
     idle_poll_s = 0.02
-    # a poll's jobs start this many at a time, then the loop runs whatever else is ready (the pump's step outputs)
-    # before the next ones: a job's start costs the front ~0.1-0.3 ms, so a burst's 256 started back to back
-    # held the step outputs of the requests already streaming for 25-75 ms (their ITL during the admission ramp)
-    admit_slice = 16
     # a job seen running elsewhere is not tried again for this long: if that worker dies, its job's lease
     # (seconds) lapses first anyway, so this delays no failover by more than this
     skip_taken_s = 1.0
@@ -117,5 +113,3 @@ class BatchClaimWorker(Worker):
             task = self.loop.create_task(run_claimed(self, self._finishes, job))
             task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
             self.tasks[job_id] = task
-            if (k // 5) % self.admit_slice == self.admit_slice - 1:
-                await asyncio.sleep(0)  # these jobs start now (each up to its first wait), then the pump gets a turn

@@ -73,26 +73,3 @@ async def test_jobs_seen_running_elsewhere_are_not_checked_again_for_a_while(red
         await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
         await pool.aclose()
 
-
-async def test_a_polls_jobs_start_in_slices_with_other_ready_work_between(redis_url: str) -> None:
-    pool = await create_pool(RedisSettings.from_dsn(redis_url), default_queue_name=QUEUE)
-    order: list[str] = []
-    loop = asyncio.get_running_loop()
-
-    async def job(ctx: dict[str, Any], name: str) -> None:
-        order.append(name)
-        if name == "s0":  # the pump's step outputs arrive while the poll's jobs start
-            loop.call_soon(order.append, "pump")
-
-    try:
-        for i in range(6):
-            await pool.enqueue_job("job", f"s{i}", _job_id=f"s{i}")
-        worker = BatchClaimWorker(functions=[func(job, name="job")], redis_pool=pool, queue_name=QUEUE, max_jobs=8)
-        worker.main_task = None
-        worker.admit_slice = 2
-        await worker._poll_iteration()
-        await asyncio.gather(*worker.tasks.values())
-        assert sorted(order) == ["pump", "s0", "s1", "s2", "s3", "s4", "s5"]
-        assert order.index("pump") < order.index("s4")  # not after every job of the poll
-    finally:
-        await pool.aclose()

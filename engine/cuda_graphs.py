@@ -47,6 +47,7 @@ class DecodeGraphs:
         self.row_ids = torch.arange(max_bs, dtype=torch.long)  # host side: logits_indices of a full decode step
         self.logits = torch.empty(0, device=device)  # [max_bs, vocab] float32, allocated before the first capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool: Any = None  # the captures' memory pool (the prefill graphs share it)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -78,6 +79,7 @@ class DecodeGraphs:
                 self.logits[:bs].copy_(self._forward(bs))
             pool = graph.pool()
             self.graphs[bs] = graph
+        self.pool = pool
         torch.cuda.synchronize()
         logger.info(
             "captured %d decode CUDA graphs (batch sizes %s) with logits [%d, %d] float32 (%.0f MiB)",

@@ -16,6 +16,7 @@ from engine.host_kv import HostKVCache
 from engine.inputs import StepInputs, TokenFill
 from engine.loader import load_hf_config, load_model, resolve_dtype
 from engine.parallel import ParallelState
+from engine.prefill_graphs import PrefillGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class ModelRunner:
         )
         self.model.eval()
         self.graphs: DecodeGraphs | None = None  # captured after the KV cache exists
+        self.prefill_graphs: PrefillGraphs | None = None
         self.kv_spec = self._size_kv_cache()
         layers = self.model.attention_layers()
         spec = self.kv_spec
@@ -101,8 +103,11 @@ class ModelRunner:
         max_len = effective_max_model_len(config, self.hf_config, spec)
         if self.device.type == "cuda" and not config.enforce_eager:
             max_blocks = -(-max_len // spec.block_size)
-            self.graphs = DecodeGraphs(self.model, self.backend, config.scheduler.max_num_seqs, max_blocks, self.device)
+            max_seqs = config.scheduler.max_num_seqs
+            self.graphs = DecodeGraphs(self.model, self.backend, max_seqs, max_blocks, self.device)
             self.graphs.capture()
+            self.prefill_graphs = PrefillGraphs(self.model, self.backend, max_seqs, max_blocks, self.device)
+            self.prefill_graphs.capture(self.graphs.logits, self.graphs.pool)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s: %.1f requests of %d tokens at once",
             spec.num_blocks,
@@ -198,6 +203,8 @@ class ModelRunner:
             input_ids[self._to_device(fill.dst)] = fill.tokens[self._to_device(fill.src)]
         if self.graphs is not None and self.graphs.can_run(inputs):
             return self.graphs.run(inputs, input_ids)  # logits computed inside the graph
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(inputs):
+            return self.prefill_graphs.run(inputs, input_ids)
         hidden = self.model(input_ids, self._to_device(inputs.positions), self._metadata(inputs))
         logits_indices = self._to_device(inputs.logits_indices)
         return self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]

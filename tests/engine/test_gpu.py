@@ -219,3 +219,61 @@ def test_rope_and_cache_equals_reference_at_8b_shape(dtype: torch.dtype, num_tok
     same = 1e-5 if dtype == torch.float32 else 1e-3
     assert rel_err(q_out, q_unfused) < same
     assert rel_err(cache[written], unfused[written]) < same
+
+
+def _graph_vs_eager(runner: ModelRunner, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's logits through the prefill graphs, and eagerly (the graphs set aside)."""
+    graphs = runner.prefill_graphs
+    assert graphs is not None and graphs.can_run(step)
+    runner.prefill_graphs = None
+    try:
+        eager = runner.execute_model(step).clone()
+    finally:
+        runner.prefill_graphs = graphs
+    return runner.execute_model(step).clone(), eager
+
+
+@pytest.mark.parametrize("lens", [[5], [3, 17, 1, 40], [90, 90, 90, 90, 90]])
+def test_prefill_graph_logits_equal_eager_logits(runner: ModelRunner, lens: list[int]) -> None:
+    """A prefill step of up to 512 tokens replays a padded graph (tokens and sequences): same logits as eager."""
+    prefill, _ = prefill_then_decode(lens, 16, random.Random(len(lens)))
+    graph, eager = _graph_vs_eager(runner, prefill)
+    assert graph.shape == eager.shape == (len(lens), VOCAB_SIZE)
+    assert ((graph - eager).norm() / eager.norm()).item() < 1e-5
+    assert torch.equal(graph.argmax(-1), eager.argmax(-1))
+
+
+def test_prefill_graph_mixed_step_with_cached_prefix_and_decode_rows(runner: ModelRunner) -> None:
+    """A chunk after a cached prefix, decode rows and a new prompt in one step; a sequence that does not sample
+    (a chunk short of its prompt's end) leaves out its row."""
+    rng = random.Random(7)
+    prefill, _ = prefill_then_decode([30, 20], 16, rng)
+    runner.execute_model(prefill)  # the prefixes into the cache (blocks 0-1 and 2)
+    tables = torch.tensor([[0, 1, 3, 0], [2, 4, 0, 0], [5, 6, 7, 8]], dtype=torch.int32)
+    q_lens, ctx = [12, 1, 33], [30, 20, 0]
+
+    def slot(row: int, pos: int) -> int:
+        return int(tables[row, pos // 16]) * 16 + pos % 16
+
+    starts = [0, 12, 13, 46]
+    step = StepInputs(
+        input_ids=torch.tensor([rng.randrange(3, VOCAB_SIZE) for _ in range(46)]),
+        positions=torch.cat([torch.arange(c, c + q) for c, q in zip(ctx, q_lens, strict=True)]),
+        slot_mapping=torch.tensor([slot(i, p) for i in range(3) for p in range(ctx[i], ctx[i] + q_lens[i])]),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor([c + q for c, q in zip(ctx, q_lens, strict=True)], dtype=torch.int32),
+        block_tables=tables,
+        logits_indices=torch.tensor([12, 45]),  # the first sequence's chunk does not end its prompt
+        max_query_len=33,
+        max_seq_len=42,
+        blocks_to_copy=[],
+    )
+    graph, eager = _graph_vs_eager(runner, step)
+    assert graph.shape == eager.shape == (2, VOCAB_SIZE)
+    assert ((graph - eager).norm() / eager.norm()).item() < 1e-5
+    assert torch.equal(graph.argmax(-1), eager.argmax(-1))
+
+
+def test_steps_past_the_largest_prefill_graph_run_eagerly(runner: ModelRunner) -> None:
+    prefill, _ = prefill_then_decode([200, 200, 200], 16, random.Random(3))
+    assert runner.prefill_graphs is not None and not runner.prefill_graphs.can_run(prefill)

@@ -68,12 +68,6 @@ GEMV_MAX_M = 8
 # the sweeps (cuBLAS streams it at ~92 % of the copy bandwidth) and the TPOT with it on the GEMV too was
 # 4.722 ms (against 4.709 without), so it keeps cuBLAS; down (4096 x 14336 = 58.7 M) gains every time.
 GEMV_MAX_WEIGHT_ELEMS = 64 << 20
-# True: the layers' eager calls (outside a CUDA-graph capture) keep cuBLAS, whose launch costs ~10 us less
-# host time; an eager batch-1 step is host-bound (8B shape, H200, --enforce-eager: TPOT 17.30 ms with cuBLAS,
-# 18.25 with the GEMV). Off until a GPU run of tests/engine/test_gpu.py (bf16 greedy tokens: graphs == eager,
-# which then run different matmuls) and tests/kernels/test_gpu.py has passed with it on; the GEMV path as it
-# is (eager and graphs alike) passed both.
-EAGER_CUBLAS = False
 # Programmatic dependent launch (sweep rows "fma pdl" / "dot pdl"): within 1-3 % of the plain launch either
 # way on the H200, behind a small kernel slightly slower (qkv 16.5 vs 16.3 us at M = 1), so off. The variant that also prefetched the first
 # 2048 weights of each row into L2 before waiting lost 5-25 % and was deleted.
@@ -373,28 +367,16 @@ def gemv(
     plan = plan or plan_gemv(m, n, k, sms, config)
     if plan.block_m < m or (plan.kernel == "dot" and plan.block_m < 16):
         raise ValueError(f"gemv: {plan} does not fit M={m}")
-    return _launch(x, weight, bias, plan)
-
-
-def _zeroed_scratch(
-    plan: GemvPlan, m: int, n: int, device: torch.device, default: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The atomic accumulator and the arrival counters the plan's launch uses (``default`` where none)."""
-    mode = SPLIT_MODES["none" if plan.split_k == 1 else plan.split_reduce]
-    acc = zeroed_buffer(device, torch.float32, m * n) if mode == 2 else default
-    cnt = zeroed_buffer(device, torch.int32, -(-n // plan.block_n)) if mode in (1, 2) else default
-    return acc, cnt
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: GemvPlan) -> torch.Tensor:
-    """The launch(es) of ``plan`` on checked inputs."""
-    (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     mode = SPLIT_MODES["none" if plan.split_k == 1 else plan.split_reduce]
     num_tiles = -(-n // plan.block_n)
-    ws, cnt = _zeroed_scratch(plan, m, n, x.device, default=out)
+    ws, cnt = out, out
     if mode in (1, 3):
         ws = torch.empty(plan.split_k, m, n, dtype=torch.float32, device=x.device)  # every element written
+    elif mode == 2:
+        ws = zeroed_buffer(x.device, torch.float32, m * n)
+    if mode in (1, 2):
+        cnt = zeroed_buffer(x.device, torch.int32, num_tiles)
     b = bias if bias is not None else out
     pdl = plan.pdl and x.is_cuda and not _INTERPRET  # inline PTX: not under the interpreter
     _gemv_kernel[(num_tiles, plan.split_k)](
@@ -419,21 +401,13 @@ def _layer_plan(m: int, n: int, k: int, sms: int, max_m: int, max_elems: int) ->
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, by the GEMV where ``plan_gemv`` picks it for this shape (CUDA, fp16/bf16, 2-D x; with
-    EAGER_CUBLAS only inside a CUDA-graph capture): what the dense linear layers call. The first test is on M
-    alone, so prefill pays nothing for the check; what ``gemv`` checks is checked here in a few comparisons
-    (F.linear raises for anything malformed)."""
+    """``F.linear``, by the GEMV where ``plan_gemv`` picks it for this shape (CUDA, fp16/bf16, 2-D x): what the
+    dense linear layers call. The first test is on M alone, so prefill pays nothing for the check."""
     if x.dim() != 2 or x.shape[0] > GEMV_MAX_M or not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
         return F.linear(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
-    if m == 0 or weight.dim() != 2 or weight.shape[1] != k or weight.dtype != x.dtype:
+    plan = _layer_plan(m, n, k, num_sms(x.device.index or 0), GEMV_MAX_M, GEMV_MAX_WEIGHT_ELEMS) if m else None
+    contiguous = x.stride(-1) == 1 and weight.stride(-1) == 1 and (bias is None or bias.stride(-1) == 1)
+    if plan is None or not plan.use_gemv or weight.dtype != x.dtype or not contiguous:
         return F.linear(x, weight, bias)
-    plan = _layer_plan(m, n, k, num_sms(x.device.index or 0), GEMV_MAX_M, GEMV_MAX_WEIGHT_ELEMS)
-    contiguous = x.stride(-1) == 1 and weight.stride(-1) == 1
-    ok_bias = bias is None or (bias.dtype == x.dtype and bias.shape == (n,) and bias.stride(-1) == 1)
-    if not (plan.use_gemv and contiguous and ok_bias and weight.device == x.device):
-        return F.linear(x, weight, bias)
-    if EAGER_CUBLAS and not torch.cuda.is_current_stream_capturing():
-        _zeroed_scratch(plan, m, n, x.device, default=x)  # allocated here, before a capture of this shape
-        return F.linear(x, weight, bias)
-    return _launch(x, weight, bias, plan)
+    return gemv(x, weight, bias, plan=plan)

@@ -227,13 +227,11 @@ def test_gemv_in_cuda_graph(m: int, split_reduce: str | None, pdl: bool, gen: to
 
 def test_dense_linear_with_gemv_in_decode_graphs(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the dense layers call, with the GEMV switched on for M <= 8: one graph per batch size 8..1 in
-    one memory pool (as engine.cuda_graphs captures them, each size run eagerly first, on cuBLAS), every
-    replay equal to the reference for new inputs and to the GEMV's own result."""
+    one memory pool (as engine.cuda_graphs captures them, each size run eagerly first), every replay equal
+    to the reference for new inputs."""
     from kernels import gemv as gemv_mod
 
     monkeypatch.setattr(gemv_mod, "GEMV_MAX_M", 8)
-    monkeypatch.setattr(gemv_mod, "EAGER_CUBLAS", True)
-    monkeypatch.setattr(gemv_mod, "_ZEROED", {})  # the eager warm-ups (cuBLAS) must allocate the counters
     w, b = _cuda_randn(gen, 4096, 14336), _cuda_randn(gen, 4096)
     x = torch.zeros(8, 14336, dtype=torch.bfloat16, device="cuda")
     graphs, outs, pool = {}, {}, None
@@ -250,7 +248,4 @@ def test_dense_linear_with_gemv_in_decode_graphs(gen: torch.Generator, monkeypat
         x.copy_(_cuda_randn(gen, 8, 14336))
         graphs[bs].replay()
         assert rel_err(outs[bs], gemv_mod.gemv_ref(x[:bs], w, b)) < 1e-2, f"bs {bs} seed {gen.initial_seed()}"
-        assert torch.equal(outs[bs], gemv_mod.gemv(x[:bs], w, b))  # the graph ran the GEMV
     assert gemv_mod.scratch_is_zero()
-    monkeypatch.setattr(gemv_mod, "EAGER_CUBLAS", False)
-    assert torch.equal(gemv_mod.linear(x[:3], w, b), gemv_mod.gemv(x[:3], w, b))  # eager, when asked

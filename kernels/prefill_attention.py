@@ -1,9 +1,3 @@
-# >>> NOTE TO THE ENGINEER WORKING ON THIS (from the lead; delete this block when you commit this file) <<<
-# Rules that were left out of your task text, all binding: read /tmp/helpers/rules.md NOW. In short: do NOT use
-# the device / run / give_back / status tools (the lead runs every GPU measurement; the budget is shared and
-# small); commit only your own files with `git commit -m ... -- <paths>` (never git add -A / commit -a / stash /
-# reset / checkout of others' files); run only the tests you need; ruff + ruff format + mypy your files.
-# >>> END NOTE <<<
 """Paged prefill / chunked-prefill attention: variable-length queries (``query_start_loc``), causal among
 the new tokens, attending to each sequence's cached prefix through its block table. Decode rows (q_len 1)
 may share the launch. Layout and conventions as in ``kernels.paged_attention``."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything issues 3 and 5 measure on the GPU, in the order a short device session needs: correctness first,
 # then kernels, the concurrency sweep and the full suite. Results (JSON, text) land in $OUT.
-#   stage 1 (~5 min): GPU tests, kernel benchmark with tuning variants, concurrency sweep of the 8B shape
+#   stage 1 (~7 min): GPU tests, kernel benchmark with tuning variants, GEMV, prefill/decode step profile, concurrency sweep
 #   stage 2 (~6 min): the suite (ceilings, latency, mixed-128, mixed, shared-prefix on/off, HF baseline)
 #   stage 3 (~6 min): the whole stack (pagedserve serve: redis, API, worker) against the engine alone, 8B shape
 #   stage 4 (~4 min): int4 GPU tests, W4A16 GEMM sweep + int4 model (INT4_ARGS, default --mixed), swap vs recompute
@@ -22,6 +22,8 @@ if [ "$stage" = 1 ]; then
     || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   tail -15 "$out/gpu_tests.txt"
   python -m loadtest.kernels_bench --sweep --out "$out/kernels.json" 2>&1 | tail -40
+  python -m loadtest.gemv_bench --out "$out/gemv.json" 2>&1 | tail -30  # bf16 GEMV vs cuBLAS, batch-1 TPOT
+  python -m loadtest.step_profile --shape 8b --top 10 --out "$out/step_profile.json" 2>&1 | grep -v USDT | tail -14
   python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \
     --concurrency 1 2 4 8 16 32 64 128 256 512 --commit "$commit" --out "$out/sweep.json" 2>&1 | tail -5
 elif [ "$stage" = 3 ]; then

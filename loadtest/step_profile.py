@@ -73,11 +73,20 @@ def _profile(fn: Any, top: int) -> dict[str, Any]:
     with profile(activities=activities) as prof:
         fn()
         _sync()
+    from torch.autograd import DeviceType
+
     events = prof.key_averages()
     rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    # the kernels themselves (an op's row repeats its kernels' device time: summing every row counted it twice)
+    kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
+    by_device = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]
     return {
         "self_cpu_ms_total": round(sum(e.self_cpu_time_total for e in events) / 1e3, 2),
-        "device_ms_total": round(sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3, 2),
+        "device_ms_total": round(sum(e.self_device_time_total for e in kernels) / 1e3, 2),
+        "top_device": [
+            {"name": e.key[:80], "calls": e.count, "device_ms": round(e.self_device_time_total / 1e3, 3)}
+            for e in by_device
+        ],
         "top_self_cpu": [
             {
                 "name": e.key[:80],

@@ -16,6 +16,14 @@ from kernels.rope_cache import rope_and_cache_ref
 
 BACKENDS = ("torch", "triton")
 
+# The Triton backend's kernel for steps that are not decode-only (prefill, chunked prefill, mixed):
+# "new_kv" (kernels.prefill_new_kv: this step's K/V from the contiguous rows write_kv returns, TMA loads on
+# sm_90+, only the cached prefix through the block table) or "paged" (kernels.prefill_attention: everything
+# through the block table). H200 sweep (loadtest/kernels_bench.py --sweep --only prefill, 2026-12-01, commit
+# 08973e7; 8B heads, bf16), TFLOP/s at 4k causal / 8k causal / 2k new after 2k cached: new_kv 461 / 539 / 390,
+# paged 335 / 377 / 323, SDPA 536 / 617 / 282. "paged" turns it back.
+PREFILL_KERNEL = "new_kv"
+
 
 @dataclass
 class AttentionMetadata:
@@ -38,6 +46,12 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+def reads_new_kv(meta: AttentionMetadata) -> bool:
+    """Whether this step's attention reads the new tokens' K/V from ``write_kv``'s contiguous copy (else from
+    the cache only). Host-side facts only (no device sync)."""
+    return meta.backend == "triton" and not meta.is_decode_only and PREFILL_KERNEL == "new_kv"
+
+
 def write_kv(
     positions: torch.Tensor,  # [num_tokens] int64
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -46,14 +60,20 @@ def write_kv(
     cos_sin_cache: torch.Tensor,  # [max_positions, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rope on query and key, then this step's key and value into the cache at ``meta.slot_mapping``
-    (one fused kernel on the Triton backend). Returns the rotated query; the rotated key lives only in the cache."""
+    (one fused kernel on the Triton backend). Returns the rotated query and, where :func:`reads_new_kv`, the
+    rotated key and the value as ``[2, num_tokens, num_kv_heads, head_dim]`` (written by the same kernel);
+    otherwise ``None``: the rotated key lives only in the cache. Its inputs are read, never written."""
     if meta.backend == "triton":
         from kernels.rope_cache import rope_and_cache
 
-        return rope_and_cache(positions, query, key, value, cos_sin_cache, kv_cache, meta.slot_mapping)
-    return rope_and_cache_ref(positions, query, key, value, cos_sin_cache, kv_cache, meta.slot_mapping)
+        new_kv = None
+        if reads_new_kv(meta):  # its size is the step's shape: nothing data-dependent for CUDA graphs
+            new_kv = torch.empty((2, *key.shape), dtype=kv_cache.dtype, device=key.device)
+        query = rope_and_cache(positions, query, key, value, cos_sin_cache, kv_cache, meta.slot_mapping, new_kv)
+        return query, new_kv
+    return rope_and_cache_ref(positions, query, key, value, cos_sin_cache, kv_cache, meta.slot_mapping), None
 
 
 def paged_attention(
@@ -62,14 +82,22 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    new_kv: torch.Tensor | None = None,  # [2, num_tokens, num_kv_heads, head_dim] from write_kv, or None
 ) -> torch.Tensor:
-    """Attend through the block tables. Returns ``[num_tokens, num_heads, head_dim]``."""
+    """Attend through the block tables (this step's K/V from ``new_kv`` where given). Returns
+    ``[num_tokens, num_heads, head_dim]``."""
     if meta.backend == "triton":
         from kernels.paged_attention import paged_decode_attention
         from kernels.prefill_attention import paged_prefill_attention
+        from kernels.prefill_new_kv import prefill_attention_new_kv
 
         if meta.is_decode_only:
             return paged_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
+        if new_kv is not None:
+            return prefill_attention_new_kv(
+                query, new_kv[0], new_kv[1], kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                scale, sliding_window,
+            )  # fmt: skip
         return paged_prefill_attention(
             query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, sliding_window
         )

@@ -8,11 +8,13 @@ shared memory), where the paged kernel (``kernels.prefill_attention``) gathers e
 through the block table with per-row pointer loads. The cached prefix and the diagonal tiles still take
 pointer loads; the portable pointer path (``use_tma=False``, and any GPU before sm_90) is the same kernel.
 The key and value must be the ones written into the cache at this step's slots (rotated key included):
-:func:`prefill_attention_new_kv_ref` is the paged reference with them written in.
+:func:`prefill_attention_new_kv_ref` is the paged reference with them written in. The engine's prefill steps get
+them from the fused rotary + cache write (``kernels.rope_cache``, its ``new_kv`` output).
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import torch
@@ -33,12 +35,19 @@ try:
 except ImportError:  # pragma: no cover - no Triton, or one older than 3.4: the pointer path only
     TensorDescriptor = None
 
-# Its tile, as far as the CPU can say: the H200 sweep (``python -m loadtest.kernels_bench --sweep --only
-# prefill``) decides. 128 rows x 8 warps (two warpgroups of wgmma), 3 stages: the Triton tutorial's Hopper tile.
+# Its tile, as the H200 sweep chose it (``python -m loadtest.kernels_bench --sweep --only prefill``, 2026-12-01,
+# commit 08973e7; 8B heads, bf16): ``new_kv_tma_m128_bn128_w8_s3`` (128 rows x 128 keys, 8 warps = two
+# warpgroups of wgmma, 3 stages, TMA on sm_90+) reached 461 / 539 / 390 TFLOP/s at 4k causal / 8k causal / 2k
+# new after 2k cached, against SDPA's 536 / 617 / 282 (0.86 / 0.87 / 1.38x) and the paged kernel's 335 / 377 /
+# 323; ``new_kv_tma_m64_w4_s3`` 472 / 492 / 379 won only at 4k.
 NEW_KV_BLOCK_M = 128
-NEW_KV_BLOCK_N = 64
+NEW_KV_BLOCK_N = 128
 NEW_KV_NUM_WARPS = 8
 NEW_KV_NUM_STAGES = 3
+# That tile's pipelined K/V stages and Q in shared memory at head_dim 128, 2-byte elements (224 KiB of the
+# H200's 227): a default launch whose head_dim or dtype needs more (fp32 at 128, head_dim 256) takes 64-key
+# tiles, then 2 stages, instead of failing to compile for lack of shared memory.
+_SMEM_BUDGET = (2 * NEW_KV_NUM_STAGES * NEW_KV_BLOCK_N + NEW_KV_BLOCK_M) * 128 * 2
 
 
 def prefill_attention_new_kv_ref(
@@ -228,15 +237,18 @@ def _prefill_attention_new_kv(
     scale: float,
     sliding_window: int | None = None,
     block_m: int = NEW_KV_BLOCK_M,
-    block_n: int = NEW_KV_BLOCK_N,
+    block_n: int | None = None,  # None: NEW_KV_BLOCK_N, or what fits (default_kv_tile)
     num_warps: int = NEW_KV_NUM_WARPS,
-    num_stages: int = NEW_KV_NUM_STAGES,
+    num_stages: int | None = None,  # None: NEW_KV_NUM_STAGES, or what fits
     use_tma: bool | None = None,  # None: where the GPU and the tensors allow it (can_use_tma)
     largest_first: bool = True,
 ) -> torch.Tensor:
     require_triton("prefill_attention_new_kv")
     check_prefill_inputs(query, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window)
     _check_new_kv(query, key, value, kv_cache, scale)
+    fit_n, fit_stages = default_kv_tile(query.shape[2], query.element_size(), block_m, _smem_budget(query.device))
+    block_n = fit_n if block_n is None else block_n
+    num_stages = fit_stages if num_stages is None else num_stages
     tma_ok = can_use_tma(key, value, block_n)
     if use_tma and not tma_ok:
         raise ValueError("use_tma: needs Triton tensor descriptors, sm_90+ or the interpreter, head_dim a power "
@@ -272,6 +284,27 @@ def _prefill_attention_new_kv(
         UPCAST=_upcast(query), LARGEST_FIRST=largest_first, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+def default_kv_tile(
+    head_dim: int, element_size: int, block_m: int = NEW_KV_BLOCK_M, smem_budget: int = _SMEM_BUDGET
+) -> tuple[int, int]:
+    """``(block_n, num_stages)`` of a default launch: the sweep's, or with fewer keys per tile and then fewer
+    stages where the K/V stages and Q would need more shared memory than ``smem_budget`` (shapes only)."""
+    d = max(16, next_pow2(head_dim))
+    for block_n, num_stages in ((NEW_KV_BLOCK_N, NEW_KV_NUM_STAGES), (64, NEW_KV_NUM_STAGES), (64, 2), (32, 2)):
+        if (2 * num_stages * block_n + block_m) * d * element_size <= smem_budget:
+            break
+    return block_n, num_stages
+
+
+@cache
+def _smem_budget(device: torch.device) -> int:
+    """``_SMEM_BUDGET``, or less on a GPU whose blocks get less shared memory than the H200's (A100: 163 KiB)."""
+    if device.type != "cuda":
+        return _SMEM_BUDGET
+    optin = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", _SMEM_BUDGET)
+    return min(_SMEM_BUDGET, int(optin))
 
 
 def can_use_tma(key: torch.Tensor, value: torch.Tensor, block_n: int) -> bool:

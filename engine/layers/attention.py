@@ -12,7 +12,8 @@ from engine.layers.rotary import RotaryEmbedding
 
 class Attention(nn.Module):
     """One layer's attention over its paged KV cache. It applies the rotary embedding itself, because on
-    CUDA the rotation of k and its store into the cache are one kernel.
+    CUDA the rotation of k and its store into the cache are one kernel (which, on a prefill step, also hands
+    the rotated key and the value to the prefill kernel: ``engine.attention.write_kv``).
 
     ``kv_cache`` (``[2, num_blocks, block_size, num_kv_heads, head_dim]``, per rank) is assigned by the
     ModelRunner after it has sized the cache; until then it is an empty tensor. It is a plain attribute,
@@ -48,5 +49,6 @@ class Attention(nn.Module):
         if self.kv_cache.numel() == 0:
             raise RuntimeError("Attention.kv_cache is not set: the ModelRunner assigns it before the first forward")
         cos_sin_cache = self.rotary_emb.cos_sin_cache
-        query = write_kv(positions, query, key, value, cos_sin_cache, self.kv_cache, meta)
-        return paged_attention(query, self.kv_cache, meta, self.scale, self.sliding_window)
+        # new_kv: this step's rotated key and value side by side for the prefill kernel, or None (decode)
+        query, new_kv = write_kv(positions, query, key, value, cos_sin_cache, self.kv_cache, meta)
+        return paged_attention(query, self.kv_cache, meta, self.scale, self.sliding_window, new_kv)

@@ -249,3 +249,95 @@ def test_dense_linear_with_gemv_in_decode_graphs(gen: torch.Generator, monkeypat
         graphs[bs].replay()
         assert rel_err(outs[bs], gemv_mod.gemv_ref(x[:bs], w, b)) < 1e-2, f"bs {bs} seed {gen.initial_seed()}"
     assert gemv_mod.scratch_is_zero()
+
+
+# ---- engine.attention: the fused rotary + cache write feeding prefill_attention_new_kv ----
+
+
+def _prefill_step_8b(rows: list[tuple[int, int]], num_padding: int, gen: torch.Generator) -> tuple[Any, ...]:
+    """A mixed step at Llama 3 8B's attention shape (32 q heads, 8 kv heads, head_dim 128, bf16) as the layer
+    gets it: positions, q / k / v views of one QKV output (not yet rotated), a cache holding the prefixes (NaN
+    elsewhere), a cos/sin cache and the metadata; ``num_padding`` tokens (slot -1) after the last sequence."""
+    from engine.attention import AttentionMetadata
+
+    lens = [c + q for c, q in rows]
+    cache, tables = paged_cache(lens, 16, 8, 128, torch.bfloat16, gen)
+    pos = [torch.arange(c, c + q) for c, q in rows]
+    slots = [tables[i].cpu().long()[p // 16] * 16 + p % 16 for i, p in enumerate(pos)]
+    positions = torch.cat([*pos, torch.zeros(num_padding, dtype=torch.long)]).cuda()
+    slot_mapping = torch.cat([*slots, torch.full((num_padding,), -1)]).cuda()
+    qkv = _cuda_randn(gen, positions.shape[0], 48, 128)  # [T, 32 + 8 + 8, 128]
+    inv_freq = 1.0 / (5e5 ** (torch.arange(0, 128, 2).float() / 128))
+    angles = torch.outer(torch.arange(max(lens)).float(), inv_freq)  # [max_len, 64]
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).cuda()  # [max_len, 128]
+    q_lens = torch.tensor([q for _, q in rows])
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).cuda(),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+        block_tables=tables,
+        max_query_len=max(q for _, q in rows),
+        max_seq_len=max(lens),
+        backend="triton",
+    )
+    return positions, qkv, cache, cos_sin, meta
+
+
+def _attention_layer(positions: Any, qkv: Any, cache: Any, cos_sin: Any, meta: Any, window: int | None) -> Any:
+    """What engine.layers.Attention.forward does (the model's q / k / v views of the QKV output)."""
+    from engine.attention import paged_attention, write_kv
+
+    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+    query, new_kv = write_kv(positions, q, k, v, cos_sin, cache, meta)
+    return paged_attention(query, cache, meta, 128**-0.5, window, new_kv), new_kv
+
+
+@pytest.mark.parametrize("sliding_window", [None, 700])
+def test_engine_prefill_new_kv_at_8b_shape(
+    sliding_window: int | None, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """write_kv + paged_attention on the Triton backend (the rotated key and the value handed to
+    prefill_attention_new_kv, TMA on sm_90+) for full prompts, chunks after cached prefixes (mid-tile and
+    several tiles long), decode rows and padding tokens: equal to the torch backend (the references)."""
+    import dataclasses
+
+    import engine.attention
+    from kernels.prefill_new_kv import can_use_tma
+
+    monkeypatch.setattr(engine.attention, "PREFILL_KERNEL", "new_kv")
+    rows = [(0, 1500), (1000, 517), (3000, 1), (0, 1), (37, 300), (2048, 256)]  # (cached prefix, new tokens)
+    positions, qkv, cache, cos_sin, meta = _prefill_step_8b(rows, 5, gen)
+    ref_cache = cache.clone()
+    ref, _ = _attention_layer(
+        positions, qkv, ref_cache, cos_sin, dataclasses.replace(meta, backend="torch"), sliding_window
+    )
+    out, new_kv = _attention_layer(positions, qkv, cache, cos_sin, meta, sliding_window)
+    assert new_kv is not None and can_use_tma(new_kv[0], new_kv[1], 128) == (torch.cuda.get_device_capability()[0] >= 9)
+    n = int(meta.query_start_loc[-1])  # padding rows belong to no sequence
+    assert rel_err(out[:n], ref[:n]) < 1e-2, f"seed {gen.initial_seed()}"
+    written = ~ref_cache.isnan()
+    assert torch.equal(cache.isnan(), ref_cache.isnan())
+    assert rel_err(cache[written], ref_cache[written]) < 1e-2
+
+
+def test_engine_prefill_new_kv_in_cuda_graph(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same path captured in a CUDA graph (as engine.prefill_graphs captures a padded step) and replayed on
+    new q / k / v: equal to the eager call on them, bit for bit (no host sync, nothing data-dependent)."""
+    import engine.attention
+
+    monkeypatch.setattr(engine.attention, "PREFILL_KERNEL", "new_kv")
+    positions, qkv, cache, cos_sin, meta = _prefill_step_8b([(0, 200), (300, 40), (50, 1)], 16, gen)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _attention_layer(positions, qkv, cache, cos_sin, meta, None)  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, _ = _attention_layer(positions, qkv, cache, cos_sin, meta, None)
+    qkv.copy_(torch.randn_like(qkv))  # new inputs in the captured buffer
+    graph.replay()
+    replayed = captured.clone()
+    eager, _ = _attention_layer(positions, qkv, cache, cos_sin, meta, None)
+    n = int(meta.query_start_loc[-1])
+    assert torch.equal(replayed[:n], eager[:n])

@@ -1,16 +1,25 @@
 """Prefill attention with this step's K/V from contiguous tensors (kernels/prefill_new_kv.py) against its
-torch reference, and the paged kernel's launch-order knob. Under the interpreter the TMA path runs too
+torch reference, as the engine wires it (engine.attention: the fused rotary + cache write hands it the rotated
+key and the value), and the paged kernel's launch-order knob. Under the interpreter the TMA path runs too
 (host tensor descriptors are emulated); tests/kernels/test_gpu.py checks both paths at real sizes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+import engine.attention
+from engine.attention import AttentionMetadata, paged_attention, write_kv
 from kernels.prefill_attention import _paged_prefill_attention, paged_prefill_attention_ref
 from kernels.prefill_new_kv import (
+    _SMEM_BUDGET,
+    NEW_KV_BLOCK_N,
+    NEW_KV_NUM_STAGES,
     _prefill_attention_new_kv,
     can_use_tma,
+    default_kv_tile,
     prefill_attention_new_kv,
     prefill_attention_new_kv_ref,
 )
@@ -128,3 +137,104 @@ def test_paged_largest_first_matches_ref(group: int, fma_softmax: bool, gen: tor
         )  # fmt: skip
         ref = paged_prefill_attention_ref(query, cache, tables, qsl, seq_lens, 0.17, window)
         assert rel_err(out, ref) < tolerance(torch.float32), f"seed {gen.initial_seed()}"
+
+
+def test_default_tile_is_the_sweep_winner_where_it_fits() -> None:
+    """128 keys x 3 stages at head_dim <= 128 in 16 bits (the H200 sweep's row); smaller where shared memory
+    would not hold it (fp32 or head_dim 256, an A100's 163 KiB)."""
+    assert default_kv_tile(128, 2) == (NEW_KV_BLOCK_N, NEW_KV_NUM_STAGES) == (128, 3)
+    assert default_kv_tile(64, 4) == default_kv_tile(80, 2) == (128, 3)
+    assert default_kv_tile(128, 4) == default_kv_tile(256, 2) == (64, 2)
+    assert default_kv_tile(128, 2, smem_budget=163 * 1024) == (64, 3)
+    for head_dim, size in ((32, 4), (128, 2), (128, 4), (256, 2)):
+        block_n, stages = default_kv_tile(head_dim, size)
+        assert (2 * stages * block_n + 128) * max(16, head_dim) * size <= _SMEM_BUDGET
+
+
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _cos_sin_cache(max_positions: int, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(max_positions).float(), inv_freq)  # [max_positions, head_dim / 2]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(DEVICE)  # [max_positions, head_dim]
+
+
+def _engine_step(
+    rows: list[tuple[int, int]], group: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, QKV, torch.Tensor, AttentionMetadata]:
+    """A step as the ModelRunner and the model hand it to the attention layer: positions, q / k / v as views
+    of one QKV output (not yet rotated), a cache holding the prefixes (NaN elsewhere) and the metadata, with
+    one padding token (slot -1) past the last sequence."""
+    lens = [c + q for c, q in rows]
+    cache, tables = paged_cache(lens, 16, NUM_KV_HEADS, HEAD_DIM, dtype, gen)
+    num_heads = NUM_KV_HEADS * group
+    pos = [torch.arange(c, c + q) for c, q in rows]
+    slots = [tables[i].cpu().long()[p // 16] * 16 + p % 16 for i, p in enumerate(pos)]
+    positions = torch.cat([*pos, torch.zeros(1, dtype=torch.long)]).to(DEVICE)
+    slot_mapping = torch.cat([*slots, torch.full((1,), -1)]).to(DEVICE)
+    num_tokens = positions.shape[0]
+    qkv = torch.randn(num_tokens, num_heads + 2 * NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([num_heads, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)  # [T, heads, D] views, row stride QKV
+    q_lens = torch.tensor([q for _, q in rows])
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).to(DEVICE),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables,
+        max_query_len=max(q for _, q in rows),
+        max_seq_len=max(lens),
+    )
+    return positions, (q, k, v), cache, meta
+
+
+def _layer(
+    backend: str, positions: torch.Tensor, qkv: QKV, cache: torch.Tensor,
+    meta: AttentionMetadata, window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """What engine.layers.Attention.forward does, on ``backend``."""
+    meta = dataclasses.replace(meta, backend=backend)
+    cos_sin = _cos_sin_cache(256, HEAD_DIM)
+    q, k, v = qkv
+    query, new_kv = write_kv(positions, q, k, v, cos_sin, cache, meta)
+    return paged_attention(query, cache, meta, 0.2, window, new_kv), new_kv
+
+
+@pytest.mark.parametrize(("dtype", "group", "window"), [(torch.float32, 4, None), (torch.bfloat16, 2, 12)])
+def test_engine_prefill_step_takes_new_kv_kernel(
+    dtype: torch.dtype, group: int, window: int | None, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator
+) -> None:
+    """A mixed step (full prompts, chunks after cached prefixes, a decode row, a padding token) on the Triton
+    backend: write_kv hands the new K/V to prefill_attention_new_kv; output and cache equal the torch
+    backend's (the references), and the inputs are left as they were."""
+    monkeypatch.setattr(engine.attention, "PREFILL_KERNEL", "new_kv")  # the default; kept if it is flipped back
+    positions, qkv, cache, meta = _engine_step([(0, 23), (17, 9), (40, 1), (32, 24)], group, dtype, gen)
+    before = [t.clone() for t in qkv]
+    ref_cache = cache.clone()
+    ref, ref_new_kv = _layer("torch", positions, qkv, ref_cache, meta, window)
+    out, new_kv = _layer("triton", positions, qkv, cache, meta, window)
+    assert ref_new_kv is None and new_kv is not None and new_kv.shape == (2, positions.shape[0], NUM_KV_HEADS, HEAD_DIM)
+    assert all(torch.equal(t, b) for t, b in zip(qkv, before, strict=True))
+    n = int(meta.query_start_loc[-1])  # the padding row belongs to no sequence: its output is not defined
+    assert rel_err(out[:n], ref[:n]) < tolerance(dtype), f"seed {gen.initial_seed()}"
+    assert torch.equal(cache.isnan(), ref_cache.isnan())
+    written = ~cache.isnan()
+    assert rel_err(cache[written], ref_cache[written]) <= (1e-6 if dtype == torch.float32 else tolerance(dtype))
+
+
+def test_engine_paged_switch_and_decode_step(monkeypatch: pytest.MonkeyPatch, gen: torch.Generator) -> None:
+    """PREFILL_KERNEL = "paged" turns the prefill step back to the paged kernel (no new_kv); a decode-only step
+    never builds new_kv; both equal the references."""
+    positions, qkv, cache, meta = _engine_step([(0, 20), (33, 4)], 4, torch.float32, gen)
+    monkeypatch.setattr(engine.attention, "PREFILL_KERNEL", "paged")
+    ref, _ = _layer("torch", positions, qkv, cache.clone(), meta, None)
+    out, new_kv = _layer("triton", positions, qkv, cache.clone(), meta, None)
+    n = int(meta.query_start_loc[-1])
+    assert new_kv is None and rel_err(out[:n], ref[:n]) < tolerance(torch.float32)
+    monkeypatch.undo()
+    positions, qkv, cache, meta = _engine_step([(20, 1), (36, 1)], 4, torch.float32, gen)
+    meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping[:2])  # decode steps pad no token here
+    positions, qkv = positions[:2], (qkv[0][:2], qkv[1][:2], qkv[2][:2])
+    ref, _ = _layer("torch", positions, qkv, cache.clone(), meta, None)
+    out, new_kv = _layer("triton", positions, qkv, cache.clone(), meta, None)
+    assert meta.is_decode_only and new_kv is None and rel_err(out, ref) < tolerance(torch.float32)

@@ -87,8 +87,9 @@ def test_rotary_matches_ref(dtype: torch.dtype, head_dim: int, gen: torch.Genera
     ("num_heads", "num_kv_heads", "head_dim"),
     [(4, 2, 64), (6, 3, 80), (2, 2, 32)],  # GQA; odd head counts and head_dim 80 (padded tiles); MHA
 )
+@pytest.mark.parametrize("with_new_kv", [False, True])  # decode; prefill (the rotated key and value out too)
 def test_rope_and_cache_matches_ref(
-    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, gen: torch.Generator
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, with_new_kv: bool, gen: torch.Generator
 ) -> None:
     num_tokens, max_positions, block_size, num_blocks = 11, 50, 8, 4
     cos_sin_cache = _cos_sin_cache(max_positions, head_dim)
@@ -105,8 +106,12 @@ def test_rope_and_cache_matches_ref(
     cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
     expected = cache.clone()
     before = qkv.clone()
-    q_ref = rope_and_cache_ref(positions, query, key, value, cos_sin_cache, expected, slot_mapping)
-    q_out = rope_and_cache(positions, query, key, value, cos_sin_cache, cache, slot_mapping)
+    new_kv = new_kv_ref = None
+    if with_new_kv:  # [2, T, Hkv, D], NaN so a row the kernel forgets fails
+        new_kv = torch.full((2, *key.shape), float("nan"), dtype=dtype, device=DEVICE)
+        new_kv_ref = new_kv.clone()
+    q_ref = rope_and_cache_ref(positions, query, key, value, cos_sin_cache, expected, slot_mapping, new_kv_ref)
+    q_out = rope_and_cache(positions, query, key, value, cos_sin_cache, cache, slot_mapping, new_kv)
     assert torch.equal(qkv, before)  # the projection output is read, never written
     # the reference is the unfused reference path, bit for bit
     unfused = cache.new_full(cache.shape, float("nan"))
@@ -124,6 +129,17 @@ def test_rope_and_cache_matches_ref(
     assert rel_err(q_out, q_ref) <= tol
     assert rel_err(cache[written], expected[written]) <= tol
     assert torch.equal(cache[1][written[1]], expected[1][written[1]])  # values are copies
+    if new_kv is not None and new_kv_ref is not None:
+        # every row, padding rows too: the rotated key (the unfused rotation's) and a copy of the value
+        assert torch.equal(new_kv_ref[0], k_unfused) and torch.equal(new_kv_ref[1], value)
+        assert rel_err(new_kv[0], new_kv_ref[0]) <= tol
+        assert torch.equal(new_kv[1], value)
+        # the prefill kernel reads this step's keys from here, the prefix from the cache: the same bits (two
+        # copies of one rotation; on a GPU the compiler might contract them apart, so within rounding there)
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid]
+        cached = cache[0, slots // block_size, slots % block_size]
+        assert rel_err(new_kv[0][valid], cached) <= (tolerance(dtype) if new_kv.is_cuda else 0.0)
     empty = rope_and_cache(positions[:0], query[:0], key[:0], value[:0], cos_sin_cache, cache, slot_mapping[:0])
     assert empty.shape == (0, num_heads, head_dim)
 
@@ -148,6 +164,11 @@ def test_small_kernels_reject_bad_inputs(gen: torch.Generator) -> None:
         rope_and_cache(positions, key, key, key[:3], cos_sin, cache, torch.zeros(4, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="key must be"):
         rope_and_cache(positions, key, key[:, :1], key, cos_sin, cache, positions)
+    with pytest.raises(ValueError, match="new_kv must be"):
+        rope_and_cache(positions, key, key, key, cos_sin, cache, positions, torch.empty(2, 3, 2, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="new_kv must be contiguous"):
+        strided = torch.empty(2, 4, 2, 128, device=DEVICE)[..., ::2]
+        rope_and_cache(positions, key, key, key, cos_sin, cache, positions, strided)
 
 
 def test_import_without_triton_then_clear_error() -> None:

@@ -72,4 +72,3 @@ async def test_jobs_seen_running_elsewhere_are_not_checked_again_for_a_while(red
     finally:
         await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
         await pool.aclose()
-

@@ -21,8 +21,9 @@ BACKENDS = ("torch", "triton")
 # sm_90+, only the cached prefix through the block table) or "paged" (kernels.prefill_attention: everything
 # through the block table). H200 sweep (loadtest/kernels_bench.py --sweep --only prefill, 2026-12-01, commit
 # 08973e7; 8B heads, bf16), TFLOP/s at 4k causal / 8k causal / 2k new after 2k cached: new_kv 461 / 539 / 390,
-# paged 335 / 377 / 323, SDPA 536 / 617 / 282. "paged" turns it back.
-PREFILL_KERNEL = "new_kv"
+# paged 335 / 377 / 323, SDPA 536 / 617 / 282. "paged" until the engine path has passed its GPU tests
+# (tests/kernels/test_gpu.py -k engine_prefill_new_kv, tests/engine/test_gpu.py): wired after the last device run.
+PREFILL_KERNEL = "paged"
 
 
 @dataclass

@@ -62,15 +62,19 @@ PREFILL_VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
         "paged",
         {"block_m": 128, "num_warps": 8, "num_stages": 3, "largest_first": True, "fma_softmax": True},
     ),  # fmt: skip
-    ("new_kv_tma_m128_w8_s3", "new_kv", {"use_tma": True}),  # its defaults: the Triton tutorial's Hopper tile
-    ("new_kv_tma_m128_w8_s2", "new_kv", {"use_tma": True, "num_stages": 2}),
-    ("new_kv_tma_m128_w8_s4", "new_kv", {"use_tma": True, "num_stages": 4}),
+    ("new_kv_tma_m128_w8_s3", "new_kv", {"use_tma": True, "block_n": 64}),  # the Triton tutorial's Hopper tile
+    ("new_kv_tma_m128_w8_s2", "new_kv", {"use_tma": True, "block_n": 64, "num_stages": 2}),
+    ("new_kv_tma_m128_w8_s4", "new_kv", {"use_tma": True, "block_n": 64, "num_stages": 4}),
     ("new_kv_tma_m128_bn128_w8_s2", "new_kv", {"use_tma": True, "block_n": 128, "num_stages": 2}),
-    ("new_kv_tma_m128_bn128_w8_s3", "new_kv", {"use_tma": True, "block_n": 128}),
-    ("new_kv_tma_m64_w4_s3", "new_kv", {"use_tma": True, "block_m": 64, "num_warps": 4}),
-    ("new_kv_tma_m64_w4_s2", "new_kv", {"use_tma": True, "block_m": 64, "num_warps": 4, "num_stages": 2}),
-    ("new_kv_ptr_m128_w8_s3", "new_kv", {"use_tma": False}),
-    ("new_kv_ptr_m64_w4_s3", "new_kv", {"use_tma": False, "block_m": 64, "num_warps": 4}),
+    ("new_kv_tma_m128_bn128_w8_s3", "new_kv", {"use_tma": True, "block_n": 128}),  # its defaults
+    ("new_kv_tma_m64_w4_s3", "new_kv", {"use_tma": True, "block_m": 64, "block_n": 64, "num_warps": 4}),
+    (
+        "new_kv_tma_m64_w4_s2",
+        "new_kv",
+        {"use_tma": True, "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
+    ),
+    ("new_kv_ptr_m128_w8_s3", "new_kv", {"use_tma": False, "block_n": 64}),
+    ("new_kv_ptr_m64_w4_s3", "new_kv", {"use_tma": False, "block_m": 64, "block_n": 64, "num_warps": 4}),
 ]
 # (name, cached prefix, new tokens) of one sequence: the dense causal prefills SDPA is measured on, and a
 # chunk of a chunked prefill (SDPA with a lower-right causal mask over prefix + chunk)

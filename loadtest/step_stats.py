@@ -29,9 +29,13 @@ def wave_windows(records: list[Record]) -> list[dict[str, float]]:
 
 def ramp_stats(steps: list[StepRecord], window: dict[str, float], step_s: float) -> dict[str, Any]:
     """The steps that began in ``window``'s ramp, against the engine's decode step ``step_s``."""
-    ramp = [s for s in steps if window["start"] <= s.start <= window["ramp_end"]]
+    ramp_at = [i for i, s in enumerate(steps) if window["start"] <= s.start <= window["ramp_end"]]
+    ramp = [steps[i] for i in ramp_at]
     arrivals = [s for s in steps if window["start"] <= s.start <= window["end"] and s.num_added]
-    slow = [s for s in ramp if s.duration_s > 2 * step_s]
+    # a step's decoding requests: those running after the step before it (a 1-step prefill has its first token
+    # then); the requests it prefills are waiting for their first token, not in a gap
+    decoding = [steps[i - 1].num_running if i > 0 else 0 for i in ramp_at]
+    slow = [(s, n) for s, n in zip(ramp, decoding, strict=True) if s.duration_s > 2 * step_s]
     return {
         "ramp_ms": round((window["ramp_end"] - window["start"]) * 1e3, 1),
         "ramp_steps": len(ramp),
@@ -41,8 +45,7 @@ def ramp_stats(steps: list[StepRecord], window: dict[str, float], step_s: float)
         "steps_added": [s.num_added for s in ramp],
         "core_arrival_span_ms": round((arrivals[-1].start - arrivals[0].start) * 1e3, 1) if arrivals else None,
         "slow_steps": len(slow),
-        # decoding requests in each slow step (those the step just added are prefilling, not waiting a gap)
-        "slow_gaps": sum(max(0, s.num_running - s.num_added) for s in slow),
+        "slow_gaps": sum(n for _, n in slow),
     }
 
 

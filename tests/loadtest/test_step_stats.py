@@ -37,11 +37,14 @@ def test_ramp_counts_the_decoding_requests_of_slow_steps_only() -> None:
     steps = [
         StepRecord(0.5, 0.01, 5, 1, 0, 1),  # before the wave
         StepRecord(1.0, 0.01, 20, 1, 1, 1),  # the first arrival's prefill: fast
-        StepRecord(1.05, 0.05, 21, 2, 0, 1),  # 5x the step: one request decoding, one just added
+        StepRecord(1.05, 0.05, 21, 2, 0, 1),  # 5x the step: the one running after the last step decodes
         StepRecord(1.10, 0.01, 2, 2, 0, 0),
         StepRecord(1.5, 0.01, 2, 2, 0, 0),  # after the ramp
     ]
     r = ramp_stats(steps, window, step_s=0.01)
     assert (r["ramp_steps"], r["slow_steps"], r["slow_gaps"]) == (3, 1, 1)
+    # the engine alone: all at once, two budget-capped prefill steps; the second's decoders are the first's
+    engine = [StepRecord(1.0, 0.05, 2048, 100, 156, 256), StepRecord(1.05, 0.05, 2048, 200, 56, 0)]
+    assert ramp_stats(engine, {"start": 1.0, "ramp_end": 1.1, "end": 2.0}, step_s=0.01)["slow_gaps"] == 100
     assert r["steps_tokens"] == [20, 21, 2] and r["steps_added"] == [1, 1, 0]
     assert r["core_arrival_span_ms"] == pytest.approx(50.0)

@@ -45,9 +45,11 @@ class Subscription:
     _waiter: asyncio.Future[None] | None = None
     _waiting_since: float = 0.0  # loop time
     _timer: asyncio.TimerHandle | None = None
+    pushed_at: float = 0.0  # time.perf_counter() of the last push (the relay's receipt: SSE_TIMES)
 
     def push(self, event: Event) -> None:
         self._pending.append(event)
+        self.pushed_at = time.perf_counter()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 

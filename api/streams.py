@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -23,6 +24,12 @@ T = TypeVar("T")
 DONE = "[DONE]"
 REDIS_DOWN_MESSAGE = "the job queue (Redis) failed under this request; its outcome is unknown: retry it"
 logger = logging.getLogger(__name__)
+
+
+# PAGEDSERVE_SSE_TIMES=1 (``pagedserve bench stack`` sets it): each write of a stream starts with an SSE comment
+# ``: t <relay receipt> <write>`` (time.perf_counter(), CLOCK_MONOTONIC on Linux: comparable with the client's
+# clock on the same host), so the bench can tell where a long gap between chunks arose. SSE clients ignore comments.
+SSE_TIMES = os.environ.get("PAGEDSERVE_SSE_TIMES") == "1"
 
 
 def sse_frames(payloads: list[str]) -> bytes:
@@ -192,7 +199,10 @@ async def openai_stream(
         yield sse_frames([dumps_chunk(c) for c in start])
 
     def render(batch: list[Event]) -> bytes:
-        return sse_frames([text for ev in batch for text in _event_json(fmt, ev, prep.include_usage)])
+        frames = sse_frames([text for ev in batch for text in _event_json(fmt, ev, prep.include_usage)])
+        if SSE_TIMES and sub is not None:  # benchmarks: when the relay got the batch and when it went out
+            return f": t {sub.pushed_at:.6f} {time.perf_counter():.6f}\n".encode() + frames
+        return frames
 
     rendered = _rendered(svc, prep, sub, cached, render)
     try:

@@ -262,7 +262,7 @@ def run_stack(args: argparse.Namespace, vocab_size: int, log: Path) -> dict[str,
     res: dict[str, Any] = {"command": " ".join(["python", *argv[1:]]), "log": str(log)}
     t0 = time.perf_counter()
     res["step_trace"] = str(log.with_suffix(".steps.jsonl"))  # the core's steps (engine.step_trace)
-    env = os.environ | {STEP_TRACE_ENV: res["step_trace"]}
+    env = os.environ | {STEP_TRACE_ENV: res["step_trace"], "PAGEDSERVE_SSE_TIMES": "1"}  # (api.streams.SSE_TIMES)
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:

@@ -42,6 +42,29 @@ def gaps_after_ramp(records: list[Record]) -> list[float]:
     return out
 
 
+def relay_numbers(records: list[Record]) -> dict[str, float | None]:
+    """Where the stack's gaps arise, from the API's stamps (``relay_s``): the p99 of the gaps between the relay's
+    receipts of a stream's tokens (front, Redis and pub/sub before it), between its writes (plus the API's own
+    scheduling), and the time from a write to the client's read (socket and client)."""
+    received, written, to_client = [], [], []
+    for r in records:
+        if not r.relay_s or r.ttft_s is None or len(r.relay_s) != len(r.gaps_s) + 1:
+            continue
+        arrival = r.start_s + r.ttft_s
+        for i, (pushed, wrote) in enumerate(r.relay_s):
+            if i:
+                arrival += r.gaps_s[i - 1]
+                received.append(pushed - r.relay_s[i - 1][0])
+                written.append(wrote - r.relay_s[i - 1][1])
+            to_client.append(arrival - wrote)
+    return {
+        "itl_p99_relay_in_ms": _ms(_pct(received, 0.99)),
+        "itl_p99_relay_out_ms": _ms(_pct(written, 0.99)),
+        "relay_to_client_p50_ms": _ms(_pct(to_client, 0.5)),
+        "relay_to_client_p99_ms": _ms(_pct(to_client, 0.99)),
+    }
+
+
 def summarize(level: int, records: list[Record], walls_s: list[float]) -> dict[str, Any]:
     """One side's numbers at one level; failed requests listed with their reason."""
     ok = [r for r in records if r.reason is None]
@@ -67,7 +90,7 @@ def summarize(level: int, records: list[Record], walls_s: list[float]) -> dict[s
         "itl_p99_after_ramp_ms": _ms(_pct(gaps_after_ramp(ok), 0.99)),
         "arrivals_per_request": round(statistics.fmean(len(r.gaps_s) + 1 for r in ok), 2) if ok else None,
         "failures": [{"wave": r.wave, "index": r.index, "reason": r.reason} for r in records if r.reason],
-    }
+    } | relay_numbers(ok)
 
 
 # ---- the engine alone (run in a subprocess: python -m loadtest.stack_bench --engine-only ...) ----------------
@@ -119,7 +142,7 @@ def compare(engine: list[dict[str, Any]], stack: list[dict[str, Any]]) -> list[d
         row: dict[str, Any] = {"concurrency": e["concurrency"], "engine_step_ms": e["mean_step_ms"]}
         for key in ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms", "itl_p99_after_ramp_ms", "failed"):
             row[f"engine_{key}"], row[f"stack_{key}"] = e[key], s[key]
-        for key in _WORKER_TIMES:
+        for key in (*_WORKER_TIMES, "itl_p99_relay_in_ms", "itl_p99_relay_out_ms", "relay_to_client_p99_ms"):
             row[key] = s.get(key)
         row["tok_s_ratio"] = _ratio(s["output_tok_s"], e["output_tok_s"])
         waves = list(zip(s.get("wave_tok_s", []), e.get("wave_tok_s", []), strict=False))
@@ -140,6 +163,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     cols += [("ITL99 ramped", "stack_itl_p99_after_ramp_ms")]
     cols += [("ITL99/step", "stack_itl_p99_over_step"), ("fail eng", "engine_failed"), ("fail stack", "stack_failed")]
     cols += [("queue mean", "worker_queue_mean_ms"), ("wTTFT mean", "worker_ttft_mean_ms")]
+    cols += [("ITL99 API in", "itl_p99_relay_in_ms"), ("ITL99 API out", "itl_p99_relay_out_ms")]
+    cols += [("API->client p99", "relay_to_client_p99_ms")]
     cell = lambda v: "-" if v is None else f"{v:.4g}" if isinstance(v, float) and abs(v) < 1e4 else f"{v:.0f}"  # noqa: E731
     widths = [max(len(title), *(len(cell(r[key])) for r in rows)) for title, key in cols]
     lines = ["  ".join(t.rjust(w) for (t, _), w in zip(cols, widths, strict=True))]
@@ -148,5 +173,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "\n(times in ms; ratio = stack / engine; wave min / max: the lowest and highest ratio of one wave (wave i of"
         " the stack against wave i of the engine) where a level ran several; ITL99/step = stack ITL p99 / engine step; ITL99 ramped: the"
         " stack's gaps after every request of the wave had its first token; queue / wTTFT mean: the"
-        " worker's enqueue -> job start / -> first token, per level)"
+        " worker's enqueue -> job start / -> first token, per level; ITL99 API in / out: the stack's gaps as the API"
+        " relay received / wrote them, API->client: from its write to the client's read)"
     )

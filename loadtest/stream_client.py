@@ -25,6 +25,8 @@ class Record:
     ttft_s: float | None = None
     tpot_s: float | None = None
     gaps_s: list[float] = field(default_factory=list)  # between token (engine) or chunk (stack) arrivals
+    # the stack with PAGEDSERVE_SSE_TIMES: per token arrival, when the API's relay got it and wrote it out
+    relay_s: list[tuple[float, float]] = field(default_factory=list)
     start_s: float = 0.0
     end_s: float = 0.0
 
@@ -62,10 +64,16 @@ class SSEReader:
         self.num_tokens: int | None = None
         self.error: str | None = None
         self.done = False
+        self.relay_s: list[tuple[float, float]] = []  # per token time: the API's ": t" stamp before it
+        self._stamp: tuple[float, float] | None = None
 
     def feed(self, data: bytes, now: float) -> None:
         *lines, self.buf = (self.buf + data).split(b"\n")
         for line in lines:
+            if line.startswith(b": t "):  # the API's relay stamp (api.streams.SSE_TIMES) for the chunks after it
+                pushed, written = line[4:].split()
+                self._stamp = (float(pushed), float(written))
+                continue
             if not line.startswith(b"data:"):
                 continue
             payload = line[5:].strip()
@@ -81,6 +89,8 @@ class SSEReader:
             # them); the last chunk of a choice only counts if it brings text
             if any(c.get("text") or c.get("finish_reason") is None for c in chunk.get("choices") or ()):
                 self.times_s.append(now)
+                if self._stamp is not None:
+                    self.relay_s.append(self._stamp)
 
     def reason(self) -> str | None:
         if self.error:
@@ -165,6 +175,8 @@ async def stream_one(base_url: str, job: StreamJob) -> Record:
         rec.reason = f"{type(exc).__name__}: {exc}"[:500]
     rec.end_s = time.perf_counter()
     rec.num_tokens = sse.num_tokens or 0
+    if len(sse.relay_s) == len(sse.times_s):  # every token had the API's stamp (PAGEDSERVE_SSE_TIMES)
+        rec.relay_s = sse.relay_s
     return finish_record(rec, sse.times_s, job.body["max_tokens"])
 
 

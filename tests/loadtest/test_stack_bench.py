@@ -12,8 +12,8 @@ import pytest
 
 from deploy.redis_server import free_port
 from loadtest.stack_bench import main
-from loadtest.stack_stats import gaps_after_ramp
-from loadtest.stream_client import ChunkedBody, Record, SSEReader, StreamJob, stream_one
+from loadtest.stack_stats import gaps_after_ramp, relay_numbers
+from loadtest.stream_client import ChunkedBody, Record, SSEReader, StreamJob, finish_record, stream_one
 
 LEVELS = [1, 4]
 WAVES = {1: 2, 4: 1}  # with --min-requests 2
@@ -52,6 +52,23 @@ def test_stack_bench_engine_and_stack_side_by_side(tmp_path: Path, monkeypatch: 
         else:
             assert row["wave_ratio_min"] is None and row["wave_ratio_max"] is None
     assert Path(res["stack"]["log"]).is_file()
+    for s in res["stack"]["levels"]:  # the API's relay stamps (PAGEDSERVE_SSE_TIMES) came with every token
+        assert s["relay_to_client_p50_ms"] is not None and s["relay_to_client_p50_ms"] >= 0
+        assert s["itl_p99_relay_in_ms"] is not None and s["itl_p99_relay_out_ms"] is not None
+
+
+def test_relay_stamps_are_read_per_token_and_split_the_gaps() -> None:
+    sse = SSEReader()
+    chunk = b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n'
+    sse.feed(b": t 10.0 10.5\n" + chunk, 11.0)
+    sse.feed(b": t 12.0 12.25\n" + chunk + chunk, 13.0)  # one write, two tokens
+    assert sse.times_s == [11.0, 13.0, 13.0] and sse.relay_s == [(10.0, 10.5), (12.0, 12.25), (12.0, 12.25)]
+    rec = Record(0, 0, start_s=10.0, num_tokens=3)
+    rec.relay_s = sse.relay_s
+    finish_record(rec, sse.times_s, 3)
+    nums = relay_numbers([rec])
+    assert nums["itl_p99_relay_in_ms"] == 2000.0 and nums["itl_p99_relay_out_ms"] == 1750.0
+    assert nums["relay_to_client_p50_ms"] == 750.0 and nums["relay_to_client_p99_ms"] == 750.0
 
 
 def test_a_failed_stream_is_reported_with_its_reason() -> None:

@@ -4,7 +4,7 @@ Every variant of the Triton GEMV (``kernels.gemv``: the fma and dot kernels, til
 reductions, PDL) against bf16 cuBLAS (``F.linear``) in the same run, on the Llama-3-8B projection shapes
 (qkv, o, gate_up, down, lm_head) at M = 1, 2, 4, 8. Each variant (aliases of one launch run once) is checked against the
 torch reference (and, for the deterministic reductions, run twice for bit-equal results), then timed:
-CUDA-event timing of CUDA-graph replays (``kernels_bench.time_graph``: warm-up, many calls per graph, the
+CUDA-event timing of CUDA-graph replays (``kernel_bench_common.time_graph``: warm-up, many calls per graph, the
 median replay) cycling through weight copies that overflow the 50 MB L2 (each layer is 33-235 MB already;
 lm_head 1 GB has one copy). GB/s counts the weight, x and the output once; "of copy" is that over the copy
 bandwidth measured in the same process (a 1 GiB device-to-device copy, read + write). cuBLAS, the default
@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from loadtest.kernel_bench_common import device_timer, rel_err
 
 if "--tiny" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when ``@triton.jit`` decorates
@@ -111,28 +113,6 @@ def variants_at(m: int, n: int, k: int, sms: int) -> tuple[dict[str, GemvPlan], 
     return plans, aliases
 
 
-def _timer(device: torch.device) -> Callable[[list[Callable[[], object]], int], float]:
-    if device.type == "cuda":
-        from loadtest.kernels_bench import time_graph
-
-        return time_graph
-
-    def wall(calls: list[Callable[[], object]], reps: int) -> float:
-        start = time.perf_counter()
-        for _ in range(reps):
-            for fn in calls:
-                fn()
-        return (time.perf_counter() - start) / (reps * len(calls))
-
-    return wall
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if torch.isnan(out).any():
-        return float("nan")
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
-
-
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes/s of a 1 GiB device copy (read + write), in this process: the figure ``loadtest.throughput``
     puts under the weight-read floor. Eager ``copy_``: captured in a CUDA graph it becomes a memcpy node run
@@ -151,7 +131,7 @@ def launch_floor_us(device: torch.device, reps: int) -> dict[str, float]:
         return {}
     x = torch.randn(1, 64, dtype=torch.bfloat16, device=device)
     w = torch.randn(64, 64, dtype=torch.bfloat16, device=device)
-    timer = _timer(device)
+    timer = device_timer(device)
     gemv_us = 1e6 * timer([partial(gemv, x, w, config=GemvConfig(kernel="fma", split_k=1))] * 32, reps)
     cublas_us = 1e6 * timer([partial(F.linear, x, w)] * 32, reps)
     return {"gemv": round(gemv_us, 2), CUBLAS: round(cublas_us, 2)}
@@ -170,13 +150,13 @@ def bench_case(name: str, weights: list[torch.Tensor], m: int, reps: int, sms: i
     row: dict[str, Any] = {"layer": name, "m": m, "n": n, "k": k, "aliases": aliases, "us": {}, "err": {}}
     row["wired"] = name != "lm_head" and plan_gemv(m, n, k, sms).use_gemv  # what the dense layers run
     row["plans"] = {v: asdict(p) for v, p in plans.items()}
-    timer = _timer(device)
+    timer = device_timer(device)
     tol = 1e-2
     for variant, plan in plans.items():
         fn = partial(gemv, plan=plan)
         try:
             out = fn(x, weights[0])  # compiles
-            err = _rel_err(out, ref)
+            err = rel_err(out, ref)
             row["err"][variant] = float(f"{err:.1e}")
             if not err < tol:
                 row.setdefault("wrong", []).append(variant)
@@ -203,7 +183,7 @@ def _chained(
 ) -> dict[str, float]:
     """us per (small kernel writing x, then the matmul) pair for cuBLAS and the CHAINED variants."""
     x2 = torch.empty_like(x)
-    timer = _timer(x.device)
+    timer = device_timer(x.device)
 
     def pair(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], w: torch.Tensor) -> torch.Tensor:
         torch.mul(x, 1.0, out=x2)

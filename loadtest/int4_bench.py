@@ -6,7 +6,7 @@
    ``DEQUANT_VARIANTS``; the dequantization is also timed alone); GB/s counts weights + scales + zeros +
    activations + output once. Every variant that applies at M (aliases of one launch run once) is checked
    against the torch reference, then timed in CUDA graphs cycling through weight copies that overflow the
-   L2 (``kernels_bench.time_graph``); then both paths are replayed from CUDA graphs and checked. Printed
+   L2 (``kernel_bench_common.time_graph``); then both paths are replayed from CUDA graphs and checked. Printed
    last (``loadtest.int4_stats``): per shape and M both paths, the best variant and cuBLAS; per M each
    variant's time over the best, to pick ``pick_config``'s defaults; the "crossover" line: from which M
    dequant+matmul beats the fused GEMM, i.e. what ``kernels.int4_dequant.DEQUANT_MIN_M`` should be.

@@ -10,7 +10,6 @@ are named after the variants below.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -24,6 +23,8 @@ from kernels.int4_gemv_cols import tile_qweight
 from kernels.int4_plan import Int4GemmConfig, Int4Launch, pick_config
 from loadtest.int4_model import GROUP_SIZE
 from loadtest.int4_stats import DEQUANT, FUSED
+from loadtest.kernel_bench_common import device_timer as timer
+from loadtest.kernel_bench_common import rel_err
 
 ROTATE_BYTES = 512 << 20  # weight copies cycled per graph: ~10x the H200's L2
 # Llama-3-8B: (name, N, K) of each projection, fused as the engine runs them
@@ -131,27 +132,6 @@ def random_int4(n: int, k: int, dtype: torch.dtype, device: torch.device, seed: 
 def int4_bytes(m: int, n: int, k: int, elem: int = 2) -> int:
     groups = k // GROUP_SIZE
     return n * k // 2 + groups * n * (elem + 1) + m * k * elem + m * n * elem
-
-
-def timer(device: torch.device) -> Callable[[list[Callable[[], object]], int], float]:
-    if device.type == "cuda":
-        from loadtest.kernels_bench import time_graph
-
-        return time_graph
-
-    def wall(calls: list[Callable[[], object]], reps: int) -> float:
-        calls[0]()
-        start = time.perf_counter()
-        for _ in range(reps):
-            for fn in calls:
-                fn()
-        return (time.perf_counter() - start) / (reps * len(calls))
-
-    return wall
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
 @dataclass

@@ -12,18 +12,31 @@ import dataclasses
 import datetime
 import json
 import math
-import statistics
 import sys
-from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-DTYPE = torch.bfloat16
-ROTATE_BYTES = 512 << 20  # inputs cycled per graph: ~10x the L2
+from loadtest.kernel_bench_common import (
+    BLOCK_SIZE,
+    DTYPE,
+    HEAD_DIM,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    ROTATE_BYTES,
+    rel_err,
+    time_graph,
+)
+from loadtest.prefill_bench import (
+    PREFILL_CASES,
+    PREFILL_VARIANTS,
+    bench_prefill,
+    new_kv_from_cache,
+    print_prefill_variants,
+)
+
 # (name, knobs of _paged_decode_attention), the names printed in the sweep's matrix and kept in the JSON.
 # "partition_scale" scales the variant's default partition; "min_partition" sizes as if no partition could
 # be shorter (128: the sizing measured on 2026-11-29). fused_reduce False: the reduction in a second
@@ -43,71 +56,6 @@ DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("fused_bn128_s2_p2", {"fused_reduce": True, "block_n": 128, "num_stages": 2, "partition_scale": 2}),
     ("fused_w8", {"fused_reduce": True, "num_warps": 8}),
 ]
-# (name, kernel, knobs): "paged" is kernels.prefill_attention._paged_prefill_attention (what the engine
-# calls), "new_kv" kernels.prefill_new_kv._prefill_attention_new_kv (this step's K/V from the contiguous
-# tensors; "tma": host tensor descriptors, "ptr": pointer loads). The first is the default's; "lf": longest
-# causal tiles launched first; "fma": the tutorial's softmax step below the diagonal (scale in the exponent's
-# FMA, PV accumulated in place); m/bn/w/s: rows, KV tile, warps, stages. The sweep decides the defaults.
-# Compiled for sm_90 with Triton 3.6 (offline, ptxas): no entry below spills. Left out for spilling: the
-# paged kernel at block_n 128 (255 regs + 40 B stack) and 128 rows on 4 warps (either kernel).
-PREFILL_VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
-    ("default", "paged", {}),
-    ("paged_lf", "paged", {"largest_first": True}),
-    ("paged_fma_lf", "paged", {"fma_softmax": True, "largest_first": True}),
-    ("paged_s3_lf", "paged", {"num_stages": 3, "largest_first": True}),
-    ("paged_m128_w8_s2_lf", "paged", {"block_m": 128, "num_warps": 8, "num_stages": 2, "largest_first": True}),
-    ("paged_m128_w8_s3_lf", "paged", {"block_m": 128, "num_warps": 8, "num_stages": 3, "largest_first": True}),
-    (
-        "paged_fma_m128_w8_s3_lf",
-        "paged",
-        {"block_m": 128, "num_warps": 8, "num_stages": 3, "largest_first": True, "fma_softmax": True},
-    ),  # fmt: skip
-    ("new_kv_tma_m128_w8_s3", "new_kv", {"use_tma": True, "block_n": 64}),  # the Triton tutorial's Hopper tile
-    ("new_kv_tma_m128_w8_s2", "new_kv", {"use_tma": True, "block_n": 64, "num_stages": 2}),
-    ("new_kv_tma_m128_w8_s4", "new_kv", {"use_tma": True, "block_n": 64, "num_stages": 4}),
-    ("new_kv_tma_m128_bn128_w8_s2", "new_kv", {"use_tma": True, "block_n": 128, "num_stages": 2}),
-    ("new_kv_tma_m128_bn128_w8_s3", "new_kv", {"use_tma": True, "block_n": 128}),  # its defaults
-    ("new_kv_tma_m64_w4_s3", "new_kv", {"use_tma": True, "block_m": 64, "block_n": 64, "num_warps": 4}),
-    (
-        "new_kv_tma_m64_w4_s2",
-        "new_kv",
-        {"use_tma": True, "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
-    ),
-    ("new_kv_ptr_m128_w8_s3", "new_kv", {"use_tma": False, "block_n": 64}),
-    ("new_kv_ptr_m64_w4_s3", "new_kv", {"use_tma": False, "block_m": 64, "block_n": 64, "num_warps": 4}),
-]
-# (name, cached prefix, new tokens) of one sequence: the dense causal prefills SDPA is measured on, and a
-# chunk of a chunked prefill (SDPA with a lower-right causal mask over prefix + chunk)
-PREFILL_CASES: list[tuple[str, int, int]] = [("4k", 0, 4096), ("8k", 0, 8192), ("2k+2k", 2048, 2048)]
-
-
-def time_graph(calls: Sequence[Callable[[], object]], reps: int) -> float:
-    """Median seconds per call of ``calls`` captured back to back in one CUDA graph."""
-    for fn in calls[:2]:  # compile and warm up outside the capture
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls[:2]:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(calls))
-    del graph
-    return statistics.median(times)
 
 
 def check_correctness() -> list[dict[str, Any]]:
@@ -131,39 +79,20 @@ def check_correctness() -> list[dict[str, Any]]:
         q = torch.randn(4, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
         out = paged_decode_attention(q, cache, tables, seq_lens, scale, window)
         ref = paged_decode_attention_ref(q, cache, tables, seq_lens, scale, window)
-        results.append({"kernel": "decode", "lens": lens, "window": window, "rel_err": _rel(out, ref)})
+        results.append({"kernel": "decode", "lens": lens, "window": window, "rel_err": rel_err(out, ref)})
         q_lens = torch.tensor([q_ for _, q_ in rows])
         qsl = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).cuda()
         seq_lens = torch.tensor([c + q_ for c, q_ in rows], dtype=torch.int32, device="cuda")
         q = torch.randn(int(q_lens.sum()), NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
         out = paged_prefill_attention(q, cache, tables, qsl, seq_lens, scale, window)
         ref = paged_prefill_attention_ref(q, cache, tables, qsl, seq_lens, scale, window)
-        results.append({"kernel": "prefill", "rows": rows, "window": window, "rel_err": _rel(out, ref)})
-        key, value = _new_kv_from_cache(cache, tables, rows)
+        results.append({"kernel": "prefill", "rows": rows, "window": window, "rel_err": rel_err(out, ref)})
+        key, value = new_kv_from_cache(cache, tables, rows)
         out = prefill_attention_new_kv(q, key, value, cache, tables, qsl, seq_lens, scale, window)
-        results.append({"kernel": "prefill_new_kv", "rows": rows, "window": window, "rel_err": _rel(out, ref)})
+        results.append({"kernel": "prefill_new_kv", "rows": rows, "window": window, "rel_err": rel_err(out, ref)})
     for r in results:
         print(f"correctness {r['kernel']:14s} window={r['window']}: rel err {r['rel_err']:.2e}", flush=True)
     return results
-
-
-def _new_kv_from_cache(
-    cache: torch.Tensor, tables: torch.Tensor, rows: list[tuple[int, int]]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The new tokens' K and V ``[num_tokens, num_kv_heads, head_dim]`` as the layer would hold them: the
-    values of their cache slots (sequence i's rows ``(cached prefix, new tokens)`` of ``rows``)."""
-    parts = []
-    for i, (context_len, q_len) in enumerate(rows):
-        pos = torch.arange(context_len, context_len + q_len, device=cache.device)
-        parts.append(cache[:, tables[i].long()[pos // BLOCK_SIZE], pos % BLOCK_SIZE])  # [2, q_len, Hkv, D]
-    kv = torch.cat(parts, dim=1)
-    return kv[0], kv[1]
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if torch.isnan(out).any():
-        return float("nan")
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
 def bench_decode(batch: int, seq_len: int, reps: int, variants: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -239,95 +168,6 @@ def _decode_variant_kwargs(batch: int, seq_len: int, name: str, variant: dict[st
     return kwargs, dataclasses.asdict(plan_decode(batch, NUM_HEADS, NUM_KV_HEADS, seq_len, sms, **knobs))
 
 
-def bench_prefill(
-    name: str, context_len: int, q_len: int, reps: int, variants: list[tuple[str, str, dict[str, Any]]]
-) -> dict[str, Any]:
-    """One sequence of ``q_len`` new tokens after ``context_len`` cached ones: SDPA on dense K/V, then each
-    variant on a paged cache (shuffled block table), TFLOP/s of the causal QK^T and PV, and each variant's
-    output against the torch reference at this size."""
-    from kernels.prefill_attention import paged_prefill_attention_ref
-
-    seq_len = context_len + q_len
-    # every query sees its prefix and the new tokens up to itself
-    flops = 4 * NUM_HEADS * HEAD_DIM * q_len * (context_len + (q_len + 1) / 2)
-    scale = HEAD_DIM**-0.5
-    result: dict[str, Any] = {"case": name, "context_len": context_len, "num_tokens": q_len, "variants": []}
-    try:
-        result["sdpa_s"] = t = _time_sdpa_prefill(context_len, q_len, scale, reps)
-    except Exception as exc:  # the variants' timings still count
-        print(f"  prefill {name}: SDPA failed: {exc!r:.300}", flush=True)
-        result["sdpa_s"] = t = float("nan")
-    result["sdpa_tflops"] = flops / t / 1e12
-    num_blocks = -(-seq_len // BLOCK_SIZE)
-    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(1, num_blocks)
-    query = torch.randn(q_len, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    qsl = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
-    seq_lens = torch.tensor([seq_len], dtype=torch.int32, device="cuda")
-    key, value = _new_kv_from_cache(cache, tables, [(context_len, q_len)])
-    ref = paged_prefill_attention_ref(query, cache, tables, qsl, seq_lens, scale)
-    for vname, kernel, knobs in variants:
-        call = _prefill_call(kernel, knobs, query, key, value, cache, tables, qsl, seq_lens, scale)
-        try:
-            err = _rel(call(), ref)
-            t = time_graph([call] * 8, reps)
-        except Exception as exc:  # a variant that fails to compile (resources) must not end the run
-            print(f"  prefill {name} variant {vname} failed: {exc!r:.300}", flush=True)
-            continue
-        tflops = flops / t / 1e12
-        result["variants"].append(
-            {"name": vname, "kernel": kernel, "knobs": knobs, "s": t, "tflops": tflops,
-             "ratio": tflops / result["sdpa_tflops"], "rel_err": err}
-        )  # fmt: skip
-    del cache, key, value, ref
-    torch.cuda.empty_cache()
-    ok = [v for v in result["variants"] if v["rel_err"] < 1e-2] or [{"name": None, "tflops": float("nan")}]
-    best = max(ok, key=lambda r: r["tflops"])
-    default_name = variants[0][0] if variants else None
-    default = next((v for v in result["variants"] if v["name"] == default_name), {"tflops": float("nan")})
-    result.update(triton_tflops=default["tflops"], best_tflops=best["tflops"], best_variant=best["name"])
-    return result
-
-
-def _time_sdpa_prefill(context_len: int, q_len: int, scale: float, reps: int) -> float:
-    """SDPA's seconds per call on dense K/V of the same shape: causal (flash) when there is no prefix, else
-    a lower-right causal mask (the new queries are the last positions), which SDPA serves without flash."""
-    seq_len = context_len + q_len
-    q = torch.randn(1, NUM_HEADS, q_len, HEAD_DIM, device="cuda", dtype=DTYPE)
-    k = torch.randn(1, NUM_KV_HEADS, seq_len, HEAD_DIM, device="cuda", dtype=DTYPE)
-    v = torch.randn_like(k)
-    if context_len == 0:
-        sdpa = partial(F.scaled_dot_product_attention, q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        from torch.nn.attention.bias import causal_lower_right
-
-        group = NUM_HEADS // NUM_KV_HEADS  # heads expanded: the masked path takes no enable_gqa
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        mask = causal_lower_right(q_len, seq_len)
-        sdpa = partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, scale=scale)
-    return time_graph([sdpa] * 8, reps)
-
-
-def _prefill_call(
-    kernel: str,
-    knobs: dict[str, Any],
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cache: torch.Tensor,
-    tables: torch.Tensor,
-    qsl: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> Callable[[], torch.Tensor]:
-    from kernels.prefill_attention import _paged_prefill_attention
-    from kernels.prefill_new_kv import _prefill_attention_new_kv
-
-    if kernel == "paged":
-        return partial(_paged_prefill_attention, query, cache, tables, qsl, seq_lens, scale, None, **knobs)
-    return partial(_prefill_attention_new_kv, query, key, value, cache, tables, qsl, seq_lens, scale, None, **knobs)
-
-
 def bench_silu_and_mul(num_tokens: int, inter: int, reps: int) -> dict[str, Any]:
     """The fused gated activation against torch's silu + mul, GB/s of the minimum traffic (read 2I, write I)."""
     from kernels.activation import silu_and_mul, silu_and_mul_ref
@@ -335,7 +175,7 @@ def bench_silu_and_mul(num_tokens: int, inter: int, reps: int) -> dict[str, Any]
     nbytes = 3 * num_tokens * inter * DTYPE.itemsize
     copies = max(1, min(16, ROTATE_BYTES // nbytes))
     xs = [torch.randn(num_tokens, 2 * inter, device="cuda", dtype=DTYPE) for _ in range(copies)]
-    err = _rel(silu_and_mul(xs[0]), silu_and_mul_ref(xs[0]))
+    err = rel_err(silu_and_mul(xs[0]), silu_and_mul_ref(xs[0]))
     calls = max(copies, 8)
     t_fused = time_graph([partial(silu_and_mul, xs[i % copies]) for i in range(calls)], reps)
     t_torch = time_graph([partial(silu_and_mul_ref, xs[i % copies]) for i in range(calls)], reps)
@@ -406,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(report)
     if args.sweep:
         _print_decode_variants(report["decode"])
-        _print_prefill_variants(report["prefill"])
+        print_prefill_variants(report["prefill"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
@@ -455,28 +295,6 @@ def _print_decode_variants(decode: list[dict[str, Any]]) -> None:
             star = "*" if v["name"] == r["best_variant"] else ""
             cells.append(f"{v['ratio']:.3f}{star} /{v['num_partitions']}{'F' if v['fused_reduce'] else ''}")
         print(f"| {name} | " + " | ".join(cells) + " |")
-
-
-def _print_prefill_variants(prefill: list[dict[str, Any]]) -> None:
-    """One row per prefill variant: TFLOP/s and ratio to SDPA at every case, * the best correct one of the
-    case, ! a rel err of 1e-2 or more against the reference (never a winner)."""
-    names = list(dict.fromkeys(v["name"] for r in prefill for v in r["variants"]))
-    print("\nprefill variants: TFLOP/s (ratio to SDPA), * best of the case, ! wrong (rel err >= 1e-2)")
-    print("| variant | " + " | ".join(f"{r['case']} (SDPA {r['sdpa_tflops']:.0f})" for r in prefill) + " |")
-    print("|---" * (len(prefill) + 1) + "|")
-    for name in names:
-        cells = []
-        for r in prefill:
-            v = next((v for v in r["variants"] if v["name"] == name), None)
-            if v is None:
-                cells.append("failed")
-                continue
-            mark = "!" if not v["rel_err"] < 1e-2 else "*" if name == r["best_variant"] else ""
-            cells.append(f"{v['tflops']:.0f} ({v['ratio']:.2f}){mark}")
-        print(f"| {name} | " + " | ".join(cells) + " |")
-    errs = [v["rel_err"] for r in prefill for v in r["variants"]]
-    if errs:
-        print(f"prefill variants' rel err against the reference: max {max(errs):.2e}")
 
 
 if __name__ == "__main__":

@@ -87,6 +87,7 @@ class ScriptedWorker:
     unpublished: set[int] = field(default_factory=set)  # seqs written to the list but not published (lost)
     duplicated: set[int] = field(default_factory=set)  # seqs published twice
     payloads: list[JobPayload] = field(default_factory=list)
+    step_s: float = 0.0  # pause after each delta, as an engine's steps are apart (0: back to back, merged if late)
 
     async def take(self, timeout_s: float = 10.0) -> JobPayload:
         client = aioredis.Redis.from_url(self.redis_url)
@@ -115,6 +116,8 @@ class ScriptedWorker:
                 seq = writer.next_seq
                 choices = [ChoiceDelta(k, piece, [100 + i]) for k in range(n)]
                 await writer.delta(choices, publish=seq not in self.unpublished)
+                if self.step_s:
+                    await asyncio.sleep(self.step_s)
                 if seq in self.duplicated:
                     raw = await client.lindex(keys.events_key(payload.request_id), seq)
                     batch = json.dumps([[payload.request_id, json.loads(raw or b"{}")]])

@@ -160,7 +160,8 @@ async def test_unseeded_sampling_is_not_cached(api: ServerThread, redis_url: str
 async def test_a_token_whose_text_is_held_back_still_gets_its_chunk(api: ServerThread, redis_url: str) -> None:
     """As vLLM streams it: a step whose token adds no text yet (the first bytes of a character) is a chunk with
     "" text, so a client sees one chunk per token, and the text is unchanged."""
-    worker = ScriptedWorker(redis_url, pieces=["Hel", "", "lo"])
+    # deltas a step apart: written back to back, the relay would rightly merge the ones a late reader finds waiting
+    worker = ScriptedWorker(redis_url, pieces=["Hel", "", "lo"], step_s=0.1)
 
     async def texts() -> list[str]:
         stream = await _client(api).completions.create(model=MODEL, prompt="p", max_tokens=3, stream=True)

@@ -6,6 +6,7 @@ module-level state. The backend is the only thing that differs between CPU and G
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,10 @@ BACKENDS = ("torch", "triton")
 # 08973e7; 8B heads, bf16), TFLOP/s at 4k causal / 8k causal / 2k new after 2k cached: new_kv 461 / 539 / 390,
 # paged 335 / 377 / 323, SDPA 536 / 617 / 282. "paged" until the engine path has passed its GPU tests
 # (tests/kernels/test_gpu.py -k engine_prefill_new_kv, tests/engine/test_gpu.py): wired after the last device run.
-PREFILL_KERNEL = "paged"
+# PAGEDSERVE_PREFILL_KERNEL picks the other one for a same-machine A/B (loadtest/gpu_session.sh).
+PREFILL_KERNEL = os.environ.get("PAGEDSERVE_PREFILL_KERNEL", "paged")
+if PREFILL_KERNEL not in ("paged", "new_kv"):
+    raise ValueError(f"PAGEDSERVE_PREFILL_KERNEL={PREFILL_KERNEL!r}: expected 'paged' or 'new_kv'")
 
 
 @dataclass

@@ -82,6 +82,8 @@ def summarize(level: int, records: list[Record], walls_s: list[float]) -> dict[s
         "output_tokens": sum(r.num_tokens for r in ok),
         "output_tok_s": round(sum(r.num_tokens for r in ok) / wall_s, 1) if wall_s > 0 else 0.0,
         "wave_tok_s": [round(n / w, 1) if w > 0 else 0.0 for n, w in zip(wave_tokens, walls_s, strict=True)],
+        "wave_tokens": wave_tokens,
+        "wave_wall_s": [round(w, 4) for w in walls_s],
         "ttft_p50_ms": _ms(_pct([r.ttft_s for r in ok if r.ttft_s is not None], 0.5)),
         "ttft_p99_ms": _ms(_pct([r.ttft_s for r in ok if r.ttft_s is not None], 0.99)),
         "tpot_p50_ms": _ms(_pct([r.tpot_s for r in ok if r.tpot_s is not None], 0.5)),
@@ -135,6 +137,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
+def _rate(tokens: float, wall_s: float) -> float | None:
+    """Tokens per second from the unrounded counts (the reported tok/s are rounded to 0.1)."""
+    return tokens / wall_s if wall_s > 0 else None
+
+
 def compare(engine: list[dict[str, Any]], stack: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per level: stack / engine throughput, both sides' latencies, the stack's ITL p99 in engine steps."""
     rows = []
@@ -144,8 +151,10 @@ def compare(engine: list[dict[str, Any]], stack: list[dict[str, Any]]) -> list[d
             row[f"engine_{key}"], row[f"stack_{key}"] = e[key], s[key]
         for key in (*_WORKER_TIMES, "itl_p99_relay_in_ms", "itl_p99_relay_out_ms", "relay_to_client_p99_ms"):
             row[key] = s.get(key)
-        row["tok_s_ratio"] = _ratio(s["output_tok_s"], e["output_tok_s"])
-        waves = list(zip(s.get("wave_tok_s", []), e.get("wave_tok_s", []), strict=False))
+        row["tok_s_ratio"] = _ratio(_rate(s["output_tokens"], s["wall_s"]), _rate(e["output_tokens"], e["wall_s"]))
+        s_waves = zip(s.get("wave_tokens", []), s.get("wave_wall_s", []), strict=True)
+        e_waves = zip(e.get("wave_tokens", []), e.get("wave_wall_s", []), strict=True)
+        waves = [(_rate(*sw), _rate(*ew)) for sw, ew in zip(s_waves, e_waves, strict=False)]
         ratios = [r for r in (_ratio(a, b) for a, b in waves) if r is not None]
         row["wave_ratio_min"], row["wave_ratio_max"] = (min(ratios), max(ratios)) if len(ratios) > 1 else (None, None)
         row["stack_itl_p99_over_step"] = _ratio(s["itl_p99_ms"], e["mean_step_ms"])

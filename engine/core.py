@@ -144,10 +144,11 @@ class EngineCore:
             outputs, self._pending = self._pending + outputs, []
         errors, self._errors = self._errors, []
         stats = self.engine.stats()
+        now = time.perf_counter()
         if len(self.outputs) == 1:
-            self.outputs[0].send(output_encoder.encode(StepOutputs(outputs, stats, errors)), copy=False)
+            self.outputs[0].send(output_encoder.encode(StepOutputs(outputs, stats, errors, now)), copy=False)
             return
-        per_client: list[StepOutputs] = [StepOutputs([], stats, []) for _ in self.outputs]
+        per_client: list[StepOutputs] = [StepOutputs([], stats, [], now) for _ in self.outputs]
         for out in outputs:
             per_client[self._clients.get(out.request_id, 0)].outputs.append(out)
         for error in errors:

@@ -75,6 +75,7 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True, forbid_unknown_fi
     outputs: list[SeqOutput]
     stats: CoreStats
     errors: list[RequestError] = []
+    sent_at: float = 0.0  # time.perf_counter() as the core sent it (CLOCK_MONOTONIC: the front's clock too)
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True, forbid_unknown_fields=True):

@@ -37,10 +37,13 @@ import modelfiles
 from engine.args import EngineArgs
 from engine.step_trace import ENV_VAR as STEP_TRACE_ENV
 from engine.step_trace import StepRecord, read_trace
+from loadtest.hop_stats import format_hops, level_hops
 from loadtest.stack_profile import StackProfiler
 from loadtest.stack_stats import compare, format_table, summarize, worker_histograms, worker_means
 from loadtest.step_stats import level_ramps, print_ramps, wave_windows
 from loadtest.stream_client import ClientPool, Record, StreamJob, finish_record
+from worker.pump_trace import ENV_VAR as PUMP_TRACE_ENV
+from worker.pump_trace import read_pump_trace
 
 WARMUP_OUTPUT_LEN = 8
 
@@ -262,7 +265,9 @@ def run_stack(args: argparse.Namespace, vocab_size: int, log: Path) -> dict[str,
     res: dict[str, Any] = {"command": " ".join(["python", *argv[1:]]), "log": str(log)}
     t0 = time.perf_counter()
     res["step_trace"] = str(log.with_suffix(".steps.jsonl"))  # the core's steps (engine.step_trace)
-    env = os.environ | {STEP_TRACE_ENV: res["step_trace"], "PAGEDSERVE_SSE_TIMES": "1"}  # (api.streams.SSE_TIMES)
+    res["pump_trace"] = str(log.with_suffix(".pump.jsonl"))  # front 0's pipelines and GC pauses (worker.pump_trace)
+    env = os.environ | {STEP_TRACE_ENV: res["step_trace"], PUMP_TRACE_ENV: res["pump_trace"]}
+    env["PAGEDSERVE_SSE_TIMES"] = "1"  # the API's relay stamps (api.streams.SSE_TIMES)
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
@@ -359,8 +364,11 @@ def run_both(argv: list[str], args: argparse.Namespace, base: Path) -> dict[str,
     if "levels" in res["stack"]:
         res["levels"] = compare(res["engine"]["levels"], res["stack"]["levels"])
         steps = read_trace(res["stack"]["step_trace"])
+        pumps, pauses = read_pump_trace(res["stack"]["pump_trace"])
         for eng, stack in zip(res["engine"]["levels"], res["stack"]["levels"], strict=True):
-            stack["ramps"] = level_ramps(steps, stack.pop("windows"), eng["mean_step_ms"])
+            windows = stack.pop("windows")
+            stack["ramps"] = level_ramps(steps, windows, eng["mean_step_ms"])
+            stack["front"] = level_hops(pumps, pauses, windows)
     return res
 
 
@@ -390,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(text)
     if "levels" in res:
         print_ramps(res)
+        for level in res["stack"]["levels"]:
+            print(format_hops(level["concurrency"], level["front"]))
         print(format_table(res["levels"]))
     failures = [f for lv in res.get("stack", {}).get("levels", []) + res["engine"]["levels"] for f in lv["failures"]]
     for f in failures[:20]:

@@ -35,6 +35,7 @@ from worker.failover import DivergedError, PriorAttempt
 from worker.jobs import ActiveJob
 from worker.metrics import WorkerMetrics
 from worker.node import WorkerNode
+from worker.pump_trace import PumpTrace
 from worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class GenerationWorker(WorkerNode):
         # spans only with a tracer provider installed (api.tracing.setup_tracing): without one the no-op spans
         # and the trace-context parsing were ~18 us of the ~0.2 ms a job start costs the front on this VM
         self.tracing = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+        self.pump_trace = PumpTrace.from_env(core.client)  # benchmarks only (bench stack): the pump's timing
 
     def core_stats(self) -> CoreStats:
         return self.stats
@@ -181,6 +183,7 @@ class GenerationWorker(WorkerNode):
         a pipeline runs, further steps queue up in the socket and are merged into the next one."""
         while True:
             messages = await self.core.outputs()
+            received = time.perf_counter()
             batch = EventBatch()
             ended: list[tuple[ActiveJob, str]] = []
             touched: dict[str, ActiveJob] = {}
@@ -197,6 +200,9 @@ class GenerationWorker(WorkerNode):
                     if not job.done.done():
                         job.done.set_exception(exc)
                 continue
+            if self.pump_trace is not None:
+                oldest = min((m.sent_at for m in messages), default=received)
+                self.pump_trace.record(received, len(messages), oldest, len(batch))
             for job, outcome in ended:
                 if not job.done.done():
                     job.done.set_result(outcome)

@@ -109,6 +109,8 @@ async def run_worker(
         try:
             await worker.serve()
         finally:
+            if worker.pump_trace is not None:
+                worker.pump_trace.write()
             for watcher in watchers:
                 watcher.cancel()
             await extra.stop(settings.drain_timeout_s)
@@ -126,7 +128,11 @@ async def serve_front(core: CoreClient, config: EngineConfig, settings: WorkerSe
         worker = GenerationWorker(core, settings, redis, model_name, tokenizer)
         await prewarm(redis, worker.max_jobs)
         freeze_startup_heap()
-        await worker.serve()
+        try:
+            await worker.serve()
+        finally:
+            if worker.pump_trace is not None:
+                worker.pump_trace.write()
     finally:
         await core.shutdown()
         await redis.aclose()

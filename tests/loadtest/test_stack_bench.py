@@ -53,6 +53,12 @@ def test_stack_bench_engine_and_stack_side_by_side(tmp_path: Path, monkeypatch: 
         else:
             assert row["wave_ratio_min"] is None and row["wave_ratio_max"] is None
     assert Path(res["stack"]["log"]).is_file()
+    for s in res["stack"]["levels"]:  # the front's pump trace (PAGEDSERVE_PUMP_TRACE) covers every wave
+        assert len(s["front"]) == WAVES[s["concurrency"]]
+        for hop in s["front"]:
+            assert hop["pumps"] > 0 and hop["steps"] >= hop["pumps"] and hop["max_steps_per_pump"] >= 1
+            assert 0 <= hop["core_to_front_p50_ms"] <= hop["core_to_front_p99_ms"] < 1e4
+            assert 0 < hop["front_p50_ms"] <= hop["front_p99_ms"] < 1e4
     for s in res["stack"]["levels"]:  # the API's relay stamps (PAGEDSERVE_SSE_TIMES) came with every token
         assert s["relay_to_client_p50_ms"] is not None and s["relay_to_client_p50_ms"] >= 0
         assert s["itl_p99_relay_in_ms"] is not None and s["itl_p99_relay_out_ms"] is not None

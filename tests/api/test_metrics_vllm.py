@@ -215,8 +215,11 @@ def test_repeated_prompt_reports_cached_tokens(caching_worker: tuple[ServerThrea
     assert first == 0
     assert second is not None and 0 < second < usages[1].prompt_tokens  # whole blocks, the last token recomputed
     labels = {"model_name": MODEL, "engine": "pc-worker"}
-    deadline = time.monotonic() + 10  # the worker's metrics follow its heartbeat
-    while value(text := httpx.get(worker_metrics).text, "vllm:prefix_cache_hits_total", **labels) < second:
+    deadline = time.monotonic() + 10  # the worker's metrics follow its heartbeat, which may come mid-request
+    while (
+        value(text := httpx.get(worker_metrics).text, "vllm:prefix_cache_hits_total", **labels) < second
+        or value(text, "vllm:generation_tokens_total", **labels) < 4
+    ):
         assert time.monotonic() < deadline, text
         time.sleep(0.2)
     assert value(text, "vllm:prefix_cache_queries_total", **labels) >= 2 * usages[0].prompt_tokens - second

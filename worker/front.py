@@ -192,6 +192,7 @@ class GenerationWorker(WorkerNode):
             now = time.time()
             for job in touched.values():
                 self._flush(job, batch, ended, now)
+            num_events = len(batch)
             try:
                 await self.write_events(batch)  # waits through a Redis outage
             except Exception as exc:  # noqa: BLE001 - the jobs' coroutines report it to arq
@@ -202,7 +203,7 @@ class GenerationWorker(WorkerNode):
                 continue
             if self.pump_trace is not None:
                 oldest = min((m.sent_at for m in messages), default=received)
-                self.pump_trace.record(received, len(messages), oldest, len(batch))
+                self.pump_trace.record(received, len(messages), oldest, num_events)
             for job, outcome in ended:
                 if not job.done.done():
                     job.done.set_result(outcome)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -35,6 +34,7 @@ from api.tokenizer import PromptTokenizer
 from api.tracing import setup_api_tracing
 from api.validation import install_openapi
 from cache.responses import ResponseCache
+from engine.gc_heap import freeze_startup_heap
 from wire import keys
 from wire.messages import dumps, loads
 
@@ -81,8 +81,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         app.state.reaper = QueueReaper(redis, settings.queue_deadline_s, settings.events_ttl_s)
         sweeper = asyncio.create_task(app.state.reaper.run(), name="queue-reaper")
         logger.info("serving %s (max_model_len %d) on queue %s", svc.model_name, svc.max_model_len, keys.QUEUE)
-        gc.collect()  # start-up objects (tokenizer, app, modules) out of the collector's reach, as in the worker
-        gc.freeze()  # (worker.main.freeze_startup_heap: full collections walked them on every request burst)
+        freeze_startup_heap()  # start-up objects (tokenizer, app, modules) out of the collector's reach (engine.gc_heap)
         try:
             yield
         finally:

@@ -30,6 +30,7 @@ BENCHES = {
     "serve": "loadtest.serve_bench",
     "stack": "loadtest.stack_bench",
     "relay": "loadtest.relay_bench",
+    "pump": "loadtest.pump_bench",
     "soak": "loadtest.soak",
     "swap": "loadtest.swap_bench",
 }

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import gc
 import logging
 import os
 import signal
@@ -36,6 +35,7 @@ from engine.core_messages import (
     command_decoder,
     output_encoder,
 )
+from engine.gc_heap import freeze_startup_heap
 from engine.sampling_params import SamplingParams
 from engine.step_trace import StepTrace
 
@@ -193,8 +193,7 @@ def run_engine_core(
     )
     outputs[0].send(output_encoder.encode(ready))  # to the front that started the core; it tells the others
     core = EngineCore(engine, commands, outputs, parent_pid)
-    gc.collect()  # the loaded engine's objects out of the collector's reach: full collections would walk them
-    gc.freeze()  # from the busy loop (as worker.main.freeze_startup_heap does for the front)
+    freeze_startup_heap()  # the loaded engine's objects out of the collector's reach (engine.gc_heap)
     signal.signal(signal.SIGTERM, lambda *_: core.stop())
     try:
         core.run()

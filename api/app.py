@@ -34,7 +34,7 @@ from api.tokenizer import PromptTokenizer
 from api.tracing import setup_api_tracing
 from api.validation import install_openapi
 from cache.responses import ResponseCache
-from engine.gc_heap import freeze_startup_heap
+from deploy.gc_heap import freeze_startup_heap
 from wire import keys
 from wire.messages import dumps, loads
 
@@ -81,7 +81,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         app.state.reaper = QueueReaper(redis, settings.queue_deadline_s, settings.events_ttl_s)
         sweeper = asyncio.create_task(app.state.reaper.run(), name="queue-reaper")
         logger.info("serving %s (max_model_len %d) on queue %s", svc.model_name, svc.max_model_len, keys.QUEUE)
-        freeze_startup_heap()  # start-up objects (tokenizer, app, modules) out of the collector's reach (engine.gc_heap)
+        freeze_startup_heap()  # start-up objects (tokenizer, app, modules) out of the collector's reach (deploy.gc_heap)
         try:
             yield
         finally:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from deploy.gc_heap import freeze_startup_heap
 from engine.config import EngineConfig
 from engine.core_messages import (
     MAX_COMMAND_BYTES,
@@ -35,7 +36,6 @@ from engine.core_messages import (
     command_decoder,
     output_encoder,
 )
-from engine.gc_heap import freeze_startup_heap
 from engine.sampling_params import SamplingParams
 from engine.step_trace import StepTrace
 
@@ -193,7 +193,7 @@ def run_engine_core(
     )
     outputs[0].send(output_encoder.encode(ready))  # to the front that started the core; it tells the others
     core = EngineCore(engine, commands, outputs, parent_pid)
-    freeze_startup_heap()  # the loaded engine's objects out of the collector's reach (engine.gc_heap)
+    freeze_startup_heap()  # the loaded engine's objects out of the collector's reach (deploy.gc_heap)
     signal.signal(signal.SIGTERM, lambda *_: core.stop())
     try:
         core.run()

@@ -63,7 +63,7 @@ def _token_ids(vocab_size: int, count: int) -> list[int]:
 async def _run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from engine.gc_heap import freeze_startup_heap
+    from deploy.gc_heap import freeze_startup_heap
     from worker.front import GenerationWorker
     from worker.main import connect
     from worker.settings import WorkerSettings

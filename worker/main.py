@@ -12,8 +12,8 @@ from redis.exceptions import RedisError
 
 import modelfiles
 from api.tracing import setup_tracing
+from deploy.gc_heap import freeze_startup_heap
 from engine.config import EngineConfig
-from engine.gc_heap import freeze_startup_heap
 from wire import keys
 from wire.messages import dumps, loads
 from worker.core_client import CoreClient

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.gc_heap import GEN0_THRESHOLD, freeze_startup_heap
+from deploy.gc_heap import GEN0_THRESHOLD, freeze_startup_heap
 
 
 @pytest.fixture

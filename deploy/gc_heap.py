@@ -12,7 +12,7 @@ step of 512 streams allocates a few thousand short-lived objects (decoded step m
 pump --jobs 512`` on the 2-core VM (300 steps) saw 9 full collections of up to 6.7-8.5 ms (the engine's step at 512
 streams is ~20 ms on the H200); at 10,000 it saw none, and no pause over 2.3 ms. Reference counting frees almost
 all of them anyway: only cyclic garbage waits for a collection, and 10,000 objects of it is a few MB at most.
-No module here imports torch, so the API node (without torch) uses it too.
+It lives in ``deploy`` (how the roles run), not ``engine``: the API tier imports nothing of the engine.
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ def front_hops(records: list[PumpRecord], pauses: list[GcPause], window: dict[st
         "core_to_front_p99_ms": _pct_ms([r.received - r.oldest_sent for r in pumps], 0.99),
         "front_p50_ms": _pct_ms([r.written - r.received for r in pumps], 0.5),
         "front_p99_ms": _pct_ms([r.written - r.received for r in pumps], 0.99),
+        "build_p50_ms": _pct_ms([r.built - r.received for r in pumps], 0.5),  # events built (CPU)
+        "redis_p50_ms": _pct_ms([r.written - r.built for r in pumps], 0.5),  # the pipeline's round trip
+        "redis_p99_ms": _pct_ms([r.written - r.built for r in pumps], 0.99),
         "gc_pauses": len(gcs),
         "gc_total_ms": round(1e3 * sum(p.duration_s for p in gcs), 2),
         "gc_max_ms": round(1e3 * max((p.duration_s for p in gcs), default=0.0), 3),
@@ -49,7 +52,7 @@ def format_hops(level: int, hops: list[dict[str, Any]]) -> str:
             f"front c={level} wave {i}: {h['pumps']} pipelines for {h['steps']} steps ({h['merged_pct']} % took "
             f"several, at most {h['max_steps_per_pump']}); core->front p50/p99 {h['core_to_front_p50_ms']}/"
             f"{h['core_to_front_p99_ms']} ms; front (events + pipeline) p50/p99 {h['front_p50_ms']}/"
-            f"{h['front_p99_ms']} ms; GC {h['gc_pauses']} pauses, {h['gc_total_ms']} ms in all, longest "
+            f"{h['front_p99_ms']} ms (build p50 {h['build_p50_ms']}, Redis p50/p99 {h['redis_p50_ms']}/{h['redis_p99_ms']}); GC {h['gc_pauses']} pauses, {h['gc_total_ms']} ms in all, longest "
             f"{h['gc_max_ms']} ms, {h['gc_full']} full"
         )
     return "\n".join(lines)

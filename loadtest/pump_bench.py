@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 import modelfiles
 from deploy.redis_server import RedisServer
 from engine.core_messages import CoreReady, CoreStats, SeqOutput, StepOutputs
@@ -48,6 +50,9 @@ class StepFeed:
     def abort(self, request_id: str, sample_indices: list[int] | None = None) -> None:
         pass
 
+    def has_outputs(self) -> bool:
+        return not self.queue.empty()
+
     async def outputs(self) -> list[StepOutputs]:
         messages = [await self.queue.get()]
         while not self.queue.empty():
@@ -68,11 +73,11 @@ async def _run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     from worker.main import connect
     from worker.settings import WorkerSettings
 
-    tokenizer = AutoTokenizer.from_pretrained(modelfiles.resolve(None).folder)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_folder or modelfiles.resolve(None).folder)
     redis = await connect(redis_url)
     feed = StepFeed(len(tokenizer))
     settings = WorkerSettings(redis_url=redis_url, max_jobs=args.jobs)
-    worker = GenerationWorker(feed, settings, redis, "bench", tokenizer)  # type: ignore[arg-type]
+    worker = GenerationWorker(feed, settings, redis, "bench", tokenizer, CollectorRegistry())  # type: ignore[arg-type]
     assert worker.pump_trace is not None
     freeze_startup_heap()  # as run_worker does before serving
     pump = asyncio.ensure_future(worker.pump())
@@ -93,6 +98,9 @@ async def _run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
         records = len(worker.pump_trace.records)
         await feed.queue.put(StepOutputs(outputs, CoreStats(), [], time.perf_counter()))
         while len(worker.pump_trace.records) == records:  # written: hand over the next step
+            if pump.done():
+                pump.result()  # the pump died: its error, not a hang
+                raise RuntimeError("the pump stopped")
             await asyncio.sleep(0)
     if profiler is not None:
         profiler.disable()
@@ -123,6 +131,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "front_ms_median": round(median, 3),
         "front_ms_p90": round(ms[int(0.9 * len(ms))], 3),
         "us_per_event_median": round(1e3 * median / args.jobs, 2),
+        "build_ms_median": round(statistics.median(1e3 * (r.built - r.received) for r in records), 3),
+        "redis_ms_median": round(statistics.median(1e3 * (r.written - r.built) for r in records), 3),
         "events_per_step": records[0].events if records else 0,
         "gc_pauses_per_step": round(len(pauses) / max(1, len(ms)), 2),
         "gc_ms_per_step": round(1e3 * sum(p.duration_s for p in pauses) / max(1, len(ms)), 3),
@@ -136,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=256, help="running jobs: one new token each per step")
     p.add_argument("--steps", type=int, default=300, help=f"measured steps (after {WARMUP_STEPS} warm-up steps)")
     p.add_argument("--profile", default="", help="write a cProfile of the measured steps here")
+    p.add_argument("--tokenizer-folder", default="", help="tokenizer files from here (default: the default model's)")
     p.add_argument("--json", default="", help="write the result here")
     args = p.parse_args(argv)
     res = measure(args)

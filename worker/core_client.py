@@ -142,6 +142,10 @@ class CoreClient:
         messages = [output_decoder.decode(f) for f in frames]
         return [m for m in messages if isinstance(m, StepOutputs)]
 
+    def has_outputs(self) -> bool:
+        """A step message is waiting to be taken."""
+        return bool(int(self._outputs.get(zmq.EVENTS)) & zmq.POLLIN)
+
     def kill(self) -> None:
         self.closing = True
         if self.process is not None and self.process.is_alive():

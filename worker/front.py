@@ -23,7 +23,9 @@ from typing import Any
 from arq.connections import ArqRedis
 from opentelemetry import trace
 from opentelemetry.propagate import extract
+from prometheus_client import REGISTRY, CollectorRegistry
 
+from deploy.gc_heap import collect_young_if_due
 from engine.core_messages import CoreReady, CoreStats, RequestError, StepOutputs
 from engine.output_processor import OutputProcessor
 from engine.request import validate_request
@@ -64,7 +66,15 @@ def _is_deterministic(payload: JobPayload) -> bool:
 class GenerationWorker(WorkerNode):
     """The job function and the pump from core outputs to Redis (heartbeats and running: ``WorkerNode``)."""
 
-    def __init__(self, core: CoreClient, settings: WorkerSettings, redis: ArqRedis, model_name: str, tokenizer: Any):
+    def __init__(
+        self,
+        core: CoreClient,
+        settings: WorkerSettings,
+        redis: ArqRedis,
+        model_name: str,
+        tokenizer: Any,
+        registry: CollectorRegistry = REGISTRY,  # the metrics' (another one: several workers in one process)
+    ):
         assert core.ready is not None, "CoreClient.start() first"
         self.ready: CoreReady = core.ready
         super().__init__(
@@ -73,7 +83,7 @@ class GenerationWorker(WorkerNode):
         self.core = core
         self.processor = OutputProcessor(tokenizer)
         self.jobs: dict[str, ActiveJob] = {}
-        self.metrics = WorkerMetrics(model_name, settings.worker_id)
+        self.metrics = WorkerMetrics(model_name, settings.worker_id, registry)
         self.stats = CoreStats()
         # spans only with a tracer provider installed (api.tracing.setup_tracing): without one the no-op spans
         # and the trace-context parsing were ~18 us of the ~0.2 ms a job start costs the front on this VM
@@ -179,34 +189,60 @@ class GenerationWorker(WorkerNode):
 
     # -- the pump: core outputs -> events -> one pipeline per batch of steps ------------------------------
     async def pump(self) -> None:
-        """Forever: every step message that has arrived, applied to its jobs, written in one pipeline. While
-        a pipeline runs, further steps queue up in the socket and are merged into the next one."""
+        """Forever: every step message that has arrived, applied to its jobs, its events sent in one pipeline.
+        One pipeline is in flight at a time and the next step's events are built while it is, so its round trip
+        overlaps the front's own work; steps that arrive meanwhile queue in the socket and are merged. Once a
+        pipeline has gone out and no step is waiting, a due young collection runs (``collect_young_if_due``)."""
+        writing: asyncio.Task[None] | None = None
         while True:
             messages = await self.core.outputs()
             received = time.perf_counter()
-            batch = EventBatch()
-            ended: list[tuple[ActiveJob, str]] = []
-            touched: dict[str, ActiveJob] = {}
-            for message in messages:
-                self._apply(message, batch, ended, touched)
-            now = time.time()
-            for job in touched.values():
-                self._flush(job, batch, ended, now)
-            num_events = len(batch)
-            try:
-                await self.write_events(batch)  # waits through a Redis outage
-            except Exception as exc:  # noqa: BLE001 - the jobs' coroutines report it to arq
-                logger.exception("writing %d events failed", len(batch))
-                for job, _ in ended:
-                    if not job.done.done():
-                        job.done.set_exception(exc)
-                continue
-            if self.pump_trace is not None:
-                oldest = min((m.sent_at for m in messages), default=received)
-                self.pump_trace.record(received, len(messages), oldest, num_events)
-            for job, outcome in ended:
+            batch, ended = self._events(messages)
+            built = time.perf_counter()
+            if writing is not None:
+                await writing  # in order: a job's events never overtake its earlier ones
+            writing = asyncio.ensure_future(self._write(batch, ended, messages, received, built))
+            await asyncio.sleep(0)  # the pipeline goes out (its task runs to its reply) before anything else
+            if not self.core.has_outputs():
+                collect_young_if_due()
+
+    def _events(self, messages: list[StepOutputs]) -> tuple[EventBatch, list[tuple[ActiveJob, str]]]:
+        """The events of these step messages, and the jobs they end (with their outcomes)."""
+        batch = EventBatch()
+        ended: list[tuple[ActiveJob, str]] = []
+        touched: dict[str, ActiveJob] = {}
+        for message in messages:
+            self._apply(message, batch, ended, touched)
+        now = time.time()
+        for job in touched.values():
+            self._flush(job, batch, ended, now)
+        return batch, ended
+
+    async def _write(
+        self,
+        batch: EventBatch,
+        ended: list[tuple[ActiveJob, str]],
+        messages: list[StepOutputs],
+        received: float,
+        built: float,
+    ) -> None:
+        """Write one batch (waiting through a Redis outage), then end its jobs: a job is done once its final
+        event is in Redis."""
+        num_events = len(batch)
+        try:
+            await self.write_events(batch)
+        except Exception as exc:  # noqa: BLE001 - the jobs' coroutines report it to arq
+            logger.exception("writing %d events failed", num_events)
+            for job, _ in ended:
                 if not job.done.done():
-                    job.done.set_result(outcome)
+                    job.done.set_exception(exc)
+            return
+        if self.pump_trace is not None:
+            oldest = min((m.sent_at for m in messages), default=received)
+            self.pump_trace.record(received, len(messages), oldest, num_events, built)
+        for job, outcome in ended:
+            if not job.done.done():
+                job.done.set_result(outcome)
 
     def _apply(
         self, message: StepOutputs, batch: EventBatch, ended: list[tuple[ActiveJob, str]], touched: dict[str, ActiveJob]

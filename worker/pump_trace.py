@@ -30,6 +30,9 @@ class PumpRecord(NamedTuple):
     oldest_sent: float  # when the core sent the oldest of them (StepOutputs.sent_at)
     events: int  # events written in the pipeline
     written: float  # the pipeline returned
+    built: float = (
+        0.0  # its events were built (the pipeline was sent then): received -> built is CPU, built -> written Redis
+    )
 
 
 class GcPause(NamedTuple):
@@ -62,8 +65,8 @@ class PumpTrace:
             now = time.perf_counter()
             self.gc_pauses.append(GcPause(self._gc_start, now - self._gc_start, int(info["generation"])))
 
-    def record(self, received: float, steps: int, oldest_sent: float, events: int) -> None:
-        self.records.append(PumpRecord(received, steps, oldest_sent, events, time.perf_counter()))
+    def record(self, received: float, steps: int, oldest_sent: float, events: int, built: float) -> None:
+        self.records.append(PumpRecord(received, steps, oldest_sent, events, time.perf_counter(), built))
 
     def write(self) -> None:
         """One JSON line per pipeline (``{"pump": [...]}``), then one per collector pause (``{"gc": [...]}``)."""

@@ -24,13 +24,13 @@ def test_round_trip_with_the_collector_pauses(tmp_path: Path, monkeypatch: pytes
     assert trace is not None and trace.path == str(tmp_path / "pump.jsonl")
     received = time.perf_counter()
     sent = received - 0.001
-    trace.record(received, steps=2, oldest_sent=sent, events=7)
+    trace.record(received, steps=2, oldest_sent=sent, events=7, built=time.perf_counter())
     gc.collect()  # a full collection, seen by the trace's callback
     trace.write()
     assert trace._on_gc not in gc.callbacks  # written: the callback is gone
     records, pauses = read_pump_trace(str(tmp_path / "pump.jsonl"))
     assert [(r.steps, r.events) for r in records] == [(2, 7)]
-    assert records[0].oldest_sent == sent and records[0].written >= records[0].received
+    assert records[0].oldest_sent == sent and records[0].written >= records[0].built >= records[0].received
     assert any(p.generation == 2 and p.duration_s >= 0 for p in pauses)
     assert read_pump_trace(str(tmp_path / "missing.jsonl")) == ([], [])
 
@@ -48,8 +48,8 @@ def test_front_hops_of_one_wave() -> None:
     window = {"start": 10.0, "ramp_end": 10.5, "end": 12.0}
     records = [
         PumpRecord(received=9.0, steps=1, oldest_sent=8.999, events=3, written=9.002),  # before the wave
-        PumpRecord(received=10.1, steps=1, oldest_sent=10.099, events=4, written=10.102),
-        PumpRecord(received=10.2, steps=3, oldest_sent=10.17, events=9, written=10.205),
+        PumpRecord(received=10.1, steps=1, oldest_sent=10.099, events=4, written=10.102, built=10.101),
+        PumpRecord(received=10.2, steps=3, oldest_sent=10.17, events=9, written=10.205, built=10.204),
         PumpRecord(received=10.3, steps=0, oldest_sent=10.3, events=0, written=10.3),  # nothing from the core
     ]
     pauses = [GcPause(10.15, 0.004, 0), GcPause(11.0, 0.020, 2), GcPause(13.0, 1.0, 2)]
@@ -58,6 +58,7 @@ def test_front_hops_of_one_wave() -> None:
     assert hops["merged_pct"] == 50.0
     assert hops["core_to_front_p50_ms"] == pytest.approx(30.0) and hops["core_to_front_p99_ms"] == pytest.approx(30.0)
     assert hops["front_p50_ms"] == pytest.approx(5.0)
+    assert hops["build_p50_ms"] == pytest.approx(4.0) and hops["redis_p50_ms"] == pytest.approx(1.0)
     assert hops["gc_pauses"] == 2 and hops["gc_full"] == 1
     assert hops["gc_total_ms"] == pytest.approx(24.0) and hops["gc_max_ms"] == pytest.approx(20.0)
     assert front_hops([], [], window)["merged_pct"] is None

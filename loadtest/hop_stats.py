@@ -52,7 +52,8 @@ def format_hops(level: int, hops: list[dict[str, Any]]) -> str:
             f"front c={level} wave {i}: {h['pumps']} pipelines for {h['steps']} steps ({h['merged_pct']} % took "
             f"several, at most {h['max_steps_per_pump']}); core->front p50/p99 {h['core_to_front_p50_ms']}/"
             f"{h['core_to_front_p99_ms']} ms; front (events + pipeline) p50/p99 {h['front_p50_ms']}/"
-            f"{h['front_p99_ms']} ms (build p50 {h['build_p50_ms']}, Redis p50/p99 {h['redis_p50_ms']}/{h['redis_p99_ms']}); GC {h['gc_pauses']} pauses, {h['gc_total_ms']} ms in all, longest "
+            f"{h['front_p99_ms']} ms (build p50 {h['build_p50_ms']}, Redis p50/p99 {h['redis_p50_ms']}/"
+            f"{h['redis_p99_ms']}); GC {h['gc_pauses']} pauses, {h['gc_total_ms']} ms in all, longest "
             f"{h['gc_max_ms']} ms, {h['gc_full']} full"
         )
     return "\n".join(lines)

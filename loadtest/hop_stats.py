@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.pump_trace import GcPause, PumpRecord
+from worker.pump_trace import GcPause, PumpRecord, sent_at
 
 
 def _pct_ms(values: list[float], q: float) -> float | None:
@@ -31,9 +31,14 @@ def front_hops(records: list[PumpRecord], pauses: list[GcPause], window: dict[st
         "core_to_front_p99_ms": _pct_ms([r.received - r.oldest_sent for r in pumps], 0.99),
         "front_p50_ms": _pct_ms([r.written - r.received for r in pumps], 0.5),
         "front_p99_ms": _pct_ms([r.written - r.received for r in pumps], 0.99),
+        # a step's events are in Redis about when its pipeline goes out: the front's part of a token's latency
+        "core_to_sent_p50_ms": _pct_ms([sent_at(r) - r.oldest_sent for r in pumps], 0.5),
+        "core_to_sent_p99_ms": _pct_ms([sent_at(r) - r.oldest_sent for r in pumps], 0.99),
         "build_p50_ms": _pct_ms([r.built - r.received for r in pumps], 0.5),  # events built (CPU)
-        "redis_p50_ms": _pct_ms([r.written - r.built for r in pumps], 0.5),  # the pipeline's round trip
-        "redis_p99_ms": _pct_ms([r.written - r.built for r in pumps], 0.99),
+        "build_p99_ms": _pct_ms([r.built - r.received for r in pumps], 0.99),
+        "wait_p99_ms": _pct_ms([sent_at(r) - r.built for r in pumps], 0.99),  # for the pipeline before it
+        "redis_p50_ms": _pct_ms([r.written - sent_at(r) for r in pumps], 0.5),  # the pipeline's round trip
+        "redis_p99_ms": _pct_ms([r.written - sent_at(r) for r in pumps], 0.99),
         "gc_pauses": len(gcs),
         "gc_total_ms": round(1e3 * sum(p.duration_s for p in gcs), 2),
         "gc_max_ms": round(1e3 * max((p.duration_s for p in gcs), default=0.0), 3),
@@ -52,8 +57,9 @@ def format_hops(level: int, hops: list[dict[str, Any]]) -> str:
             f"front c={level} wave {i}: {h['pumps']} pipelines for {h['steps']} steps ({h['merged_pct']} % took "
             f"several, at most {h['max_steps_per_pump']}); core->front p50/p99 {h['core_to_front_p50_ms']}/"
             f"{h['core_to_front_p99_ms']} ms; front (events + pipeline) p50/p99 {h['front_p50_ms']}/"
-            f"{h['front_p99_ms']} ms (build p50 {h['build_p50_ms']}, Redis p50/p99 {h['redis_p50_ms']}/"
-            f"{h['redis_p99_ms']}); GC {h['gc_pauses']} pauses, {h['gc_total_ms']} ms in all, longest "
+            f"{h['front_p99_ms']} ms (build p50/p99 {h['build_p50_ms']}/{h['build_p99_ms']}, wait for the "
+            f"previous pipeline p99 {h['wait_p99_ms']}, Redis p50/p99 {h['redis_p50_ms']}/{h['redis_p99_ms']}); "
+            f"core->pipeline out p50/p99 {h['core_to_sent_p50_ms']}/{h['core_to_sent_p99_ms']} ms; GC {h['gc_pauses']} pauses, {h['gc_total_ms']} ms in all, longest "
             f"{h['gc_max_ms']} ms, {h['gc_full']} full"
         )
     return "\n".join(lines)

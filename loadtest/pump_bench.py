@@ -30,7 +30,7 @@ from deploy.redis_server import RedisServer
 from engine.core_messages import CoreReady, CoreStats, SeqOutput, StepOutputs
 from wire.messages import JobPayload
 from wire.sampling import SamplingSpec
-from worker.pump_trace import ENV_VAR
+from worker.pump_trace import ENV_VAR, sent_at
 
 WARMUP_STEPS = 20
 
@@ -132,7 +132,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "front_ms_p90": round(ms[int(0.9 * len(ms))], 3),
         "us_per_event_median": round(1e3 * median / args.jobs, 2),
         "build_ms_median": round(statistics.median(1e3 * (r.built - r.received) for r in records), 3),
-        "redis_ms_median": round(statistics.median(1e3 * (r.written - r.built) for r in records), 3),
+        "redis_ms_median": round(statistics.median(1e3 * (r.written - sent_at(r)) for r in records), 3),
         "events_per_step": records[0].events if records else 0,
         "gc_pauses_per_step": round(len(pauses) / max(1, len(ms)), 2),
         "gc_ms_per_step": round(1e3 * sum(p.duration_s for p in pauses) / max(1, len(ms)), 3),

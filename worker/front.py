@@ -229,6 +229,7 @@ class GenerationWorker(WorkerNode):
         """Write one batch (waiting through a Redis outage), then end its jobs: a job is done once its final
         event is in Redis."""
         num_events = len(batch)
+        sent = time.perf_counter()
         try:
             await self.write_events(batch)
         except Exception as exc:  # noqa: BLE001 - the jobs' coroutines report it to arq
@@ -239,7 +240,7 @@ class GenerationWorker(WorkerNode):
             return
         if self.pump_trace is not None:
             oldest = min((m.sent_at for m in messages), default=received)
-            self.pump_trace.record(received, len(messages), oldest, num_events, built)
+            self.pump_trace.record(received, len(messages), oldest, num_events, built, sent)
         for job, outcome in ended:
             if not job.done.done():
                 job.done.set_result(outcome)

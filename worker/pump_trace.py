@@ -30,9 +30,13 @@ class PumpRecord(NamedTuple):
     oldest_sent: float  # when the core sent the oldest of them (StepOutputs.sent_at)
     events: int  # events written in the pipeline
     written: float  # the pipeline returned
-    built: float = (
-        0.0  # its events were built (the pipeline was sent then): received -> built is CPU, built -> written Redis
-    )
+    built: float = 0.0  # its events were built: received -> built is the front's CPU
+    sent: float = 0.0  # its pipeline went out (after the one before it returned): sent -> written is Redis
+
+
+def sent_at(record: PumpRecord) -> float:
+    """When the record's pipeline went out (traces from before ``sent`` was recorded: when it was built)."""
+    return record.sent or record.built
 
 
 class GcPause(NamedTuple):
@@ -65,8 +69,10 @@ class PumpTrace:
             now = time.perf_counter()
             self.gc_pauses.append(GcPause(self._gc_start, now - self._gc_start, int(info["generation"])))
 
-    def record(self, received: float, steps: int, oldest_sent: float, events: int, built: float) -> None:
-        self.records.append(PumpRecord(received, steps, oldest_sent, events, time.perf_counter(), built))
+    def record(
+        self, received: float, steps: int, oldest_sent: float, events: int, built: float, sent: float = 0.0
+    ) -> None:
+        self.records.append(PumpRecord(received, steps, oldest_sent, events, time.perf_counter(), built, sent))
 
     def write(self) -> None:
         """One JSON line per pipeline (``{"pump": [...]}``), then one per collector pause (``{"gc": [...]}``)."""

@@ -62,6 +62,9 @@ def test_stack_bench_engine_and_stack_side_by_side(tmp_path: Path, monkeypatch: 
     for s in res["stack"]["levels"]:  # the API's relay stamps (PAGEDSERVE_SSE_TIMES) came with every token
         assert s["relay_to_client_p50_ms"] is not None and s["relay_to_client_p50_ms"] >= 0
         assert s["itl_p99_relay_in_ms"] is not None and s["itl_p99_relay_out_ms"] is not None
+    for s in res["stack"]["levels"]:  # the host probes: some process was busy, Redis' monitor was read
+        assert s["host_cpu"] and all("% of a core" in line for line in s["host_cpu"]), s["host_cpu"]
+        assert set(s["redis_latency"]) >= {"events", "slow_commands", "aof_delayed_fsync", "latest_fork_ms"}
 
 
 def test_relay_stamps_are_read_per_token_and_split_the_gaps() -> None:

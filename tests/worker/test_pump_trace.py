@@ -49,7 +49,7 @@ def test_front_hops_of_one_wave() -> None:
     records = [
         PumpRecord(received=9.0, steps=1, oldest_sent=8.999, events=3, written=9.002),  # before the wave
         PumpRecord(received=10.1, steps=1, oldest_sent=10.099, events=4, written=10.102, built=10.101),
-        PumpRecord(received=10.2, steps=3, oldest_sent=10.17, events=9, written=10.205, built=10.204),
+        PumpRecord(received=10.2, steps=3, oldest_sent=10.17, events=9, written=10.207, built=10.204, sent=10.206),
         PumpRecord(received=10.3, steps=0, oldest_sent=10.3, events=0, written=10.3),  # nothing from the core
     ]
     pauses = [GcPause(10.15, 0.004, 0), GcPause(11.0, 0.020, 2), GcPause(13.0, 1.0, 2)]
@@ -57,8 +57,11 @@ def test_front_hops_of_one_wave() -> None:
     assert hops["pumps"] == 2 and hops["steps"] == 4 and hops["max_steps_per_pump"] == 3
     assert hops["merged_pct"] == 50.0
     assert hops["core_to_front_p50_ms"] == pytest.approx(30.0) and hops["core_to_front_p99_ms"] == pytest.approx(30.0)
-    assert hops["front_p50_ms"] == pytest.approx(5.0)
-    assert hops["build_p50_ms"] == pytest.approx(4.0) and hops["redis_p50_ms"] == pytest.approx(1.0)
+    assert hops["front_p50_ms"] == pytest.approx(7.0)  # the upper of the two: 2 and 7 ms
+    assert hops["build_p50_ms"] == pytest.approx(4.0) and hops["build_p99_ms"] == pytest.approx(4.0)
+    # the first record has no send time (an older trace): it went out when built, so it waited 0 ms
+    assert hops["wait_p99_ms"] == pytest.approx(2.0) and hops["redis_p50_ms"] == pytest.approx(1.0)
+    assert hops["core_to_sent_p50_ms"] == pytest.approx(36.0) and hops["core_to_sent_p99_ms"] == pytest.approx(36.0)
     assert hops["gc_pauses"] == 2 and hops["gc_full"] == 1
     assert hops["gc_total_ms"] == pytest.approx(24.0) and hops["gc_max_ms"] == pytest.approx(20.0)
     assert front_hops([], [], window)["merged_pct"] is None

@@ -38,10 +38,10 @@ from engine.args import EngineArgs
 from engine.step_trace import ENV_VAR as STEP_TRACE_ENV
 from engine.step_trace import StepRecord, read_trace
 from loadtest.hop_stats import format_hops, level_hops
-from loadtest.stack_probes import ProcessCpu, RedisLatency, private_redis_url
+from loadtest.stack_probes import ProcessCpu, RedisLatency, gpu_processes, private_redis_url
 from loadtest.stack_profile import StackProfiler
 from loadtest.stack_stats import compare, format_table, summarize, worker_histograms, worker_means
-from loadtest.step_stats import level_ramps, print_ramps, wave_windows
+from loadtest.step_stats import decode_step_p50_ms, level_ramps, print_ramps, wave_windows
 from loadtest.stream_client import ClientPool, Record, StreamJob, finish_record
 from worker.pump_trace import ENV_VAR as PUMP_TRACE_ENV
 from worker.pump_trace import read_pump_trace
@@ -165,6 +165,7 @@ def run_engine_only(args: argparse.Namespace) -> dict[str, Any]:
             summary = summarize(level, records, walls)
             summary["mean_step_ms"] = round(decode_s / decode_steps * 1e3, 3) if decode_steps else None
             summary["ramps"] = level_ramps(step_records, wave_windows(records), summary["mean_step_ms"])
+            summary["decode_step_p50_ms"] = decode_step_p50_ms(step_records, wave_windows(records))
             print(json.dumps({"engine": {k: v for k, v in summary.items() if k != "failures"}}), flush=True)
             res["levels"].append(summary)
     finally:
@@ -234,9 +235,10 @@ def _take_probes(probes: tuple[ProcessCpu, RedisLatency | None] | None, level: i
     if probes is None:
         return {}
     cpu, latency = probes
-    taken: dict[str, Any] = {"host_cpu": cpu.take(wall_s)}
+    taken: dict[str, Any] = {"host_cpu": cpu.take(wall_s), "gpu_processes": gpu_processes()}
     print(f"host c={level}: CPU per process over {wall_s:.1f} s of waves", flush=True)
     print("\n".join(taken["host_cpu"]), flush=True)
+    print(f"GPU contexts c={level}: {taken['gpu_processes']}", flush=True)
     if latency is not None:
         taken["redis_latency"] = latency.take()
         print(f"redis c={level} (over {latency.threshold_ms} ms): {json.dumps(taken['redis_latency'])}", flush=True)
@@ -347,7 +349,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--device", default="auto")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--async-scheduling", action="store_true")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--profile-dir", default=None, help="py-spy the stack's processes during levels, to here")
     p.add_argument("--profile-from", type=int, default=256, help="profile the levels of this many streams and more")
     p.add_argument("--out", default=None, help="write the JSON result here")
@@ -397,6 +399,7 @@ def run_both(argv: list[str], args: argparse.Namespace, base: Path) -> dict[str,
         for eng, stack in zip(res["engine"]["levels"], res["stack"]["levels"], strict=True):
             windows = stack.pop("windows")
             stack["ramps"] = level_ramps(steps, windows, eng["mean_step_ms"])
+            stack["decode_step_p50_ms"] = decode_step_p50_ms(steps, windows)
             stack["front"] = level_hops(pumps, pauses, windows)
     return res
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any, cast
 
@@ -138,3 +140,13 @@ class ProcessCpu:
             threads = ", ".join(f"{name} {100 * v / wall_s:.0f} %" for v, name in busy[:8])
             lines.append(f"  {_process_name(pid)}: {100 * total / wall_s:.0f} % of a core ({threads})")
         return lines
+
+
+def gpu_processes() -> list[str]:
+    """The processes holding a CUDA context now (``nvidia-smi``), one ``pid, name, memory`` line each; empty
+    without an NVIDIA GPU. A second context on the engine's GPU would share its time."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    query = ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"]
+    done = subprocess.run(query, capture_output=True, text=True, timeout=30, check=False)
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()]

@@ -49,6 +49,18 @@ def ramp_stats(steps: list[StepRecord], window: dict[str, float], step_s: float)
     }
 
 
+def decode_step_p50_ms(steps: list[StepRecord], windows: list[dict[str, float]]) -> float | None:
+    """The median step after the ramps of ``windows`` (every request decoding, none added): the step the
+    core itself took, without the hops after it, to set beside TPOT."""
+    durations = sorted(
+        s.duration_s
+        for w in windows
+        for s in steps
+        if w["ramp_end"] < s.start <= w["end"] and not s.num_added and s.num_running
+    )
+    return round(durations[len(durations) // 2] * 1e3, 3) if durations else None
+
+
 def level_ramps(steps: list[StepRecord], windows: list[dict[str, float]], step_ms: float | None) -> list[Any]:
     if not step_ms:
         return []
@@ -67,7 +79,13 @@ def format_ramps(side: str, level: int, ramps: list[dict[str, Any]]) -> str:
 
 
 def print_ramps(res: dict[str, Any], min_level: int = 64) -> None:
-    """The admission ramp's steps of every level from ``min_level`` on, the engine's and the stack's."""
+    """Each level's median decode step on both sides, then the admission ramp's steps of every level from
+    ``min_level`` on, the engine's and the stack's."""
+    for eng, stack in zip(res["engine"]["levels"], res["stack"]["levels"], strict=False):
+        print(
+            f"decode step p50 c={eng['concurrency']}: engine {eng.get('decode_step_p50_ms')} ms, stack's core "
+            f"{stack.get('decode_step_p50_ms')} ms"
+        )
     for side in ("engine", "stack"):
         for level in res.get(side, {}).get("levels", []):
             if level["concurrency"] >= min_level and level.get("ramps"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine.step_trace import ENV_VAR, StepRecord, StepTrace, read_trace
-from loadtest.step_stats import ramp_stats, wave_windows
+from loadtest.step_stats import decode_step_p50_ms, ramp_stats, wave_windows
 from loadtest.stream_client import Record
 
 
@@ -48,3 +48,17 @@ def test_ramp_counts_the_decoding_requests_of_slow_steps_only() -> None:
     assert ramp_stats(engine, {"start": 1.0, "ramp_end": 1.1, "end": 2.0}, step_s=0.01)["slow_gaps"] == 100
     assert r["steps_tokens"] == [20, 21, 2] and r["steps_added"] == [1, 1, 0]
     assert r["core_arrival_span_ms"] == pytest.approx(50.0)
+
+
+def test_decode_step_median_is_taken_after_each_ramp() -> None:
+    window = {"start": 1.0, "ramp_end": 1.2, "end": 2.0}
+    steps = [
+        StepRecord(1.1, 0.050, 40, 2, 0, 2),  # in the ramp
+        StepRecord(1.3, 0.010, 2, 2, 0, 0),
+        StepRecord(1.4, 0.012, 2, 2, 0, 0),
+        StepRecord(1.5, 0.011, 2, 2, 0, 0),
+        StepRecord(1.6, 0.030, 3, 3, 0, 1),  # a request joined: a prefill, not a decode step
+        StepRecord(2.5, 0.100, 2, 2, 0, 0),  # after the wave
+    ]
+    assert decode_step_p50_ms(steps, [window]) == pytest.approx(11.0)
+    assert decode_step_p50_ms(steps[:1], [window]) is None

@@ -9,8 +9,8 @@
 #                     inside the first run shows as a gap between its two), then stage 3 with 4 API processes and 3
 #                     waves (ITL p99 at 256 moves a lot between runs: more samples). NEW_KV_TESTS=1 first runs the
 #                     engine's GPU tests with the new_kv kernel (~3.5 min; 43 passed at be5eba5)
-#   stage b1 (~4 min): the host's CPUs, then the stack against the engine at concurrency 1 only (16 requests), with
-#                     synchronous and with asynchronous scheduling (TPOT at batch 1)
+#   stage b1 (~4 min): the host's CPUs, then the stack at concurrency 1 only (16 requests) between two runs of the
+#                     engine alone (TPOT at batch 1; B1_SCHEDULING="--no-async-scheduling --async-scheduling": both)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
@@ -52,8 +52,9 @@ elif [ "$stage" = 5 ]; then
   API_WORKERS=4 WAVES=3 bash "$0" 3 "$commit"
 elif [ "$stage" = b1 ]; then
   lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|Model name|NUMA node)" || true
-  for sched in --no-async-scheduling --async-scheduling; do
-    OUT="$out/b1$sched" STACK_ARGS="--concurrency 1 --min-requests 16 $sched" API_WORKERS=4 bash "$0" 3 "$commit"
+  for sched in ${B1_SCHEDULING:---no-async-scheduling}; do  # e.g. B1_SCHEDULING="--no-async-scheduling --async-scheduling"
+    OUT="$out/b1$sched" STACK_ARGS="--concurrency 1 --min-requests 16 --engine-again $sched" API_WORKERS=4 \
+      bash "$0" 3 "$commit"
   done
 elif [ "$stage" = 3 ]; then
   if ! command -v redis-server > /dev/null && [ -f .devicepack/activate.sh ]; then source .devicepack/activate.sh; fi

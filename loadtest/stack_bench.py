@@ -355,6 +355,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--commit", default=None, help="git commit to record (when .git is not at hand)")
     p.add_argument("--engine-only", action="store_true", help="internal: the engine side only, JSON to --out")
+    p.add_argument("--engine-again", action="store_true", help="run the engine reference again after the stack")
     args = p.parse_args(argv)
     if args.output_len < 2 or args.waves < 1 or args.min_requests < 1 or min(args.concurrency) < 1:
         p.error("--output-len must be >= 2, --waves, --min-requests and every --concurrency >= 1")
@@ -392,6 +393,8 @@ def run_both(argv: list[str], args: argparse.Namespace, base: Path) -> dict[str,
         res["stack"] = run_stack(args, model_vocab_size(args.model), base.with_suffix(".serve.log"))
     except RuntimeError as exc:
         res["stack"] = {"error": str(exc), "log": str(base.with_suffix(".serve.log"))}
+    if args.engine_again:  # the same reference after the stack: did the machine change, or is it the process?
+        res["engine_again"] = run_engine_subprocess(argv, args, base.with_suffix(".engine2.json"))
     if "levels" in res["stack"]:
         res["levels"] = compare(res["engine"]["levels"], res["stack"]["levels"])
         steps = read_trace(res["stack"]["step_trace"])
@@ -430,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(text)
     if "levels" in res:
         print_ramps(res)
+        for first, again in zip(res["engine"]["levels"], res.get("engine_again", {}).get("levels", []), strict=False):
+            print(
+                f"engine again c={first['concurrency']}: {again['output_tok_s']} tok/s (first run {first['output_tok_s']}),"
+                f" TPOT p50 {again['tpot_p50_ms']} ({first['tpot_p50_ms']}) ms, decode step p50"
+                f" {again['decode_step_p50_ms']} ({first['decode_step_p50_ms']}) ms"
+            )
         for level in res["stack"]["levels"]:
             print(format_hops(level["concurrency"], level["front"]))
         print(format_table(res["levels"]))

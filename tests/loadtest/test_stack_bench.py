@@ -25,7 +25,7 @@ def test_stack_bench_engine_and_stack_side_by_side(tmp_path: Path, monkeypatch: 
     out = tmp_path / "stack.json"
     argv = ["--device", "cpu", "--cpu-kv-cache-gib", "0.25", "--concurrency", *map(str, LEVELS)]
     argv += ["--output-len", str(OUTPUT_LEN), "--client-procs", "1", "--commit", "test", "--out", str(out)]
-    argv += ["--min-requests", "2"]  # concurrency 1 runs two waves, 4 one
+    argv += ["--min-requests", "2", "--engine-again"]  # concurrency 1 runs two waves, 4 one; the engine twice
     assert main(argv) == 0
     res = json.loads(out.read_text())
     assert res["commit"] == "test" and res["stack"]["exit_status"] == 0, res["stack"]
@@ -40,8 +40,9 @@ def test_stack_bench_engine_and_stack_side_by_side(tmp_path: Path, monkeypatch: 
             assert len(lv["wave_tok_s"]) == WAVES[lv["concurrency"]]
             assert lv["output_tok_s"] == pytest.approx(lv["output_tokens"] / lv["wall_s"], rel=0.02)
             assert 0 < lv["ttft_p50_ms"] <= lv["wall_s"] * 1e3 and lv["tpot_p50_ms"] > 0 and lv["itl_p99_ms"] > 0
-    for e in res["engine"]["levels"]:  # the engine sees every token one step apart
-        assert e["arrivals_per_request"] == OUTPUT_LEN and e["mean_step_ms"] > 0
+    assert [lv["concurrency"] for lv in res["engine_again"]["levels"]] == LEVELS  # the reference after the stack
+    for e in res["engine"]["levels"] + res["engine_again"]["levels"]:  # the engine sees every token one step apart
+        assert e["arrivals_per_request"] == OUTPUT_LEN and e["mean_step_ms"] > 0 and e["decode_step_p50_ms"] > 0
     for row, e, s in zip(res["levels"], res["engine"]["levels"], res["stack"]["levels"], strict=True):
         assert row["concurrency"] == e["concurrency"]
         rate = lambda side: side["output_tokens"] / side["wall_s"]  # noqa: E731

@@ -22,12 +22,12 @@ BACKENDS = ("torch", "triton")
 # sm_90+, only the cached prefix through the block table) or "paged" (kernels.prefill_attention: everything
 # through the block table). H200 sweep (loadtest/kernels_bench.py --sweep --only prefill, 2026-12-01, commit
 # 08973e7; 8B heads, bf16), TFLOP/s at 4k causal / 8k causal / 2k new after 2k cached: new_kv 461 / 539 / 390,
-# paged 335 / 377 / 323, SDPA 536 / 617 / 282. The engine path passed its GPU tests on the H200 (2026-12-02, be5eba5:
-# tests/engine/test_gpu.py + tests/kernels/test_gpu.py with new_kv, 43 passed), but `bench throughput --workload
-# mixed` took 23.5 s with it against 19.6 s with "paged" in the same run (same 541 steps; first token 3.6 vs 1.8 s,
-# whether a compile inside the run is part of that was not checked), so "paged" stays the default for now.
-# PAGEDSERVE_PREFILL_KERNEL picks the other one for a same-machine A/B (loadtest/gpu_session.sh).
-PREFILL_KERNEL = os.environ.get("PAGEDSERVE_PREFILL_KERNEL", "paged")
+# paged 335 / 377 / 323, SDPA 536 / 617 / 282. `bench throughput --workload mixed`, each kernel twice in one run,
+# alternating (gpu_session.sh 5, 2026-12-02, 9aaade3): new_kv 22.6 s, paged 17.8 s, new_kv 15.3 s, paged 15.4 s; the
+# first two include compiling each kernel (first token 2.5 and 1.1 s against 0.19 and 0.18 s once compiled), so warm
+# they are even on `mixed` and new_kv is the faster prefill kernel: the default. The engine's GPU tests pass with it
+# (be5eba5, 43 passed). PAGEDSERVE_PREFILL_KERNEL=paged picks the other one (an A/B: loadtest/gpu_session.sh 5).
+PREFILL_KERNEL = os.environ.get("PAGEDSERVE_PREFILL_KERNEL", "new_kv")
 if PREFILL_KERNEL not in ("paged", "new_kv"):
     raise ValueError(f"PAGEDSERVE_PREFILL_KERNEL={PREFILL_KERNEL!r}: expected 'paged' or 'new_kv'")
 

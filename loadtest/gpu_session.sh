@@ -9,6 +9,8 @@
 #                     inside the first run shows as a gap between its two), then stage 3 with 4 API processes and 3
 #                     waves (ITL p99 at 256 moves a lot between runs: more samples). NEW_KV_TESTS=1 first runs the
 #                     engine's GPU tests with the new_kv kernel (~3.5 min; 43 passed at be5eba5)
+#   stage 6 (~6 min): the engine's and kernels' GPU tests (not GEMV, not int4) at the defaults, then `mixed` with each
+#                     prefill kernel twice, alternating
 #   stage b1 (~4 min): the host's CPUs, then the stack at concurrency 1 only (16 requests) between two runs of the
 #                     engine alone (TPOT at batch 1; B1_SCHEDULING="--no-async-scheduling --async-scheduling": both)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -16,12 +18,24 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5 or b1}
+stage=${1:?stage 1, 2, 3, 4, 5, 6 or b1}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # keeps the device pack's /tmp/site
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+mixed_ab() {  # the same workload, each prefill kernel twice, alternating, one machine
+  run=0
+  for kernel in new_kv paged new_kv paged; do
+    run=$((run + 1))
+    PAGEDSERVE_PREFILL_KERNEL=$kernel python -m loadtest.throughput throughput --workload mixed --shape 8b \
+      --max-model-len 4096 --max-num-seqs 512 --commit "$commit" --out "$out/mixed-$kernel-$run.json" > /dev/null 2>&1 \
+      || echo "mixed with $kernel FAILED"
+    python -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], 'mixed', r['elapsed_s'], 's', \
+      r['output_tok_s'], 'output tok/s', r['total_tok_s'], 'total tok/s, first token', r['first_token_s'], 's')" \
+      "$out/mixed-$kernel-$run.json" "$kernel" || true
+  done
+}
 if [ "$stage" = 1 ]; then
   # a failure is reported, not fatal: the timings below still tell which variant to fix
   python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/kernels/test_gpu.py > "$out/gpu_tests.txt" 2>&1 \
@@ -39,17 +53,13 @@ elif [ "$stage" = 5 ]; then
       && echo "NEW_KV GPU TESTS PASSED" || echo "NEW_KV GPU TESTS FAILED (see new_kv_tests.txt)"
     tail -4 "$out/new_kv_tests.txt"
   fi
-  run=0
-  for kernel in new_kv paged new_kv paged; do  # the same workload, each prefill kernel twice, one machine
-    run=$((run + 1))
-    PAGEDSERVE_PREFILL_KERNEL=$kernel python -m loadtest.throughput throughput --workload mixed --shape 8b \
-      --max-model-len 4096 --max-num-seqs 512 --commit "$commit" --out "$out/mixed-$kernel-$run.json" > /dev/null 2>&1 \
-      || echo "mixed with $kernel FAILED"
-    python -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], 'mixed', r['elapsed_s'], 's', \
-      r['output_tok_s'], 'output tok/s', r['total_tok_s'], 'total tok/s, first token', r['first_token_s'], 's')" \
-      "$out/mixed-$kernel-$run.json" "$kernel" || true
-  done
+  mixed_ab
   API_WORKERS=4 WAVES=3 bash "$0" 3 "$commit"
+elif [ "$stage" = 6 ]; then
+  python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/kernels/test_gpu.py -k "not gemv and not int4" \
+    > "$out/gpu_tests.txt" 2>&1 && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
+  tail -4 "$out/gpu_tests.txt"
+  mixed_ab
 elif [ "$stage" = b1 ]; then
   lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|Model name|NUMA node)" || true
   for sched in ${B1_SCHEDULING:---no-async-scheduling}; do  # e.g. B1_SCHEDULING="--no-async-scheduling --async-scheduling"

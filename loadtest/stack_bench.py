@@ -38,7 +38,7 @@ from engine.args import EngineArgs
 from engine.step_trace import ENV_VAR as STEP_TRACE_ENV
 from engine.step_trace import StepRecord, read_trace
 from loadtest.hop_stats import format_hops, level_hops
-from loadtest.stack_probes import ProcessCpu, RedisLatency, gpu_processes, private_redis_url
+from loadtest.stack_probes import ProcessCpu, RedisLatency, gpu_processes, gpu_state, private_redis_url
 from loadtest.stack_profile import StackProfiler
 from loadtest.stack_stats import compare, format_table, summarize, worker_histograms, worker_means
 from loadtest.step_stats import decode_step_p50_ms, level_ramps, print_ramps, wave_windows
@@ -166,6 +166,7 @@ def run_engine_only(args: argparse.Namespace) -> dict[str, Any]:
             summary["mean_step_ms"] = round(decode_s / decode_steps * 1e3, 3) if decode_steps else None
             summary["ramps"] = level_ramps(step_records, wave_windows(records), summary["mean_step_ms"])
             summary["decode_step_p50_ms"] = decode_step_p50_ms(step_records, wave_windows(records))
+            summary["gpu_state"] = gpu_state()  # SM MHz, memory MHz, temperature, power after the level
             print(json.dumps({"engine": {k: v for k, v in summary.items() if k != "failures"}}), flush=True)
             res["levels"].append(summary)
     finally:
@@ -235,7 +236,7 @@ def _take_probes(probes: tuple[ProcessCpu, RedisLatency | None] | None, level: i
     if probes is None:
         return {}
     cpu, latency = probes
-    taken: dict[str, Any] = {"host_cpu": cpu.take(wall_s), "gpu_processes": gpu_processes()}
+    taken: dict[str, Any] = {"host_cpu": cpu.take(wall_s), "gpu_processes": gpu_processes(), "gpu_state": gpu_state()}
     print(f"host c={level}: CPU per process over {wall_s:.1f} s of waves", flush=True)
     print("\n".join(taken["host_cpu"]), flush=True)
     print(f"GPU contexts c={level}: {taken['gpu_processes']}", flush=True)

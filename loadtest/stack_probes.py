@@ -150,3 +150,20 @@ def gpu_processes() -> list[str]:
     query = ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"]
     done = subprocess.run(query, capture_output=True, text=True, timeout=30, check=False)
     return [line.strip() for line in done.stdout.splitlines() if line.strip()]
+
+
+def gpu_state() -> str | None:
+    """The GPU's SM and memory clocks (MHz), temperature (C) and power draw (W) now, or None without
+    ``nvidia-smi``: the engine's step moves by a few per cent between processes, and this tells a slower
+    clock apart from a slower process."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    fields = "clocks.sm,clocks.mem,temperature.gpu,power.draw"
+    done = subprocess.run(
+        ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    return done.stdout.strip().splitlines()[0] if done.stdout.strip() else None

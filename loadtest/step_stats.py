@@ -84,7 +84,8 @@ def print_ramps(res: dict[str, Any], min_level: int = 64) -> None:
     for eng, stack in zip(res["engine"]["levels"], res["stack"]["levels"], strict=False):
         print(
             f"decode step p50 c={eng['concurrency']}: engine {eng.get('decode_step_p50_ms')} ms, stack's core "
-            f"{stack.get('decode_step_p50_ms')} ms"
+            f"{stack.get('decode_step_p50_ms')} ms; GPU after it (SM MHz, memory MHz, C, W): engine "
+            f"{eng.get('gpu_state')}, stack {stack.get('gpu_state')}"
         )
     for side in ("engine", "stack"):
         for level in res.get(side, {}).get("levels", []):

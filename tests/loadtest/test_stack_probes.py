@@ -9,10 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from deploy.redis_server import RedisServer
-from loadtest.stack_probes import ProcessCpu, RedisLatency, private_redis_url
+from loadtest.stack_probes import ProcessCpu, RedisLatency, gpu_processes, gpu_state, private_redis_url
 
 SPIN_20_MS = """
 local t = redis.call('TIME')
@@ -59,3 +60,15 @@ def test_the_private_redis_is_found_under_the_stack(redis_server: RedisServer) -
         parent.wait(5)
     assert redis_server.proc is not None
     assert private_redis_url(redis_server.proc.pid) == redis_server.url  # the server itself is in its own tree
+
+
+def test_gpu_probes_read_nvidia_smi_and_are_empty_without_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi here (CI has no GPU)
+    assert gpu_state() is None and gpu_processes() == []
+    tool = tmp_path / "nvidia-smi"  # a stand-in with nvidia-smi's CSV output for the two queries
+    tool.write_text(
+        "#!/bin/sh\ncase \"$1\" in --query-gpu*) echo '1980, 3201, 41, 402.5';; *) echo '77, python, 129670 MiB';; esac\n"
+    )
+    tool.chmod(0o755)
+    assert gpu_state() == "1980, 3201, 41, 402.5"
+    assert gpu_processes() == ["77, python, 129670 MiB"]

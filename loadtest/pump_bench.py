@@ -20,6 +20,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,12 +106,38 @@ async def _run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(args.profile)
+    final = await _final_step(feed, worker, jobs, ids, pump)
     pump.cancel()
     for job in jobs:
         job.cancel()
     await asyncio.gather(pump, *jobs, return_exceptions=True)
     await redis.aclose()
-    return {"records": worker.pump_trace.records[WARMUP_STEPS:], "pauses": worker.pump_trace.gc_pauses}
+    measured = worker.pump_trace.records[WARMUP_STEPS:-1]  # the measured steps, not the final one
+    return {"records": measured, "pauses": worker.pump_trace.gc_pauses, **final}
+
+
+async def _final_step(
+    feed: StepFeed, worker: Any, jobs: Sequence[asyncio.Future[Any]], ids: list[int], pump: Any
+) -> dict:
+    """Every job's last token in one step (a wave's end, when all its final events go out at once): that step's
+    build and Redis time, and the time until every job has returned."""
+    outputs = [SeqOutput(f"j{i}", 0, [ids[i % len(ids)]], None, "length") for i in range(len(jobs))]
+    records = len(worker.pump_trace.records)
+    start = time.perf_counter()
+    await feed.queue.put(StepOutputs(outputs, CoreStats(), [], start))
+    done, _ = await asyncio.wait(jobs, timeout=120)
+    if pump.done():
+        pump.result()
+        raise RuntimeError("the pump stopped")
+    all_done = time.perf_counter() - start
+    last = worker.pump_trace.records[records]
+    if len(done) != len(jobs) or any(j.result() != {"outcome": "ok"} for j in jobs):
+        raise RuntimeError(f"{len(done)} of {len(jobs)} jobs ended after their last token")
+    return {
+        "final_build_ms": round(1e3 * (last.built - last.received), 3),
+        "final_redis_ms": round(1e3 * (last.written - sent_at(last)), 3),
+        "final_all_done_ms": round(1e3 * all_done, 3),
+    }
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -138,6 +165,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "gc_ms_per_step": round(1e3 * sum(p.duration_s for p in pauses) / max(1, len(ms)), 3),
         "gc_full": sum(p.generation == 2 for p in pauses),
         "gc_max_ms": round(1e3 * max((p.duration_s for p in pauses), default=0.0), 3),
+        **{k: run[k] for k in ("final_build_ms", "final_redis_ms", "final_all_done_ms")},
     }
 
 

@@ -43,11 +43,6 @@ def events_key(job_id: str) -> str:
     return f"{PREFIX}:events:{job_id}"
 
 
-def result_key(job_id: str) -> str:
-    """The job's final result (JSON), stored by the worker."""
-    return f"{PREFIX}:result:{job_id}"
-
-
 def job_meta_key(job_id: str) -> str:
     """What the API needs to format a job's events later (endpoint kind, model, created) and the API key id that
     owns the job: /v1/jobs/{id}/events. Written with the arq job by one script (api.admission)."""

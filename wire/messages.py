@@ -12,10 +12,13 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, get_args
 
+import msgspec
+
 from wire.sampling import SamplingSpec, check_fields
 
 _COMPACT = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps with options builds one per call
 _encode_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # the C string encoder
+_FINAL_ENCODER = msgspec.json.Encoder()
 
 
 def dumps(obj: Any) -> bytes:
@@ -212,6 +215,11 @@ def _encode_delta(event: DeltaEvent) -> str:
 def encode_event(event: Event) -> str:
     if isinstance(event, DeltaEvent) and all(c.logprobs is None for c in event.choices):
         return _encode_delta(event)
+    if isinstance(event, FinalEvent) and all(c.logprobs is None for c in event.result.choices):
+        # msgspec writes the same JSON ~3.5x as fast (a 256-token final: 9.7 against 34 us on the 2-core VM;
+        # a wave's end sends every stream's final within a few steps); not with logprobs, whose -inf it would
+        # write as null. Its non-ASCII text is raw UTF-8, which every reader of events takes.
+        return _FINAL_ENCODER.encode({"kind": "final", "seq": event.seq, "result": event.result.to_json()}).decode()
     if isinstance(event, DeltaEvent):
         choices = [
             {"index": c.index, "text": c.text, "token_ids": c.token_ids, "logprobs": _logprobs_to_json(c.logprobs)}

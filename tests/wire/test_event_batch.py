@@ -42,8 +42,9 @@ async def test_one_batch_of_many_jobs_lands_whole_and_in_order(redis_url: str) -
         stored = [decode_event(raw) for raw in sync.lrange(keys.events_key(f"job-{j}"), 0, -1)]
         assert [e.choices[0].text for e in stored if isinstance(e, DeltaEvent)] == TEXTS
         assert [e.seq for e in stored] == list(range(len(TEXTS) + 1)) and isinstance(stored[-1], FinalEvent)
-        result = decode_event(sync.get(keys.result_key(f"job-{j}")))
+        result = decode_event(sync.lindex(keys.events_key(f"job-{j}"), -1))  # the answer: the list's last event
         assert isinstance(result, FinalEvent) and result.result.choices[0].text == "".join(TEXTS)
+        assert not sync.exists(f"pagedserve:result:job-{j}")  # no second copy of it
         assert 0 < sync.ttl(keys.events_key(f"job-{j}")) <= 60
     error = decode_event(sync.lrange(keys.events_key("job-err"), 0, -1)[0])
     assert isinstance(error, ErrorEvent) and error.message == "nö"

@@ -186,3 +186,23 @@ def test_fast_delta_encoding_is_the_generic_json() -> None:
     )  # fmt: skip
     assert json.loads(fast) == json.loads(generic)
     assert decode_event(fast) == event
+
+
+@pytest.mark.parametrize("stop_reason", [None, 7, "END"])
+def test_fast_final_encoding_is_the_generic_json(stop_reason: int | str | None) -> None:
+    import json
+
+    from wire.messages import ChoiceResult, FinalEvent, JobResult, TokenLogprob, decode_event, encode_event
+
+    choices = [
+        ChoiceResult(0, 'a "q" \\ é\n☃', [1, 22, 333], "stop", None, stop_reason),
+        ChoiceResult(1, "", [], "length"),
+    ]
+    event = FinalEvent(4, JobResult("job-1", "m", choices, 5, 3, 2, 0.125, None, 1e-7))
+    fast = encode_event(event)
+    generic = json.dumps({"kind": "final", "seq": 4, "result": event.result.to_json()}, separators=(",", ":"))
+    assert json.loads(fast) == json.loads(generic)
+    assert decode_event(fast) == event and decode_event(fast.encode()) == event
+    # with logprobs (the generic encoder: -inf stays a float)
+    choices[0].logprobs = [TokenLogprob(1, float("-inf"), [(1, float("-inf"))])] * 3
+    assert decode_event(encode_event(event)) == event

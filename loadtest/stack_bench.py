@@ -38,9 +38,9 @@ from engine.args import EngineArgs
 from engine.step_trace import ENV_VAR as STEP_TRACE_ENV
 from engine.step_trace import StepRecord, read_trace
 from loadtest.hop_stats import format_hops, level_hops
-from loadtest.stack_probes import ProcessCpu, RedisLatency, gpu_processes, gpu_state, private_redis_url
+from loadtest.stack_probes import StackProbes, gpu_state
 from loadtest.stack_profile import StackProfiler
-from loadtest.stack_stats import compare, format_table, summarize, worker_histograms, worker_means
+from loadtest.stack_stats import compare, format_engine_again, format_table, summarize, worker_histograms, worker_means
 from loadtest.step_stats import decode_step_p50_ms, level_ramps, print_ramps, wave_windows
 from loadtest.stream_client import ClientPool, Record, StreamJob, finish_record
 from worker.pump_trace import ENV_VAR as PUMP_TRACE_ENV
@@ -193,7 +193,7 @@ def stack_levels(
     vocab_size: int,
     profiler: StackProfiler | None = None,
     metrics_url: str | None = None,
-    probes: tuple[ProcessCpu, RedisLatency | None] | None = None,
+    probes: StackProbes | None = None,
 ) -> list[dict[str, Any]]:
     """The warm-up, then every level's waves through the pool (profiled from --profile-from streams on); with
     ``probes``, each level's CPU per process and thread and Redis' own latency events are printed after it."""
@@ -208,7 +208,8 @@ def stack_levels(
         if profiling:
             profiler.start(str(level))  # type: ignore[union-attr]
         hist_before = worker_histograms(metrics_url)
-        _start_probes(probes)
+        if probes is not None:
+            probes.start()
         for wave in range(num_waves(args, level)):
             prompts = make_prompts(vocab_size, level, wave, args.prompt_len, args.seed)
             recs = pool.run([StreamJob(wave, i, _body(model, p, args.output_len)) for i, p in enumerate(prompts)])
@@ -217,33 +218,12 @@ def stack_levels(
         if profiling:
             print("\n".join(profiler.stop()), flush=True)  # type: ignore[union-attr]
         summary = summarize(level, records, walls) | worker_means(hist_before, worker_histograms(metrics_url))
-        summary |= _take_probes(probes, level, sum(walls))
+        if probes is not None:
+            summary |= probes.take(level, sum(walls))
         summary["windows"] = wave_windows(records)  # for the core's step trace (ramp_stats), read after the run
         print(json.dumps({"stack": {k: v for k, v in summary.items() if k != "failures"}}), flush=True)
         levels.append(summary)
     return levels
-
-
-def _start_probes(probes: tuple[ProcessCpu, RedisLatency | None] | None) -> None:
-    if probes is not None:
-        probes[0].start()
-        if probes[1] is not None:
-            probes[1].reset()
-
-
-def _take_probes(probes: tuple[ProcessCpu, RedisLatency | None] | None, level: int, wall_s: float) -> dict[str, Any]:
-    """The level's CPU per process and Redis latency events, printed and returned for its summary."""
-    if probes is None:
-        return {}
-    cpu, latency = probes
-    taken: dict[str, Any] = {"host_cpu": cpu.take(wall_s), "gpu_processes": gpu_processes(), "gpu_state": gpu_state()}
-    print(f"host c={level}: CPU per process over {wall_s:.1f} s of waves", flush=True)
-    print("\n".join(taken["host_cpu"]), flush=True)
-    print(f"GPU contexts c={level}: {taken['gpu_processes']}", flush=True)
-    if latency is not None:
-        taken["redis_latency"] = latency.take()
-        print(f"redis c={level} (over {latency.threshold_ms} ms): {json.dumps(taken['redis_latency'])}", flush=True)
-    return taken
 
 
 # ---- the stack: pagedserve serve as a subprocess ----------------------------------------------------------
@@ -306,8 +286,7 @@ def run_stack(args: argparse.Namespace, vocab_size: int, log: Path) -> dict[str,
         res["start_s"] = round(time.perf_counter() - t0, 1)
         pool = ClientPool(args.client_procs, base_url)
         profiler = StackProfiler(proc.pid, Path(args.profile_dir)) if args.profile_dir else None
-        redis_url = private_redis_url(proc.pid)
-        probes = (ProcessCpu(proc.pid), RedisLatency(redis_url) if redis_url else None)
+        probes = StackProbes(proc.pid)
         try:
             metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
             model = res["ready"]["model"]
@@ -434,12 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(text)
     if "levels" in res:
         print_ramps(res)
-        for first, again in zip(res["engine"]["levels"], res.get("engine_again", {}).get("levels", []), strict=False):
-            print(
-                f"engine again c={first['concurrency']}: {again['output_tok_s']} tok/s (first run {first['output_tok_s']}),"
-                f" TPOT p50 {again['tpot_p50_ms']} ({first['tpot_p50_ms']}) ms, decode step p50"
-                f" {again['decode_step_p50_ms']} ({first['decode_step_p50_ms']}) ms"
-            )
+        if "engine_again" in res:
+            print(format_engine_again(res))
         for level in res["stack"]["levels"]:
             print(format_hops(level["concurrency"], level["front"]))
         print(format_table(res["levels"]))

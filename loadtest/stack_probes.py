@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -142,28 +143,51 @@ class ProcessCpu:
         return lines
 
 
+def _nvidia_smi(*args: str) -> list[str] | None:
+    """The non-empty output lines of ``nvidia-smi ARGS``, or None without it (no NVIDIA GPU)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    done = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30, check=False)
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()]
+
+
 def gpu_processes() -> list[str]:
     """The processes holding a CUDA context now (``nvidia-smi``), one ``pid, name, memory`` line each; empty
     without an NVIDIA GPU. A second context on the engine's GPU would share its time."""
-    if shutil.which("nvidia-smi") is None:
-        return []
-    query = ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"]
-    done = subprocess.run(query, capture_output=True, text=True, timeout=30, check=False)
-    return [line.strip() for line in done.stdout.splitlines() if line.strip()]
+    return _nvidia_smi("--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader") or []
 
 
 def gpu_state() -> str | None:
     """The GPU's SM and memory clocks (MHz), temperature (C) and power draw (W) now, or None without
     ``nvidia-smi``: the engine's step moves by a few per cent between processes, and this tells a slower
     clock apart from a slower process."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    fields = "clocks.sm,clocks.mem,temperature.gpu,power.draw"
-    done = subprocess.run(
-        ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    return done.stdout.strip().splitlines()[0] if done.stdout.strip() else None
+    lines = _nvidia_smi("--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw", "--format=csv,noheader,nounits")
+    return lines[0] if lines else None
+
+
+class StackProbes:
+    """All of a level's probes of a running stack (``root_pid``: ``pagedserve serve``): CPU per process and
+    thread, the GPU's contexts and state, and Redis' latency events where its private Redis is found."""
+
+    def __init__(self, root_pid: int) -> None:
+        self.cpu = ProcessCpu(root_pid)
+        url = private_redis_url(root_pid)
+        self.latency = RedisLatency(url) if url else None
+
+    def start(self) -> None:
+        self.cpu.start()
+        if self.latency is not None:
+            self.latency.reset()
+
+    def take(self, level: int, wall_s: float) -> dict[str, Any]:
+        """The level's numbers since ``start``, printed and returned for its summary."""
+        taken: dict[str, Any] = {"host_cpu": self.cpu.take(wall_s), "gpu_processes": gpu_processes()}
+        taken["gpu_state"] = gpu_state()
+        print(f"host c={level}: CPU per process over {wall_s:.1f} s of waves", flush=True)
+        print("\n".join(taken["host_cpu"]), flush=True)
+        print(f"GPU contexts c={level}: {taken['gpu_processes']}", flush=True)
+        if self.latency is not None:
+            taken["redis_latency"] = self.latency.take()
+            threshold = self.latency.threshold_ms
+            print(f"redis c={level} (over {threshold} ms): {json.dumps(taken['redis_latency'])}", flush=True)
+        return taken

@@ -185,3 +185,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         " worker's enqueue -> job start / -> first token, per level; ITL99 API in / out: the stack's gaps as the API"
         " relay received / wrote them, API->client: from its write to the client's read)"
     )
+
+
+def format_engine_again(res: dict[str, Any]) -> str:
+    """``--engine-again``: each level of the second engine run beside the first (empty without it)."""
+    return "\n".join(
+        f"engine again c={first['concurrency']}: {again['output_tok_s']} tok/s (first run {first['output_tok_s']}),"
+        f" TPOT p50 {again['tpot_p50_ms']} ({first['tpot_p50_ms']}) ms, decode step p50"
+        f" {again['decode_step_p50_ms']} ({first['decode_step_p50_ms']}) ms"
+        for first, again in zip(res["engine"]["levels"], res.get("engine_again", {}).get("levels", []), strict=False)
+    )

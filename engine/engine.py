@@ -39,6 +39,27 @@ class _InFlight:
     out: SchedulerOutput
     rows: list[Request]  # the request of each sampling row
     token_ids: torch.Tensor  # [num_sampling_rows] on the device
+    host_ids: torch.Tensor  # the same, being copied to pinned host memory (CPU: the ids themselves)
+    copied: torch.cuda.Event | None  # recorded after that copy (None on CPU)
+
+    @classmethod
+    def launch(cls, out: SchedulerOutput, rows: list[Request], token_ids: torch.Tensor) -> _InFlight:
+        """Start copying the step's ids to the host now, behind this step's kernels only: a copy issued when
+        the step is resolved would queue behind the next step's kernels and wait for them as well."""
+        if token_ids.device.type != "cuda":
+            return cls(out, rows, token_ids, token_ids, None)
+        host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        host_ids.copy_(token_ids, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(out, rows, token_ids, host_ids, copied)
+
+    def resolved_ids(self) -> list[int]:
+        """The step's ids on the host, waiting for that step (and its copy) only."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        ids: list[int] = self.host_ids.tolist()
+        return ids
 
 
 class Engine:
@@ -176,7 +197,7 @@ class Engine:
             rows = self.scheduler.advance(out)
             return self._outputs(self.scheduler.resolve(out, rows, result.token_ids, result.logprobs))
         token_ids = self.sampler.sample_ids(logits, batch) if len(batch) else logits.new_empty(0)
-        launched = _InFlight(out, self.scheduler.advance(out), token_ids)
+        launched = _InFlight.launch(out, self.scheduler.advance(out), token_ids)
         outputs = self._resolve_inflight() if self._inflight is not None else []
         self._inflight = launched
         return outputs
@@ -189,7 +210,7 @@ class Engine:
     def _resolve_inflight(self) -> list[SeqOutput]:
         inflight, self._inflight = self._inflight, None
         assert inflight is not None
-        token_ids: list[int] = inflight.token_ids.tolist()  # waits for that step only
+        token_ids = inflight.resolved_ids()
         changed = self.scheduler.resolve(inflight.out, inflight.rows, token_ids, [None] * len(token_ids))
         return self._outputs(changed)
 

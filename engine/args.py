@@ -62,7 +62,10 @@ class EngineArgs:
     device: str = _opt("auto", "auto | cpu | cuda")
     attention_backend: str = _opt("auto", "auto (triton on CUDA, torch elsewhere) | torch | triton")
     enforce_eager: bool = _opt(False, "no CUDA graphs")
-    async_scheduling: bool = _opt(False, "schedule step N+1 while the GPU runs step N")
+    async_scheduling: bool = _opt(
+        True,
+        "schedule step N+1 while the GPU runs step N (falls back to synchronous steps for penalties, logprobs, TP > 1)",
+    )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, with_model: bool = True) -> argparse.ArgumentParser:

@@ -101,7 +101,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
     enforce_eager: bool = False  # no CUDA graphs
-    async_scheduling: bool = False  # overlap host scheduling with the device (see docs/benchmarks.md)
+    async_scheduling: bool = True  # overlap host scheduling with the device (see docs/benchmarks.md)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):

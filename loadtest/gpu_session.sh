@@ -15,12 +15,14 @@
 #                     engine alone (TPOT at batch 1; B1_SCHEDULING="--no-async-scheduling --async-scheduling": both)
 #   stage hc (~9 min): host contention: one engine, sync and async scheduling, with and without busy processes
 #                     beside it (loadtest.contention), then stage 3 with 4 API processes, 2 waves and --engine-again
+#   stage as (~5 min): the engine's GPU tests (async == sync, async == HF in fp32), then the suite's latency and `mixed`
+#                     with synchronous and asynchronous scheduling in one engine (the A/B behind the default)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, b1 or hc}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, b1, hc or as}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -68,6 +70,12 @@ elif [ "$stage" = b1 ]; then
     OUT="$out/b1$sched" STACK_ARGS="--concurrency 1 --min-requests 16 --engine-again $sched" API_WORKERS=4 \
       bash "$0" 3 "$commit"
   done
+elif [ "$stage" = as ]; then
+  python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py > "$out/engine_gpu_tests.txt" 2>&1 \
+    && echo "ENGINE GPU TESTS PASSED" || echo "ENGINE GPU TESTS FAILED (see engine_gpu_tests.txt)"
+  tail -4 "$out/engine_gpu_tests.txt"
+  python -m loadtest.throughput suite --shape 8b --workloads mixed --compare-async --max-model-len 4096 \
+    --max-num-seqs 512 --commit "$commit" --out "$out/suite-async.json" 2>&1 | grep '^{' | cut -c1-1500
 elif [ "$stage" = hc ]; then
   tok=()
   if [ -d .devicepack/smollm2-tokenizer ]; then tok=(--tokenizer-folder .devicepack/smollm2-tokenizer); fi

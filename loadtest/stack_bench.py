@@ -329,7 +329,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--device", default="auto")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False)
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--profile-dir", default=None, help="py-spy the stack's processes during levels, to here")
     p.add_argument("--profile-from", type=int, default=256, help="profile the levels of this many streams and more")
     p.add_argument("--out", default=None, help="write the JSON result here")

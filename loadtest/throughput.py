@@ -230,6 +230,7 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
         res["latency"]["floor_ms"] = round(floor_ms, 3)
         res["latency"]["ratio_to_floor"] = round(res["latency"]["tpot_ms"] / floor_ms, 3)
     if args.compare_async:  # the same engine, host scheduling overlapped with the device or not
+        configured = engine.async_scheduling
         for mode in (False, True):
             engine.async_scheduling = mode
             engine.kv.reset_prefix_cache()
@@ -237,7 +238,7 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
             res[f"latency_{key}"] = run_latency(engine, make_workload("latency", vocab)[0])
             res[f"mixed_{key}"] = run_engine(engine, make_workload("mixed", vocab), f"cmp-{key}")
             print(json.dumps({key: [res[f"latency_{key}"], res[f"mixed_{key}"]]}), flush=True)
-        engine.async_scheduling = False
+        engine.async_scheduling = configured
     for name in args.workloads:
         if name == "shared-prefix":
             engine.kv.enable_prefix_caching = True
@@ -315,7 +316,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--profile", default=None, help="suite: write a torch.profiler table of 40 steps here")
     p.add_argument("--compare-async", action="store_true", help="suite: latency and mixed with and without")
-    p.add_argument("--async-scheduling", action="store_true", help="overlap host scheduling with the device")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="overlap host scheduling with the device",
+    )
     p.add_argument("--commit", default=None, help="git commit to record (when .git is not at hand)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     p.add_argument("--prompt-len", type=int, default=128, help="sweep: prompt tokens per request")

@@ -48,7 +48,7 @@ NON_DEFAULT: dict[str, Any] = {
     "device": "cpu",
     "attention_backend": "torch",
     "enforce_eager": True,
-    "async_scheduling": True,
+    "async_scheduling": False,
 }
 # where each field lands in EngineConfig
 CONFIG_PATH = {

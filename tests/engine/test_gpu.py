@@ -40,14 +40,24 @@ def engine_tokens(folder: Path, **kwargs: object) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_fp32_greedy_equals_hf_on_gpu(folder: Path) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_fp32_greedy_equals_hf_on_gpu(folder: Path, async_scheduling: bool) -> None:
     hf = load_hf_model(folder).cuda()
     expected = []
     for ids in prompts():
         with torch.no_grad():
             gen = hf.generate(torch.tensor([ids]).cuda(), max_new_tokens=16, do_sample=False, pad_token_id=0)
         expected.append(gen[0, len(ids) :].tolist())
-    assert engine_tokens(folder, dtype="float32", max_num_batched_tokens=64) == expected
+    got = engine_tokens(folder, dtype="float32", max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    assert got == expected
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_async_scheduling_equals_sync_on_gpu(folder: Path, dtype: str) -> None:
+    """The step in flight hands its sampled ids to the next step on the device (pinned copy, event): the same
+    tokens as synchronous steps, with CUDA graphs, chunked prefill and a batch that changes every step."""
+    sync = engine_tokens(folder, dtype=dtype, max_num_batched_tokens=64, async_scheduling=False)
+    assert engine_tokens(folder, dtype=dtype, max_num_batched_tokens=64, async_scheduling=True) == sync
 
 
 def test_cuda_graphs_equal_eager(folder: Path) -> None:

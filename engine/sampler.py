@@ -26,6 +26,7 @@ import torch
 
 from engine.penalty_state import PenaltyState
 from engine.sampling_params import SamplingParams
+from kernels.argmax import greedy_ids as greedy_argmax
 
 # When every sampling row has a top-k at most this, a partial top-k replaces the full vocabulary sort.
 _MAX_PARTIAL_TOP_K = 1024
@@ -108,7 +109,7 @@ class Sampler:
         return self._apply_min_tokens(logits, batch)
 
     def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy_ids = torch.argmax(logits, dim=-1)  # [num_rows]
+        greedy_ids = greedy_argmax(logits)  # [num_rows]; the Triton argmax on CUDA (kernels.argmax)
         is_greedy = [p.is_greedy for p in batch.params]
         if all(is_greedy):
             return greedy_ids

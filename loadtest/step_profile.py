@@ -99,6 +99,49 @@ def _profile(fn: Any, top: int) -> dict[str, Any]:
     }
 
 
+_GEMM_NAMES = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90_", "splitk")
+
+
+def _decode_kernels(engine: Any, prompt: list[int], steps: int, top: int) -> dict[str, Any]:
+    """Batch-1 decode as the engine runs it (CUDA graph, its own scheduling mode): wall per step without the
+    profiler, then every kernel's device time per step under it (CUPTI sees the graph's kernels), GEMMs apart."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add_request("dk", prompt, SamplingParams(temperature=0.0, max_tokens=3 * steps + 40, ignore_eos=True))
+    for _ in range(20):
+        engine.step()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync()
+    wall_us = (time.perf_counter() - t0) / steps * 1e6
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync()
+    kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == DeviceType.CUDA]
+    engine.abort_request("dk")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    def per_step(events: list[Any]) -> float:
+        return round(sum(e.self_device_time_total for e in events) / steps, 1)
+
+    gemms = [e for e in kernels if any(n in e.key.lower() for n in _GEMM_NAMES)]
+    rows = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    return {
+        "wall_us_per_step": round(wall_us, 1),
+        "kernel_us_per_step": per_step(kernels),
+        "gemm_us_per_step": per_step(gemms),
+        "kernels_per_step": round(sum(e.count for e in kernels) / steps, 1),
+        "top": [
+            {"name": e.key[:90], "per_step": round(e.count / steps, 2), "us_per_step": per_step([e])} for e in rows
+        ],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="8b")
@@ -107,9 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", default="")
+    p.add_argument("--decode-kernels", type=int, default=0, help="profile this many batch-1 decode steps' kernels")
     args = p.parse_args(argv)
     engine = _engine(args)
     prompt = [(7 * i + 3) % 1000 + 1 for i in range(args.prompt_len)]
+    if args.decode_kernels:
+        _prefill_step(engine, prompt, "warm")
+        dk = _decode_kernels(engine, prompt, args.decode_kernels, args.top)
+        print(json.dumps({k: v for k, v in dk.items() if k != "top"}), flush=True)
+        for row in dk["top"]:
+            print(f"  {row['us_per_step']:8.1f} us {row['per_step']:6.2f}x {row['name']}")
     for i in range(3):  # warm-up: compiles, allocator
         _prefill_step(engine, prompt, f"warm{i}")
     prefill = [_prefill_step(engine, prompt, f"p{i}") for i in range(args.reps)]

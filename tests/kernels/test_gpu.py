@@ -95,6 +95,19 @@ def test_prefill_real_sizes(sliding_window: int | None, gen: torch.Generator) ->
     assert rel_err(out, ref) < 1e-2, f"seed {gen.initial_seed()}"
 
 
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_argmax_real_vocab(rows: int, gen: torch.Generator) -> None:
+    from kernels.argmax import argmax, argmax_ref
+
+    x = torch.randn(rows, 128256, generator=gen).cuda()
+    x[0, 70000:] = x[0].max() + 1  # the maximum repeated: the first one wins
+    if rows > 1:
+        x[1, 99999] = float("nan")
+    assert torch.equal(argmax(x), argmax_ref(x))
+    half = x.to(torch.bfloat16)
+    assert torch.equal(argmax(half), argmax_ref(half))
+
+
 def test_silu_and_mul_real_size(gen: torch.Generator) -> None:
     from kernels.activation import silu_and_mul, silu_and_mul_ref
 

@@ -79,6 +79,13 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """What the sampler calls: the Triton argmax on CUDA, torch's elsewhere."""
-    if USE_TRITON and HAS_TRITON and logits.is_cuda and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1:
+    if (
+        USE_TRITON
+        and HAS_TRITON
+        and logits.is_cuda
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.stride(1) == 1
+    ):
         return argmax(logits)
     return argmax_ref(logits)

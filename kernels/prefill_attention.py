@@ -105,7 +105,13 @@ def _unmasked_step(q, k, v, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constex
     return m_new, l_i, acc
 
 
-@triton.jit
+# Arguments that change from step to step (the batch's sequences, its block table's width): Triton would compile
+# one variant per "1 / divisible by 16 / other" of each, and a step whose pattern the warm-up missed compiled it
+# inside a request (the H200 suite's first mixed-128: 10.5 s against 5.4 s, two new_kv variants, 2026-12-02).
+_SHAPE_ARGS = ["sliding_window", "num_seqs", "stride_bt"]
+
+
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     scale_log2, sliding_window, num_seqs,

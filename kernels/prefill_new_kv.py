@@ -23,6 +23,7 @@ from kernels._triton import next_pow2, require_triton, tl, triton
 from kernels.paged_attention import _LOG2E, _dot_precision, _load_kv_tile, _online_softmax_step, _upcast
 from kernels.prefill_attention import (
     _MAX_GRID_Y,
+    _SHAPE_ARGS,
     _locate_tile,
     _program_tile,
     _unmasked_step,
@@ -136,7 +137,7 @@ def _new_kv_loop(
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
 def _prefill_new_kv_kernel(
     q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, kn_desc, vn_desc, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     out_ptr, scale_log2, sliding_window, num_seqs,

@@ -6,6 +6,9 @@ key and the value), and the paged kernel's launch-order knob. Under the interpre
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -238,3 +241,17 @@ def test_engine_paged_switch_and_decode_step(monkeypatch: pytest.MonkeyPatch, ge
     ref, _ = _layer("torch", positions, qkv, cache.clone(), meta, None)
     out, new_kv = _layer("triton", positions, qkv, cache.clone(), meta, None)
     assert meta.is_decode_only and new_kv is None and rel_err(out, ref) < tolerance(torch.float32)
+
+
+def test_prefill_kernels_do_not_specialize_on_the_steps_shapes() -> None:
+    """The sequence count, block-table width and window change from step to step: were Triton to specialize
+    on them (1 / divisible by 16 / other), a step whose pattern the warm-up missed would compile inside a
+    request (b88266f). Read from the compiled JITFunctions, so in a process without the interpreter."""
+    code = (
+        "from kernels.prefill_new_kv import _prefill_new_kv_kernel as a\n"
+        "from kernels.prefill_attention import _prefill_kernel as b\n"
+        "for k in (a, b): print(' '.join(sorted(p.name for p in k.params if p.do_not_specialize)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["num_seqs sliding_window stride_bt"] * 2

@@ -217,11 +217,15 @@ class ResponseFormatter:
         return texts
 
     def final_chunks(self, event: FinalEvent, include_usage: bool) -> list[dict[str, Any]]:
-        """Whatever text was not streamed yet (all of it for a cache hit), then each choice's finish reason."""
+        """Whatever text was not streamed yet (all of it for a cache hit), then each choice's finish reason. A
+        streamed final (``FinalEvent.streamed``) holds only that rest; a whole result is cut after what was sent."""
         chunks = []
         for c in sorted(event.result.choices, key=lambda c: c.index):
-            rest = c.text[self._sent_chars.get(c.index, 0) :]
-            lps = c.logprobs[self._sent_tokens.get(c.index, 0) :] if c.logprobs is not None else None
+            sent_chars, sent_tokens = (
+                (0, 0) if event.streamed else (self._sent_chars.get(c.index, 0), self._sent_tokens.get(c.index, 0))
+            )
+            rest = c.text[sent_chars:]
+            lps = c.logprobs[sent_tokens:] if c.logprobs is not None else None
             chunks.append(self._choice_chunk(c.index, rest, lps, c.finish_reason, c.stop_reason))
         if include_usage:
             chunks.append(self.chunk([], usage_dict(event.result)))

@@ -27,7 +27,7 @@ from api.streams import collect, formatter_for, job_event_stream, openai_stream,
 from api.tracing import annotate_request
 from api.validation import BodyRoute
 from wire import keys
-from wire.messages import FinalEvent, JobMeta, JobResult, encode_event
+from wire.messages import DeltaEvent, FinalEvent, JobMeta, JobResult, assemble, encode_event
 
 try:
     VERSION = importlib.metadata.version("pagedserve")
@@ -255,14 +255,17 @@ async def job_events(
 @router.get("/v1/jobs/{job_id}")
 async def job_status(request: Request, job_id: str) -> dict[str, Any]:
     meta = await _job_meta(request, job_id)
-    events = await _svc(request).relay.read_events(job_id, -1)
+    relay = _svc(request).relay
+    events = await relay.read_events(job_id, -1)
     last = events[-1] if events else None
+    if isinstance(last, FinalEvent) and last.streamed:  # its answer is in the deltas before it too
+        events = await relay.read_events(job_id, 0)
     status = "queued" if last is None else {"delta": "running", "final": "completed", "error": "failed"}[last.kind]
     body: dict[str, Any] = {"id": job_id, "object": "job", "status": status, "model": meta.model}
     body.update(request.app.state.auth.events_link(job_id, time.time()))  # a fresh token, for a resume
     if isinstance(last, FinalEvent):
         fmt = ResponseFormatter(meta.kind, job_id, meta.model, meta.created, _svc(request).tokenizer, meta.echo)
-        body["result"] = fmt.response(last.result)
+        body["result"] = fmt.response(assemble(last, [ev for ev in events if isinstance(ev, DeltaEvent)]))
     return body
 
 

@@ -18,7 +18,7 @@ from api.errors import ApiError, error_body
 from api.formatting import ResponseFormatter, dumps_chunk, replay_deltas
 from api.relay import Subscription
 from api.service import CompletionService, PreparedRequest
-from wire.messages import DeltaEvent, ErrorEvent, Event, FinalEvent, JobMeta, JobResult
+from wire.messages import DeltaEvent, ErrorEvent, Event, FinalEvent, JobMeta, JobResult, assemble
 
 T = TypeVar("T")
 DONE = "[DONE]"
@@ -61,10 +61,13 @@ async def collect(svc: CompletionService, prep: PreparedRequest, sub: Subscripti
     """Wait for the job's final event (deltas are not sent for non-streaming jobs); a client that hangs up
     meanwhile gets its job aborted."""
 
+    deltas: list[DeltaEvent] = []  # none for a non-streaming job; kept should a streamed final come anyway
+
     async def final() -> Event:
         async for ev in svc.relay.events(sub, timeout_s=svc.settings.request_timeout_s):
-            if ev.kind != "delta":
+            if not isinstance(ev, DeltaEvent):
                 return ev
+            deltas.append(ev)
         raise RuntimeError("event stream ended without a final event")
 
     waiter = asyncio.ensure_future(final())
@@ -84,9 +87,10 @@ async def collect(svc: CompletionService, prep: PreparedRequest, sub: Subscripti
         svc.metrics.errors.labels(str(ev.status)).inc()
         raise _error_from_event(ev)
     assert isinstance(ev, FinalEvent)
-    _observe_final(svc, prep, ev.result)
-    await _remember(svc, prep, ev.result)
-    return ev.result
+    result = assemble(ev, deltas)
+    _observe_final(svc, prep, result)
+    await _remember(svc, prep, result)
+    return result
 
 
 async def _rendered(
@@ -103,22 +107,25 @@ async def _rendered(
     finished, next_seq = sub is None, 0
     try:
         if cached is not None:  # the stored answer, streamed as its deltas then its final event
-            deltas = replay_deltas(cached, svc.tokenizer, prep.params.skip_special_tokens)
-            yield render([*deltas, FinalEvent(len(deltas), cached)])
+            replayed = replay_deltas(cached, svc.tokenizer, prep.params.skip_special_tokens)
+            yield render([*replayed, FinalEvent(len(replayed), cached)])
             return
         assert sub is not None
         last = None
+        deltas: list[DeltaEvent] = []  # the answer so far: a streamed final carries only what they did not
         async for batch in svc.relay.batches(sub, timeout_s=svc.settings.request_timeout_s, merge=True):
             now = time.monotonic()
             for ev in batch:
-                if ev.kind == "delta":
+                if isinstance(ev, DeltaEvent):
                     metric, since = (svc.metrics.ttft, prep.arrival) if last is None else (svc.metrics.itl, last)
                     metric.observe(now - since)
                     last = now
+                    deltas.append(ev)
                 elif isinstance(ev, FinalEvent):
                     finished = True
-                    _observe_final(svc, prep, ev.result)
-                    await _remember(svc, prep, ev.result)
+                    result = assemble(ev, deltas)
+                    _observe_final(svc, prep, result)
+                    await _remember(svc, prep, result)
                 elif isinstance(ev, ErrorEvent):
                     finished = True
                     svc.metrics.errors.labels(str(ev.status)).inc()

@@ -9,7 +9,7 @@ from the next seq it expects: never a hole, and duplicates are dropped by seq.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
 import msgspec
@@ -181,9 +181,42 @@ class DeltaEvent:
 
 @dataclass
 class FinalEvent:
+    """A job's end. ``streamed``: the job's deltas came before it, and its choices carry only what they did not
+    (usually nothing: an empty text and no token ids), besides the finish reasons and the usage; ``assemble``
+    makes the whole result from both. A wave's end sends every stream's final within a few steps, and a
+    streamed final with the whole answer was ~10x a delta to build and to write."""
+
     seq: int
     result: JobResult
     kind: Literal["final"] = "final"
+    streamed: bool = False
+
+
+def assemble(final: FinalEvent, deltas: list[DeltaEvent]) -> JobResult:
+    """The whole result of a job: a streamed final's choices prefixed with what its deltas carried."""
+    if not final.streamed:
+        return final.result
+    texts: dict[int, list[str]] = {}
+    ids: dict[int, list[int]] = {}
+    lps: dict[int, list[TokenLogprob]] = {}
+    for event in deltas:
+        for d in event.choices:
+            texts.setdefault(d.index, []).append(d.text)
+            ids.setdefault(d.index, []).extend(d.token_ids)
+            if d.logprobs is not None:
+                lps.setdefault(d.index, []).extend(d.logprobs)
+    choices = [
+        ChoiceResult(
+            c.index,
+            "".join(texts.get(c.index, [])) + c.text,
+            ids.get(c.index, []) + c.token_ids,
+            c.finish_reason,
+            None if c.logprobs is None else lps.get(c.index, []) + c.logprobs,
+            c.stop_reason,
+        )
+        for c in final.result.choices
+    ]
+    return replace(final.result, choices=choices)
 
 
 @dataclass
@@ -232,7 +265,8 @@ def _encode_final(event: FinalEvent) -> str:
         f'{{"kind":"final","seq":{event.seq},"result":{{"request_id":{_encode_str(r.request_id)},'
         f'"model":{_encode_str(r.model)},"choices":[{choices}],"prompt_tokens":{r.prompt_tokens},'
         f'"completion_tokens":{r.completion_tokens},"num_cached_tokens":{r.num_cached_tokens},'
-        f'"queue_time_s":{_scalar(r.queue_time_s)},"ttft_s":{_scalar(r.ttft_s)},"e2e_s":{_scalar(r.e2e_s)}}}}}'
+        f'"queue_time_s":{_scalar(r.queue_time_s)},"ttft_s":{_scalar(r.ttft_s)},"e2e_s":{_scalar(r.e2e_s)}}},'
+        f'"streamed":{"true" if event.streamed else "false"}}}'
     )
 
 
@@ -248,7 +282,7 @@ def encode_event(event: Event) -> str:
         ]
         data: dict[str, Any] = {"kind": "delta", "seq": event.seq, "choices": choices}
     elif isinstance(event, FinalEvent):
-        data = {"kind": "final", "seq": event.seq, "result": event.result.to_json()}
+        data = {"kind": "final", "seq": event.seq, "result": event.result.to_json(), "streamed": event.streamed}
     else:
         data = asdict(event)
     return _COMPACT.encode(data)
@@ -268,7 +302,7 @@ def event_from_obj(data: dict[str, Any]) -> Event:
         ]
         return DeltaEvent(data["seq"], choices)
     if kind == "final":
-        return FinalEvent(data["seq"], JobResult.from_json(data["result"]))
+        return FinalEvent(data["seq"], JobResult.from_json(data["result"]), streamed=bool(data.get("streamed", False)))
     if kind == "error":
         return ErrorEvent(**{k: v for k, v in data.items() if k != "kind"})
     raise ValueError(f"unknown event kind {kind!r}")

@@ -137,8 +137,9 @@ class JobEventWriter:
         if self.publish_deltas:
             await self._write(DeltaEvent(self.next_seq, choices), publish)
 
-    async def final(self, result: JobResult) -> None:
-        await self._write(FinalEvent(self.next_seq, result))
+    async def final(self, result: JobResult, streamed: bool = False) -> None:
+        """``streamed``: ``result``'s choices hold only what the deltas did not (``FinalEvent.streamed``)."""
+        await self._write(FinalEvent(self.next_seq, result, streamed=streamed))
 
     async def error(self, message: str, type: str = "server_error", code: str | None = None, status: int = 500) -> None:
         await self._write(ErrorEvent(self.next_seq, message, type, code, status))

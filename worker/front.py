@@ -285,7 +285,8 @@ class GenerationWorker(WorkerNode):
                 batch.add(rid, event, *self._to(job))
         if job.finished:
             out = self.processor.pop(rid)
-            batch.add(rid, FinalEvent(job.take_seq(), job.result(out, now)), *self._to(job))
+            final = FinalEvent(job.take_seq(), job.result(out, now), streamed=job.payload.stream)
+            batch.add(rid, final, *self._to(job))
             self.metrics.e2e.observe(now - job.payload.enqueue_time)
             aborted = any(o.finish_reason == "abort" for o in out.outputs)
             self._end(job, batch, ended, "abort" if aborted else "ok")

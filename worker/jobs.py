@@ -114,26 +114,32 @@ class ActiveJob:
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         return seq
 
+    def delivered(self, index: int) -> tuple[int, int]:
+        """(chars, tokens) of sample ``index`` its client has from deltas: this attempt's and an earlier one's."""
+        c = self.choices.get(index)
+        return (0, 0) if c is None else (max(c.sent_chars, c.num_chars), max(c.sent_tokens, c.num_tokens))
+
     def result(self, out: RequestOutput, now: float) -> JobResult:
+        """The final event's result. A streamed job's choices hold only what its deltas did not carry (they were
+        flushed just before: usually nothing), see ``FinalEvent.streamed``."""
         k = self.params.logprobs
-        choices = [
-            ChoiceResult(
-                o.index,
-                o.text,
-                list(o.token_ids),
-                o.finish_reason or "abort",
-                token_logprobs(o.token_ids, o.logprobs, k) if k is not None and o.logprobs is not None else None,
-                o.stop_reason,
+        choices = []
+        for o in out.outputs:
+            chars, tokens = self.delivered(o.index) if self.payload.stream else (0, 0)
+            ids = o.token_ids[tokens:]
+            lps = None
+            if k is not None and o.logprobs is not None:
+                lps = token_logprobs(ids, o.logprobs[tokens:], k)
+            choices.append(
+                ChoiceResult(o.index, o.text[chars:], list(ids), o.finish_reason or "abort", lps, o.stop_reason)
             )
-            for o in out.outputs
-        ]
         p = self.payload
         return JobResult(
             p.request_id,
             p.model,
             choices,
             len(p.prompt_token_ids),
-            sum(len(c.token_ids) for c in choices),
+            sum(len(o.token_ids) for o in out.outputs),
             out.num_cached_tokens,
             queue_time_s=self.started - p.enqueue_time,
             ttft_s=None if self.first_token_at is None else self.first_token_at - p.enqueue_time,

@@ -4,6 +4,7 @@ that answers jobs from the real Redis queue (for API tests that do not need the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import threading
@@ -88,6 +89,10 @@ class ScriptedWorker:
     duplicated: set[int] = field(default_factory=set)  # seqs published twice
     payloads: list[JobPayload] = field(default_factory=list)
     step_s: float = 0.0  # pause after each delta, as an engine's steps are apart (0: back to back, merged if late)
+    # a streamed job's final, as the worker front writes it: only what the deltas did not carry (the last piece
+    # if ``rest_in_final``, else nothing); ``whole_finals``: the whole answer (the encoding of stored answers)
+    whole_finals: bool = False
+    rest_in_final: bool = False
 
     async def take(self, timeout_s: float = 10.0) -> JobPayload:
         client = aioredis.Redis.from_url(self.redis_url)
@@ -112,7 +117,9 @@ class ScriptedWorker:
         )
         try:
             n = payload.params.n
-            for i, piece in enumerate(self.pieces):
+            streamed = payload.stream and not self.whole_finals
+            as_deltas = self.pieces[:-1] if streamed and self.rest_in_final else self.pieces
+            for i, piece in enumerate(as_deltas):
                 seq = writer.next_seq
                 choices = [ChoiceDelta(k, piece, [100 + i]) for k in range(n)]
                 await writer.delta(choices, publish=seq not in self.unpublished)
@@ -131,7 +138,12 @@ class ScriptedWorker:
                 len(payload.prompt_token_ids),
                 n * len(ids),
             )
-            await writer.final(result)
+            if not streamed:
+                await writer.final(result)
+                return result
+            rest, rest_ids = ("".join(self.pieces[len(as_deltas) :]), ids[len(as_deltas) :])
+            slim = [ChoiceResult(k, rest, rest_ids, finish_reason) for k in range(n)]
+            await writer.final(dataclasses.replace(result, choices=slim), streamed=True)
             return result
         finally:
             await client.aclose()

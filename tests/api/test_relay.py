@@ -148,6 +148,52 @@ async def test_cache_hit_needs_no_worker(api: ServerThread, redis_url: str, stre
     assert "pagedserve:response_cache_hits_total" in metrics
 
 
+async def streamed_text(client: openai.AsyncOpenAI, kwargs: dict[str, object]) -> str:
+    stream = await client.chat.completions.create(**kwargs, stream=True)  # type: ignore[call-overload]
+    return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+
+@pytest.mark.parametrize("rest_in_final", [False, True], ids=["deltas-only", "rest-in-final"])
+async def test_a_streamed_jobs_answer_is_assembled_from_its_deltas(
+    api: ServerThread, redis_url: str, rest_in_final: bool
+) -> None:
+    """The worker's final for a streamed job carries only what its deltas did not (FinalEvent.streamed): the
+    stream, the usage, the job's status and the cached answer are still the whole answer, for n = 2 too."""
+    worker = ScriptedWorker(redis_url, pieces=["str", "eamed", " whole"], rest_in_final=rest_in_final)
+    client = _client(api)
+    kwargs = {"model": MODEL, "messages": MSGS, "max_tokens": 3, "temperature": 0.0, "n": 2}
+
+    async def streamed() -> tuple[dict[int, str], openai.types.CompletionUsage | None]:
+        stream = await client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})  # type: ignore[call-overload]
+        texts: dict[int, str] = {0: "", 1: ""}
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+        return texts, usage
+
+    (texts, usage), _ = await asyncio.gather(streamed(), worker.serve())
+    assert texts == {0: "streamed whole", 1: "streamed whole"}
+    assert usage is not None and usage.completion_tokens == 6
+    raw = redis.Redis.from_url(redis_url).lrange(keys.events_key(worker.payloads[0].request_id), -1, -1)[0]
+    final = json.loads(raw)
+    assert final["kind"] == "final" and final["streamed"] is True
+    assert [c["text"] for c in final["result"]["choices"]] == [" whole" if rest_in_final else ""] * 2
+    # the answer a streamed job leaves in the response cache (n = 1) is the whole one: served with no worker
+    one = {**kwargs, "n": 1}
+    first, _ = await asyncio.gather(streamed_text(client, one), worker.serve())
+    assert first == "streamed whole"
+    hit = await client.chat.completions.create(**one)  # type: ignore[call-overload]
+    assert hit.choices[0].message.content == "streamed whole" and hit.usage.completion_tokens == 3
+    assert redis.Redis.from_url(redis_url).zcard(keys.QUEUE) == 0
+    job = httpx.post(api.url + "/v1/jobs", json={**kwargs, "temperature": 0.5, "seed": 3}, timeout=10).json()
+    await worker.serve()  # /v1/jobs streams its events: a streamed final there too
+    status = httpx.get(api.url + f"/v1/jobs/{job['id']}", timeout=10).json()
+    assert [c["message"]["content"] for c in status["result"]["choices"]] == ["streamed whole"] * 2
+    assert status["result"]["usage"]["completion_tokens"] == 6
+
+
 async def test_unseeded_sampling_is_not_cached(api: ServerThread, redis_url: str) -> None:
     worker = ScriptedWorker(redis_url)
     client = _client(api)

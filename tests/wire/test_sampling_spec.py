@@ -199,10 +199,14 @@ def test_fast_final_encoding_is_the_generic_json(stop_reason: int | str | None) 
         ChoiceResult(1, "", [], "length"),
     ]
     event = FinalEvent(4, JobResult("job-1", "m", choices, 5, 3, 2, 0.125, None, 1e-7))
-    fast = encode_event(event)
-    generic = json.dumps({"kind": "final", "seq": 4, "result": event.result.to_json()}, separators=(",", ":"))
-    assert fast == generic and fast.isascii()  # byte for byte: the batch stays one ASCII string
-    assert decode_event(fast) == event and decode_event(fast.encode()) == event
+    for streamed in (False, True):
+        event.streamed = streamed
+        fast = encode_event(event)
+        generic = json.dumps(
+            {"kind": "final", "seq": 4, "result": event.result.to_json(), "streamed": streamed}, separators=(",", ":")
+        )
+        assert fast == generic and fast.isascii()  # byte for byte: the batch stays one ASCII string
+        assert decode_event(fast) == event and decode_event(fast.encode()) == event
     # with logprobs (the generic encoder: -inf stays a float)
     choices[0].logprobs = [TokenLogprob(1, float("-inf"), [(1, float("-inf"))])] * 3
     assert decode_event(encode_event(event)) == event

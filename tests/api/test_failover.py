@@ -63,12 +63,16 @@ class StreamReader(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.body, self.warmup = url, body, warmup
         self.started = threading.Event()
+        self.accepted = threading.Event()  # the response's status line arrived (``status``): admitted or refused
+        self.status = 0
         self.chunks: list[dict[str, Any]] = []
         self.errors: list[dict[str, Any]] = []
         self.done = False
 
     def run(self) -> None:
         with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as resp:
+            self.status = resp.status_code
+            self.accepted.set()
             for line in resp.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     self.done = self.done or line == "data: [DONE]"
@@ -81,6 +85,7 @@ class StreamReader(threading.Thread):
                 if sum(1 for c in self.chunks if c["choices"] and c["choices"][0]["text"]) >= self.warmup:
                     self.started.set()
         self.started.set()
+        self.accepted.set()
 
     @property
     def text(self) -> str:

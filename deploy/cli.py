@@ -31,6 +31,7 @@ BENCHES = {
     "stack": "loadtest.stack_bench",
     "relay": "loadtest.relay_bench",
     "pump": "loadtest.pump_bench",
+    "burst": "loadtest.burst_bench",
     "soak": "loadtest.soak",
     "swap": "loadtest.swap_bench",
 }

@@ -18,6 +18,8 @@
 #   stage pb (~4 min): the stack at 256 and 512 streams with a smaller prefill budget on both sides
 #                     (--max-num-batched-tokens ${PB_TOKENS:-768}): does a step that mixes a burst's prefill with
 #                     decodes stay under 2x the decode step (ITL p99 at 256), and at what cost in throughput?
+#   stage ar (~6 min): the admission ramp at 256 streams, 2 waves per run, one run per AR_RUNS entry API:CLIENTS[:TOKENS]
+#                     (API processes, client processes, a prefill budget on both sides), default "4:4 8:8 8:8:768"
 #   stage as (~5 min): the engine's GPU tests (async == sync, async == HF in fp32), then the suite's latency and `mixed`
 #                     with synchronous and asynchronous scheduling in one engine (the A/B behind the default)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -25,7 +27,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, b1, hc, as or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -80,6 +82,18 @@ elif [ "$stage" = pb ]; then
   python -m loadtest.stack_bench --shape 8b --max-model-len 4096 --max-num-seqs 512 --concurrency 256 512 \
     --output-len 256 --api-workers 4 --commit "$commit" --out "$out/stack-pb${PB_TOKENS:-768}.json" --waves 2 \
     --max-num-batched-tokens "${PB_TOKENS:-768}" ${tok[@]+"${tok[@]}"} 2>&1 | grep -v '^{'
+elif [ "$stage" = ar ]; then
+  if ! command -v redis-server > /dev/null && [ -f .devicepack/activate.sh ]; then source .devicepack/activate.sh; fi
+  tok=()
+  if [ -d .devicepack/smollm2-tokenizer ]; then tok=(--tokenizer-folder .devicepack/smollm2-tokenizer); fi
+  for run in ${AR_RUNS:-4:4 8:8 8:8:768}; do
+    IFS=: read -r api clients tokens <<< "$run"
+    echo "== admission ramp: $api API processes, $clients client processes, prefill budget ${tokens:-default}"
+    python -m loadtest.stack_bench --shape 8b --max-model-len 4096 --max-num-seqs 512 --concurrency "${AR_LEVELS:-256}" \
+      --output-len 256 --api-workers "$api" --client-procs "$clients" --commit "$commit" --waves 2 \
+      --out "$out/stack-ar-$api-$clients-${tokens:-d}.json" ${tokens:+--max-num-batched-tokens "$tokens"} \
+      ${tok[@]+"${tok[@]}"} 2>&1 | grep -v '^{'
+  done
 elif [ "$stage" = as ]; then
   python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py > "$out/engine_gpu_tests.txt" 2>&1 \
     && echo "ENGINE GPU TESTS PASSED" || echo "ENGINE GPU TESTS FAILED (see engine_gpu_tests.txt)"

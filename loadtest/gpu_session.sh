@@ -19,7 +19,8 @@
 #                     (--max-num-batched-tokens ${PB_TOKENS:-768}): does a step that mixes a burst's prefill with
 #                     decodes stay under 2x the decode step (ITL p99 at 256), and at what cost in throughput?
 #   stage ar (~6 min): the admission ramp at 256 streams, 2 waves per run, one run per AR_RUNS entry API:CLIENTS[:TOKENS]
-#                     (API processes, client processes, a prefill budget on both sides), default "4:4 8:8 8:8:768"
+#                     (API processes, client processes, a prefill budget on both sides), default "4:4 8:8 8:8:768";
+#                     AR_LEVELS: the concurrency levels (default 256)
 #   stage as (~5 min): the engine's GPU tests (async == sync, async == HF in fp32), then the suite's latency and `mixed`
 #                     with synchronous and asynchronous scheduling in one engine (the A/B behind the default)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -89,7 +90,7 @@ elif [ "$stage" = ar ]; then
   for run in ${AR_RUNS:-4:4 8:8 8:8:768}; do
     IFS=: read -r api clients tokens <<< "$run"
     echo "== admission ramp: $api API processes, $clients client processes, prefill budget ${tokens:-default}"
-    python -m loadtest.stack_bench --shape 8b --max-model-len 4096 --max-num-seqs 512 --concurrency "${AR_LEVELS:-256}" \
+    python -m loadtest.stack_bench --shape 8b --max-model-len 4096 --max-num-seqs 512 --concurrency ${AR_LEVELS:-256} \
       --output-len 256 --api-workers "$api" --client-procs "$clients" --commit "$commit" --waves 2 \
       --out "$out/stack-ar-$api-$clients-${tokens:-d}.json" ${tokens:+--max-num-batched-tokens "$tokens"} \
       ${tok[@]+"${tok[@]}"} 2>&1 | grep -v '^{'

@@ -50,7 +50,10 @@ class EngineArgs:
     swap_space: float = _opt(0.0, "GiB of host memory per GPU for the KV blocks of preempted requests (0: recompute)")
     # scheduler
     max_num_seqs: int = _opt(256, "sequences per batch; also the jobs a worker takes")
-    max_num_batched_tokens: int = _opt(2048, "token budget per engine step")
+    max_num_batched_tokens: int | None = _opt(
+        None,
+        "token budget per engine step (default as vLLM's server: 8192 on a GPU of >= 70 GiB but an A100, else 2048)",
+    )
     scheduling_policy: str = _opt("fcfs", "fcfs | priority")
     enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps to fit the token budget")
     preemption_mode: str = _opt("auto", "auto (swap or recompute, by cost) | swap | recompute")

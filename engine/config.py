@@ -57,17 +57,26 @@ class CacheConfig:
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256  # running sequences per step
-    max_num_batched_tokens: int = 2048  # the one token budget per step (prefill chunks + decodes)
+    # the one token budget per step (prefill chunks + decodes); None: vLLM's serving default for the device
+    # (``engine.model_runner.default_batched_tokens``), set when the engine starts
+    max_num_batched_tokens: int | None = None
     policy: str = "fcfs"  # fcfs | priority
     enable_chunked_prefill: bool = True
     # how a preempted request gives its blocks back: auto = swap to the host or recompute, whichever costs less
     # (recompute when the host pool is full or there is none); swap | recompute force one (vLLM v0's flag)
     preemption_mode: str = "auto"
 
+    @property
+    def token_budget(self) -> int:
+        """``max_num_batched_tokens`` once the engine has filled in its default."""
+        if self.max_num_batched_tokens is None:
+            raise RuntimeError("max_num_batched_tokens is unset: the engine fills it in (with_batch_defaults)")
+        return self.max_num_batched_tokens
+
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")

@@ -23,7 +23,7 @@ from engine.core_messages import CoreStats, SeqOutput
 from engine.executor import Executor, make_executor
 from engine.input_batch import InputBatch
 from engine.inputs import StepInputs, TokenFill
-from engine.model_runner import effective_max_model_len
+from engine.model_runner import effective_max_model_len, with_batch_defaults
 from engine.request import Request, RequestStatus, validate_request
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from engine.sampling_params import SamplingParams
@@ -66,6 +66,7 @@ class Engine:
     """Scheduler + executor + sampler. ``step()`` is the whole loop body."""
 
     def __init__(self, config: EngineConfig) -> None:
+        config = with_batch_defaults(config)
         self.config = config
         self.files = modelfiles.resolve(config.model.model)
         self.tokenizer: Any = None

@@ -130,7 +130,7 @@ class Scheduler:
         # One token budget shared by everything; running requests first (oldest first), then waiting.
         out = SchedulerOutput()
         scheduled: dict[str, ScheduledChunk] = {}
-        budget = self._schedule_running(out, scheduled, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(out, scheduled, self.config.token_budget)
         self._schedule_waiting(out, scheduled, budget)
         out.chunks = list(scheduled.values())
         if not out.chunks:  # nothing runs, so nothing would copy: the copies wait for the next step that does

@@ -148,6 +148,8 @@ def run_engine_only(args: argparse.Namespace) -> dict[str, Any]:
     engine = build_engine(args)
     res: dict[str, Any] = {"engine_start_s": round(time.perf_counter() - t0, 1), "vocab_size": engine.vocab_size}
     res["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    res["max_num_batched_tokens"] = engine.config.scheduler.token_budget  # the device's default unless given
+    print(f"engine: {res['device']}, {res['max_num_batched_tokens']} batched tokens per step", flush=True)
     try:
         for level in sorted({min(args.concurrency), max(args.concurrency)}):
             prompts = make_prompts(engine.vocab_size, level, -1, args.prompt_len, args.seed)
@@ -321,7 +323,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--dtype", default="auto")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest --concurrency")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the server's (by device)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--cpu-kv-cache-gib", type=float, default=1.0)

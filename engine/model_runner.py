@@ -44,10 +44,21 @@ class KVCacheSpec:
         return self.num_blocks * self.block_size
 
 
+def model_max_len(config: EngineConfig, hf_config: Any) -> int:
+    """The configured context length, or the model's; longer than the model's positions is refused (as vLLM
+    does): the rotary table has a row per position, and a position past it would be read out of bounds."""
+    positions = int(getattr(hf_config, "max_position_embeddings", 2048))
+    if config.model.max_model_len and config.model.max_model_len > positions:
+        raise ValueError(
+            f"max_model_len {config.model.max_model_len} is longer than the model's {positions} positions "
+            "(max_position_embeddings in its config): lower --max-model-len"
+        )
+    return config.model.max_model_len or positions
+
+
 def effective_max_model_len(config: EngineConfig, hf_config: Any, kv_spec: KVCacheSpec) -> int:
     """The configured (or the model's) context length, capped by what the KV cache can hold."""
-    model_len = config.model.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
-    return min(model_len, kv_spec.num_tokens)
+    return min(model_max_len(config, hf_config), kv_spec.num_tokens)
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -96,6 +107,7 @@ class ModelRunner:
         self.device = pick_device(config)
         self.backend = pick_backend(config, self.device)
         self.hf_config: Any = load_hf_config(files)
+        model_max_len(config, self.hf_config)  # a length the model cannot take fails before its weights load
         self.dtype = resolve_dtype(config.model.dtype, self.hf_config, self.device)
         torch.manual_seed(config.model.seed)
         self.model = load_model(
@@ -182,10 +194,7 @@ class ModelRunner:
             layer.kv_cache = scratch[i]
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        seqs = max(1, num_tokens // 512)
-        lens = [num_tokens // seqs] * seqs
-        lens[-1] += num_tokens - sum(lens)
-        inputs = _dummy_prefill(lens, probe.block_size)
+        inputs = _dummy_prefill(profile_lens(num_tokens, model_max_len(self.config, self.hf_config)), probe.block_size)
         self.execute_model(inputs)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
@@ -234,6 +243,18 @@ class ModelRunner:
         hidden = self.model(input_ids, self._to_device(inputs.positions), self._metadata(inputs))
         logits_indices = self._to_device(inputs.logits_indices)
         return self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
+
+
+def profile_lens(num_tokens: int, max_len: int, seq_len: int = 512) -> list[int]:
+    """The memory profile's prefill: ``num_tokens`` in sequences of about ``seq_len`` tokens, none longer than
+    ``max_len``: positions past the model's length would read past its rotary table (the Triton kernel does not
+    check them), as 512-token sequences did with the 256-position model of ``tests/engine/test_gpu.py``."""
+    cap = max(1, min(seq_len, max_len))
+    seqs = -(-num_tokens // cap)
+    lens = [num_tokens // seqs] * seqs
+    for i in range(num_tokens - sum(lens)):
+        lens[i] += 1
+    return lens
 
 
 def _dummy_prefill(lens: list[int], block_size: int) -> StepInputs:

@@ -241,3 +241,24 @@ def test_the_token_budget_defaults_to_vllms_server_value_for_the_device() -> Non
     assert with_batch_defaults(unset).scheduler.token_budget == 2048
     given = EngineArgs(device="cpu", max_num_batched_tokens=640).create_engine_config()
     assert with_batch_defaults(given).scheduler.token_budget == 640
+
+
+@pytest.mark.parametrize(("num_tokens", "max_len"), [(8192, 256), (2048, 4096), (8192, 8192), (100, 7), (5, 512)])
+def test_the_memory_profile_keeps_every_sequence_within_the_model_length(num_tokens: int, max_len: int) -> None:
+    from engine.model_runner import profile_lens
+
+    lens = profile_lens(num_tokens, max_len)
+    assert sum(lens) == num_tokens and max(lens) <= min(512, max_len) and min(lens) >= 1
+    assert max(lens) - min(lens) <= 1  # as even as it divides
+
+
+def test_a_max_model_len_past_the_models_positions_is_refused() -> None:
+    from types import SimpleNamespace
+
+    from engine.model_runner import model_max_len
+
+    hf = SimpleNamespace(max_position_embeddings=256)
+    assert model_max_len(EngineArgs(max_model_len=256).create_engine_config(), hf) == 256
+    assert model_max_len(EngineArgs().create_engine_config(), hf) == 256
+    with pytest.raises(ValueError, match="longer than the model's 256 positions"):
+        model_max_len(EngineArgs(max_model_len=257).create_engine_config(), hf)

@@ -60,9 +60,10 @@ def test_async_scheduling_equals_sync_on_gpu(folder: Path, dtype: str) -> None:
     assert engine_tokens(folder, dtype=dtype, max_num_batched_tokens=64, async_scheduling=True) == sync
 
 
-def test_cuda_graphs_equal_eager(folder: Path) -> None:
-    eager = engine_tokens(folder, dtype="bfloat16", enforce_eager=True)
-    graphs = engine_tokens(folder, dtype="bfloat16", enforce_eager=False)
+@pytest.mark.parametrize("budget", [2048, 8192])  # the step budget's two device defaults (8192 on an H200)
+def test_cuda_graphs_equal_eager(folder: Path, budget: int) -> None:
+    eager = engine_tokens(folder, dtype="bfloat16", enforce_eager=True, max_num_batched_tokens=budget)
+    graphs = engine_tokens(folder, dtype="bfloat16", enforce_eager=False, max_num_batched_tokens=budget)
     assert graphs == eager
 
 

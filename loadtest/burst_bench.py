@@ -9,6 +9,11 @@ before its prefill can start (on the H200 the stack's admission ramp at 256 stre
 
     python -m loadtest.burst_bench --jobs 256 --runs 3          # ms until the core has every job, us per job
     python -m loadtest.burst_bench --jobs 256 --profile b.prof  # cProfile of the front while it takes them
+    python -m loadtest.burst_bench --api --jobs 64 --runs 5     # the API tier instead: one `pagedserve api`
+
+With ``--api`` the burst is ``--jobs`` streaming ``/v1/completions`` POSTs, each on its own connection (as the
+stack bench's clients send them), to one API process (``pagedserve api``, no worker: the jobs stay queued), and the
+time is from the first send to the last job in the queue (its arq score: the admission's clock).
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ import asyncio
 import cProfile
 import json
 import statistics
+import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +121,82 @@ async def _run_once(args: argparse.Namespace, redis_url: str, tokenizer: Any, ta
     }
 
 
+async def _post_burst(port: int, jobs: int, prompt_len: int) -> float:
+    """``jobs`` streaming POSTs at once, each on its own connection; the unix time of the first send."""
+    body = json.dumps(
+        {"model": "bench", "prompt": [500 + i for i in range(prompt_len)], "max_tokens": 16, "stream": True}
+    ).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+    request = (head + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+    async def one() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request)
+        return reader, writer
+
+    start = time.time()
+    conns = await asyncio.gather(*(one() for _ in range(jobs)))
+    for reader, _ in conns:  # every request's status line: it was admitted (or refused) before this returns
+        status = (await reader.readline()).decode(errors="replace")
+        if " 200 " not in status:
+            raise RuntimeError(f"the API answered {status.strip()!r}")
+    for _, writer in conns:
+        writer.close()
+    return start
+
+
+def measure_api(args: argparse.Namespace) -> dict[str, Any]:
+    """Bursts through one API process; per run the ms from the first send to each end of the admissions."""
+    import redis as redis_sync
+
+    from deploy.redis_server import RedisServer, free_port
+    from wire import keys
+
+    with RedisServer() as server:
+        port = free_port()
+        argv = [sys.executable, "-m", "deploy.cli", "api", "--redis-url", server.url, "--port", str(port)]
+        argv += ["--served-model-name", "bench", "--queue-without-workers-s", "inf", "--disable-uvicorn-access-log"]
+        api = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis_sync.Redis.from_url(server.url)
+        try:
+            _wait_health(api, port)
+            runs = []
+            for _ in range(args.runs + 1):  # the first burst warms the process up: not counted
+                client.delete(keys.QUEUE)
+                start = asyncio.run(_post_burst(port, args.jobs, args.prompt_len))
+                queued: list[tuple[bytes, float]] = client.zrange(keys.QUEUE, 0, -1, withscores=True)  # type: ignore[assignment]
+                scores = sorted(score for _, score in queued)
+                if len(scores) != args.jobs:
+                    raise RuntimeError(f"{len(scores)} of {args.jobs} requests were queued")
+                runs.append(
+                    {"first_ms": round(scores[0] - 1e3 * start, 1), "all_ms": round(scores[-1] - 1e3 * start, 1)}
+                )
+                time.sleep(0.5)  # the aborts of the closed streams
+        finally:
+            api.terminate()
+            api.wait(30)
+    runs = runs[1:]
+    return {
+        "api_jobs": args.jobs,
+        "runs": runs,
+        "all_ms_median": statistics.median(r["all_ms"] for r in runs),
+        "ms_per_request_median": round(statistics.median(r["all_ms"] for r in runs) / args.jobs, 3),
+    }
+
+
+def _wait_health(api: subprocess.Popen[bytes], port: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if api.poll() is not None:
+            raise RuntimeError(f"pagedserve api exited with {api.returncode}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError("pagedserve api did not answer /health")
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -135,9 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="bursts, each on a fresh worker")
     p.add_argument("--profile", default="", help="write a cProfile of the (last) burst's intake here")
     p.add_argument("--tokenizer-folder", default="", help="tokenizer files from here (default: the default model's)")
+    p.add_argument("--api", action="store_true", help="the API tier's admission instead of the worker front's")
     p.add_argument("--json", default="", help="write the result here")
     args = p.parse_args(argv)
-    res = measure(args)
+    res = measure_api(args) if args.api else measure(args)
     print(json.dumps(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

@@ -34,8 +34,9 @@ from prometheus_client import CollectorRegistry
 
 import modelfiles
 from api.admission import Admission
-from deploy.redis_server import RedisServer
+from deploy.redis_server import RedisServer, free_port
 from engine.core_messages import CoreReady, StepOutputs
+from loadtest.stream_client import request_bytes
 from wire.messages import JobMeta, JobPayload
 from wire.sampling import SamplingSpec
 
@@ -123,11 +124,8 @@ async def _run_once(args: argparse.Namespace, redis_url: str, tokenizer: Any, ta
 
 async def _post_burst(port: int, jobs: int, prompt_len: int) -> float:
     """``jobs`` streaming POSTs at once, each on its own connection; the unix time of the first send."""
-    body = json.dumps(
-        {"model": "bench", "prompt": [500 + i for i in range(prompt_len)], "max_tokens": 16, "stream": True}
-    ).encode()
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-    request = (head + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+    body = {"model": "bench", "prompt": [500 + i for i in range(prompt_len)], "max_tokens": 16, "stream": True}
+    request = request_bytes(f"127.0.0.1:{port}", "/v1/completions", body)
 
     async def one() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -149,7 +147,6 @@ def measure_api(args: argparse.Namespace) -> dict[str, Any]:
     """Bursts through one API process; per run the ms from the first send to each end of the admissions."""
     import redis as redis_sync
 
-    from deploy.redis_server import RedisServer, free_port
     from wire import keys
 
     with RedisServer() as server:

@@ -125,7 +125,8 @@ class ChunkedBody:
         return b"".join(out)
 
 
-def _request_bytes(host: str, path: str, body: dict[str, Any]) -> bytes:
+def request_bytes(host: str, path: str, body: dict[str, Any]) -> bytes:
+    """One HTTP/1.1 POST of ``body`` as JSON, its connection closed after the response."""
     data = json.dumps(body, separators=(",", ":")).encode()
     head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
     return (head + f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
@@ -150,7 +151,7 @@ async def _send(base_url: str, job: StreamJob, sse: SSEReader) -> str | None:
     host, port = url.hostname or "127.0.0.1", url.port or 80
     reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
     try:
-        writer.write(_request_bytes(f"{host}:{port}", "/v1/completions", job.body))
+        writer.write(request_bytes(f"{host}:{port}", "/v1/completions", job.body))
         status, headers = await _read_head(reader)
         chunked = headers.get("transfer-encoding", "").lower() == "chunked"
         if status != 200:

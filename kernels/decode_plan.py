@@ -34,6 +34,10 @@ LARGE_BATCH_TILE = (64, 3)  # 128 was faster at B=256 but slower at B=64 (one pr
 # Query-head rows x partitions one program may merge: 512 fp32 rows of 128 are 256 KB of L2 reads by one
 # SM, ~2 us on the critical path, what the saved launch is worth; past that the second launch wins.
 FUSED_MERGE_MAX_ROWS = 512
+# Partitions of at most this many KV tiles run with their tile loop unrolled (UNROLL), so the loads of every tile
+# (block-table entries, then K and V) can be issued before the first tile's math instead of one round trip per
+# tile. Sweep rows "unroll*"; 0: never.
+UNROLL_MAX_TILES = 0
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class DecodePlan:
     partition_size: int
     num_partitions: int
     fused_reduce: bool
+    unroll: bool = False
 
 
 @lru_cache(maxsize=8)
@@ -65,6 +70,17 @@ def decode_partition_size(num_seqs: int, num_kv_heads: int, max_len: int, sms: i
     return max(min_partition, min(partition, max(256, next_pow2(max_len) // 2)))
 
 
+def fit_partition_size(
+    num_seqs: int, num_kv_heads: int, max_len: int, sms: int, programs_per_sm: int, block_n: int
+) -> int:
+    """The shortest whole number of KV tiles that cuts each sequence into at most ``programs_per_sm * sms`` /
+    (seqs x KV heads) partitions: the grid fills that many program slots in one wave, with no power-of-two
+    rounding and no two-partition minimum (the sweep's "fit*" rows)."""
+    parts = max(1, programs_per_sm * sms // (num_seqs * num_kv_heads))
+    per_part = -(-max_len // parts)
+    return -(-per_part // block_n) * block_n
+
+
 def use_fused_reduce(num_seqs: int, group: int, num_partitions: int) -> bool:
     """Whether the last program of each (seq, KV head) merges the partitions (one launch) rather than a
     second kernel: in small batches, while that one program's merge stays small (FUSED_MERGE_MAX_ROWS)."""
@@ -83,17 +99,20 @@ def plan_decode(
     num_stages: int | None = None,
     partition_size: int | None = None,
     fused_reduce: bool | None = None,
+    unroll: bool | None = None,
 ) -> DecodePlan:
     """The defaults above for every knob left None (tests and the benchmark set them)."""
     tile = SMALL_BATCH_TILE if num_seqs <= SMALL_BATCH_MAX_SEQS else LARGE_BATCH_TILE
     block_n = block_n or tile[0]
     if partition_size is None:
         partition_size = decode_partition_size(num_seqs, num_kv_heads, max_len, sms, block_n)
-    if partition_size % block_n or partition_size & (partition_size - 1):
-        raise ValueError(f"partition_size {partition_size} must be a power of two multiple of block_n {block_n}")
+    if partition_size % block_n or partition_size < block_n:
+        raise ValueError(f"partition_size {partition_size} must be a multiple of block_n {block_n}")
     num_partitions = max(1, -(-max_len // partition_size))
     if fused_reduce is None:
         fused_reduce = use_fused_reduce(num_seqs, num_heads // num_kv_heads, num_partitions)
+    if unroll is None:
+        unroll = partition_size // block_n <= UNROLL_MAX_TILES
     return DecodePlan(
-        block_n, num_stages or tile[1], partition_size, num_partitions, fused_reduce and num_partitions > 1
+        block_n, num_stages or tile[1], partition_size, num_partitions, fused_reduce and num_partitions > 1, unroll
     )

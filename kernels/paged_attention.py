@@ -142,6 +142,19 @@ def _merge_partitions(
 
 
 @triton.jit
+def _decode_tile(
+    q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh, stride_kb, stride_kt, stride_kh,
+    scale_log2, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Fold the keys at ``pos`` (only where ``pos_ok``) into one decode program's running softmax."""
+    k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh, stride_kb, stride_kt, stride_kh,
+                         BLOCK_SIZE, True, UPCAST)  # fmt: skip
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
+    s = tl.where(pos_ok[None, :], s, float("-inf"))
+    return _online_softmax_step(s, v, m_i, l_i, acc, True, DOT_PRECISION)
+
+
+@triton.jit
 def _decode_partition_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_stats_ptr, counters_ptr,
     scale_log2, sliding_window,
@@ -150,7 +163,7 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, CHUNK: tl.constexpr,
+    UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -175,14 +188,20 @@ def _decode_partition_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range((kv_lo // BLOCK_N) * BLOCK_N, part_end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pos_ok = (pos < part_end) & (pos >= kv_lo)
-        k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh, stride_kb, stride_kt, stride_kh,
-                             BLOCK_SIZE, True, UPCAST)  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(pos_ok[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, True, DOT_PRECISION)
+    if UNROLL:  # every tile of the partition unrolled: their loads need not wait for the previous tile's math
+        for t in tl.static_range(PARTITION_SIZE // BLOCK_N):
+            pos = part_start + t * BLOCK_N + tl.arange(0, BLOCK_N)
+            pos_ok = (pos < part_end) & (pos >= kv_lo)
+            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh,
+                                         stride_kb, stride_kt, stride_kh, scale_log2, BLOCK_SIZE, UPCAST,
+                                         DOT_PRECISION)  # fmt: skip
+    else:
+        for start in range((kv_lo // BLOCK_N) * BLOCK_N, part_end, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            pos_ok = (pos < part_end) & (pos >= kv_lo)
+            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh,
+                                         stride_kb, stride_kt, stride_kh, scale_log2, BLOCK_SIZE, UPCAST,
+                                         DOT_PRECISION)  # fmt: skip
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE_PARTITION:
@@ -292,7 +311,7 @@ def _paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     num_warps: int = 4,
-    **knobs: Any,  # plan_decode's block_n, num_stages, partition_size, fused_reduce; unset: the defaults
+    **knobs: Any,  # plan_decode's block_n, num_stages, partition_size, fused_reduce, unroll; unset: the defaults
 ) -> torch.Tensor:
     """The wrapper with its tuning knobs exposed (tests force small partitions; the benchmark sweeps)."""
     require_triton("paged_decode_attention")
@@ -331,7 +350,7 @@ def _paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=plan.block_n, PARTITION_SIZE=plan.partition_size, SINGLE_PARTITION=single,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
-        FUSED_REDUCE=plan.fused_reduce, CHUNK=chunk, num_warps=num_warps,
+        FUSED_REDUCE=plan.fused_reduce, CHUNK=chunk, UNROLL=plan.unroll, num_warps=num_warps,
         num_stages=plan.num_stages,
     )  # fmt: skip
     if not single and not plan.fused_reduce:

@@ -24,12 +24,15 @@
 #                     AR_LEVELS: the concurrency levels (default 256)
 #   stage as (~5 min): the engine's GPU tests (async == sync, async == HF in fp32), then the suite's latency and `mixed`
 #                     with synchronous and asynchronous scheduling in one engine (the A/B behind the default)
+#   stage t (~7 min): triage: the engine's graphs == eager GPU test at each step budget in its own process with
+#                     synchronous launches (CUDA_LAUNCH_BLOCKING=1: the traceback names the faulting kernel), the
+#                     other engine and kernel GPU tests (not GEMV, not int4), then the decode-attention sweep
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -57,6 +60,18 @@ if [ "$stage" = 1 ]; then
   python -m loadtest.step_profile --shape 8b --top 10 --out "$out/step_profile.json" 2>&1 | grep -v USDT | tail -14
   python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \
     --concurrency 1 2 4 8 16 32 64 128 256 512 --commit "$commit" --out "$out/sweep.json" 2>&1 | tail -5
+elif [ "$stage" = t ]; then
+  for budget in 2048 8192; do
+    CUDA_LAUNCH_BLOCKING=1 python -m pytest -q -p no:cacheprovider -x \
+      "tests/engine/test_gpu.py::test_cuda_graphs_equal_eager[$budget]" > "$out/graphs-$budget.txt" 2>&1 \
+      && echo "graphs == eager at $budget PASSED" \
+      || { echo "graphs == eager at $budget FAILED"; grep -E "Error|\.py:[0-9]+" "$out/graphs-$budget.txt" | tail -25; }
+  done
+  python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/kernels/test_gpu.py \
+    -k "not cuda_graphs_equal_eager and not gemv and not int4" > "$out/gpu_tests.txt" 2>&1 \
+    && echo "OTHER GPU TESTS PASSED" || echo "OTHER GPU TESTS FAILED (see gpu_tests.txt)"
+  tail -4 "$out/gpu_tests.txt"
+  python -m loadtest.kernels_bench --sweep --only decode --out "$out/kernels-decode.json" 2>&1 | tail -30
 elif [ "$stage" = 5 ]; then
   if [ -n "${NEW_KV_TESTS:-}" ]; then
     PAGEDSERVE_PREFILL_KERNEL=new_kv python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \

@@ -39,23 +39,31 @@ from loadtest.prefill_bench import (
 
 # (name, knobs of _paged_decode_attention), the names printed in the sweep's matrix and kept in the JSON.
 # "partition_scale" scales the variant's default partition; "min_partition" sizes as if no partition could
-# be shorter (128: the sizing measured on 2026-11-29). fused_reduce False: the reduction in a second
-# launch; True: the last program of each (seq, kv head) merges the partitions; absent: the default's choice.
+# be shorter (128: the sizing measured on 2026-11-29); "fit": kernels.decode_plan.fit_partition_size with that
+# many programs per SM (ptxas for sm_90: the default tile's 128 registers allow 4, block_n 32's 80 allow 6).
+# fused_reduce False: the reduction in a second launch; True: the last program of each (seq, kv head) merges
+# the partitions; absent: the default's choice. "unroll": the partition's tiles unrolled (skipped past
+# MAX_UNROLL_TILES tiles). Rows named default* start from the default tile, the others from (64, 3 stages).
+# Removed after the 2026-12-01 sweeps, where they never won a shape: fused_p0.5, fused_s2, fused_bn128_s2(_p2),
+# fused_w8, two_launch_min128, two_launch_bn128_s2.
 DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("default", {}),
     ("two_launch", {"fused_reduce": False}),
-    ("two_launch_min128", {"fused_reduce": False, "min_partition": 128}),  # the default until now
     ("two_launch_s2", {"fused_reduce": False, "num_stages": 2}),
-    ("two_launch_bn128_s2", {"fused_reduce": False, "block_n": 128, "num_stages": 2}),
     ("two_launch_p2", {"fused_reduce": False, "partition_scale": 2}),
     ("fused", {"fused_reduce": True}),
-    ("fused_p0.5", {"fused_reduce": True, "partition_scale": 0.5}),
     ("fused_p2", {"fused_reduce": True, "partition_scale": 2}),
-    ("fused_s2", {"fused_reduce": True, "num_stages": 2}),
-    ("fused_bn128_s2", {"fused_reduce": True, "block_n": 128, "num_stages": 2}),
-    ("fused_bn128_s2_p2", {"fused_reduce": True, "block_n": 128, "num_stages": 2, "partition_scale": 2}),
-    ("fused_w8", {"fused_reduce": True, "num_warps": 8}),
+    ("default_unroll", {"unroll": True}),
+    ("default_fit3", {"fit": 3}),
+    ("default_fit4", {"fit": 4}),
+    ("default_fit6", {"fit": 6}),
+    ("default_fit3_unroll", {"fit": 3, "unroll": True}),
+    ("default_fit4_unroll", {"fit": 4, "unroll": True}),
+    ("default_bn32_unroll", {"block_n": 32, "unroll": True}),
+    ("default_bn32_fit6_unroll", {"block_n": 32, "fit": 6, "unroll": True}),
+    ("default_bn32_fit6", {"block_n": 32, "fit": 6}),
 ]
+MAX_UNROLL_TILES = 16
 
 
 def check_correctness() -> list[dict[str, Any]]:
@@ -126,6 +134,8 @@ def bench_decode(batch: int, seq_len: int, reps: int, variants: list[tuple[str, 
     result["variants"] = []
     for name, variant in variants:
         kwargs, plan = _decode_variant_kwargs(batch, seq_len, name, variant)
+        if plan["unroll"] and plan["partition_size"] // plan["block_n"] > MAX_UNROLL_TILES:
+            continue  # hundreds of unrolled tiles: a compile, not a candidate
         calls = [
             partial(_paged_decode_attention, query, cache, tables[i % copies], seq_lens, scale, None, **kwargs)
             for i in range(calls_per_graph)
@@ -154,10 +164,19 @@ def _decode_variant_kwargs(batch: int, seq_len: int, name: str, variant: dict[st
     """The variant's knobs for _paged_decode_attention, and its plan as the wrapper resolves it (for the
     JSON and the matrix). Every variant but "default" starts from block_n 64 and 3 stages, so a row means
     the same whatever tile kernels.decode_plan picks by default."""
-    from kernels.decode_plan import decode_partition_size, num_sms, plan_decode
+    from kernels.decode_plan import decode_partition_size, fit_partition_size, num_sms, plan_decode
 
-    kwargs = dict(variant) if name == "default" else {"block_n": 64, "num_stages": 3, **variant}
+    if name.startswith("default"):
+        tile = plan_decode(batch, NUM_HEADS, NUM_KV_HEADS, seq_len, 8)  # the default tile (any SM count)
+        kwargs = {"block_n": tile.block_n, "num_stages": tile.num_stages, **variant}
+    else:
+        kwargs = {"block_n": 64, "num_stages": 3, **variant}
+    if name == "default":
+        kwargs = {}
     sms = num_sms(torch.cuda.current_device())
+    if "fit" in kwargs:
+        kwargs["partition_size"] = fit_partition_size(batch, NUM_KV_HEADS, seq_len, sms, kwargs.pop("fit"),
+                                                      kwargs["block_n"])  # fmt: skip
     if "min_partition" in kwargs or "partition_scale" in kwargs:
         block_n = kwargs["block_n"]
         partition = decode_partition_size(

@@ -40,14 +40,18 @@ def _query(num_rows: int, num_heads: int, dtype: torch.dtype, gen: torch.Generat
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("sliding_window", [None, 24])
 # None: one partition here; 32 (4 partitions): the reduce kernel; (32, fused): the last program of each
-# (seq, kv head) merges them
-@pytest.mark.parametrize(("partition_size", "fused_reduce"), [(None, False), (32, False), (32, True)])
+# (seq, kv head) merges them; 48: three tiles, not a power of two, unrolled or looped
+@pytest.mark.parametrize(
+    ("partition_size", "fused_reduce", "unroll"),
+    [(None, False, False), (32, False, False), (32, True, False), (48, False, True), (48, True, False)],
+)
 def test_decode_matches_ref(
     dtype: torch.dtype,
     group: int,
     sliding_window: int | None,
     partition_size: int | None,
     fused_reduce: bool,
+    unroll: bool,
     gen: torch.Generator,
 ) -> None:
     cache, tables = paged_cache(DECODE_LENS, 16, NUM_KV_HEADS, HEAD_DIM, dtype, gen)
@@ -55,7 +59,7 @@ def test_decode_matches_ref(
     query = _query(len(DECODE_LENS), NUM_KV_HEADS * group, dtype, gen)
     out = _paged_decode_attention(
         query, cache, tables, seq_lens, 0.17, sliding_window, partition_size=partition_size, block_n=16,
-        fused_reduce=fused_reduce,
+        fused_reduce=fused_reduce, unroll=unroll,
     )  # fmt: skip
     ref = paged_decode_attention_ref(query, cache, tables, seq_lens, 0.17, sliding_window)
     assert rel_err(out, ref) < tolerance(dtype), f"seed {gen.initial_seed()}"
@@ -206,6 +210,18 @@ def test_partition_size_fills_the_sms_at_batch_1() -> None:
         assert seq_len // decode_partition_size(batch, 8, seq_len, 132, 64) == 2
 
 
+def test_fit_partition_size_fills_one_wave() -> None:
+    """A whole number of tiles, at most programs_per_sm x SMs programs, and one partition once the batch alone
+    fills them."""
+    for seq_len, per_sm in [(8192, 3), (32768, 3), (32768, 4), (1024, 2)]:
+        partition = decode_plan.fit_partition_size(1, 8, seq_len, 132, per_sm, 64)
+        assert partition % 64 == 0 and 8 * -(-seq_len // partition) <= per_sm * 132, (seq_len, per_sm, partition)
+        shorter = partition - 64
+        assert partition == 64 or 8 * -(-seq_len // shorter) > per_sm * 132  # the shortest that fits
+    assert decode_plan.fit_partition_size(1, 8, 8192, 132, 3, 64) == 192  # 43 partitions, not 64 of 128
+    assert decode_plan.fit_partition_size(64, 8, 1024, 132, 4, 64) == 1024
+
+
 def test_fused_reduce_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(decode_plan, "FUSED_REDUCE_MAX_SEQS", 16)
     assert decode_plan.use_fused_reduce(1, 4, 64) and decode_plan.use_fused_reduce(16, 8, 64)
@@ -213,7 +229,7 @@ def test_fused_reduce_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not decode_plan.use_fused_reduce(1, 32, 64)  # one KV head for 32 q heads: too big a merge for one program
     plan = decode_plan.plan_decode(1, 32, 8, 8192, 132, partition_size=8192, fused_reduce=True)
     assert plan.num_partitions == 1 and not plan.fused_reduce  # nothing to merge
-    with pytest.raises(ValueError, match="power of two multiple"):
+    with pytest.raises(ValueError, match="multiple of block_n"):
         decode_plan.plan_decode(1, 32, 8, 8192, 132, block_n=64, partition_size=96)
 
 

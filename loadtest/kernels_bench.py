@@ -54,6 +54,7 @@ DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("fused", {"fused_reduce": True}),
     ("fused_p2", {"fused_reduce": True, "partition_scale": 2}),
     ("default_unroll", {"unroll": True}),
+    ("default_unroll_w8", {"unroll": True, "num_warps": 8}),
     ("default_fit3", {"fit": 3}),
     ("default_fit4", {"fit": 4}),
     ("default_fit6", {"fit": 6}),

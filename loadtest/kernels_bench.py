@@ -246,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         for seq_len in args.seq_lens:
             r = bench_decode(batch, seq_len, args.reps, decode_variants)
             report["decode"].append(r)
+            if args.out:  # as it goes: a run cut short by its time limit keeps the shapes it measured
+                with open(args.out, "w") as f:
+                    json.dump(report, f, indent=1)
             print(
                 f"decode B={batch:4d} L={seq_len:6d}: triton {r['triton_gbps']:7.0f} GB/s  best {r['best_gbps']:7.0f} "
                 f"{r['best_variant']}  sdpa {r['sdpa_gbps']:7.0f} GB/s  ratio {r['triton_gbps'] / r['sdpa_gbps']:.2f}",

@@ -43,7 +43,7 @@ from loadtest.prefill_bench import (
 # many programs per SM (ptxas for sm_90: the default tile's 128 registers allow 4, block_n 32's 80 allow 6).
 # fused_reduce False: the reduction in a second launch; True: the last program of each (seq, kv head) merges
 # the partitions; absent: the default's choice. "unroll": the partition's tiles unrolled (skipped past
-# MAX_UNROLL_TILES tiles). Rows named default* start from the default tile, the others from (64, 3 stages).
+# MAX_UNROLL_TILES tiles); "cap": no partition longer than that. Rows named default* start from the default tile, the others from (64, 3 stages).
 # Removed after the 2026-12-01 sweeps, where they never won a shape: fused_p0.5, fused_s2, fused_bn128_s2(_p2),
 # fused_w8, two_launch_min128, two_launch_bn128_s2.
 DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
@@ -63,6 +63,10 @@ DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("default_bn32_unroll", {"block_n": 32, "unroll": True}),
     ("default_bn32_fit6_unroll", {"block_n": 32, "fit": 6, "unroll": True}),
     ("default_bn32_fit6", {"block_n": 32, "fit": 6}),
+    ("default_cap256", {"cap": 256}),
+    ("default_cap512", {"cap": 512}),
+    ("default_fit4_cap512", {"fit": 4, "cap": 512}),
+    ("default_fit4_cap512_unroll", {"fit": 4, "cap": 512, "unroll": True}),
 ]
 MAX_UNROLL_TILES = 16
 
@@ -104,7 +108,11 @@ def check_correctness() -> list[dict[str, Any]]:
     return results
 
 
-def bench_decode(batch: int, seq_len: int, reps: int, variants: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+def bench_decode(
+    batch: int, seq_len: int, reps: int, variants: list[tuple[str, dict[str, Any]]], table_len: int = 0
+) -> dict[str, Any]:
+    """Every sequence ``seq_len`` long; ``table_len`` > ``seq_len`` pads the block tables to that many tokens, as a
+    CUDA graph captured for the longest context pads them (the plan is made for the table's width)."""
     from kernels.paged_attention import _paged_decode_attention
 
     kv_bytes = 2 * batch * seq_len * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize  # K + V read once
@@ -113,7 +121,8 @@ def bench_decode(batch: int, seq_len: int, reps: int, variants: list[tuple[str, 
     blocks_per_seq = seq_len // BLOCK_SIZE
     num_blocks = copies * batch * blocks_per_seq
     scale = HEAD_DIM**-0.5
-    result: dict[str, Any] = {"batch": batch, "seq_len": seq_len, "kv_bytes": kv_bytes}
+    table_len = max(table_len, seq_len)
+    result: dict[str, Any] = {"batch": batch, "seq_len": seq_len, "table_len": table_len, "kv_bytes": kv_bytes}
 
     # dense SDPA first, then free it: B=256 x 32k needs 34 GB per copy of K+V
     k = [torch.randn(batch, NUM_KV_HEADS, seq_len, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(copies)]
@@ -130,11 +139,13 @@ def bench_decode(batch: int, seq_len: int, reps: int, variants: list[tuple[str, 
 
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(copies, batch, blocks_per_seq)
+    pad = table_len // BLOCK_SIZE - blocks_per_seq  # entries past a sequence's length: never read
+    tables = torch.cat([tables, tables.new_zeros(copies, batch, pad)], dim=2)
     seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     result["variants"] = []
     for name, variant in variants:
-        kwargs, plan = _decode_variant_kwargs(batch, seq_len, name, variant)
+        kwargs, plan = _decode_variant_kwargs(batch, table_len, name, variant)
         if plan["unroll"] and plan["partition_size"] // plan["block_n"] > MAX_UNROLL_TILES:
             continue  # hundreds of unrolled tiles: a compile, not a candidate
         calls = [
@@ -178,6 +189,10 @@ def _decode_variant_kwargs(batch: int, seq_len: int, name: str, variant: dict[st
     if "fit" in kwargs:
         kwargs["partition_size"] = fit_partition_size(batch, NUM_KV_HEADS, seq_len, sms, kwargs.pop("fit"),
                                                       kwargs["block_n"])  # fmt: skip
+    if "cap" in kwargs:  # no partition longer than this (a whole number of tiles)
+        cap = kwargs.pop("cap") // kwargs["block_n"] * kwargs["block_n"]
+        default = plan_decode(batch, NUM_HEADS, NUM_KV_HEADS, seq_len, sms, block_n=kwargs["block_n"])
+        kwargs["partition_size"] = min(kwargs.get("partition_size", default.partition_size), cap)
     if "min_partition" in kwargs or "partition_scale" in kwargs:
         block_n = kwargs["block_n"]
         partition = decode_partition_size(
@@ -217,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument(
+        "--table-lens", type=int, nargs="*", default=[],
+        help="also time batch 1 at each --seq-lens with block tables this many tokens wide (a CUDA graph's)",
+    )  # fmt: skip
+    parser.add_argument(
         "--prefill-cases", nargs="+", default=[c[0] for c in PREFILL_CASES], choices=[c[0] for c in PREFILL_CASES]
     )
     parser.add_argument(
@@ -244,16 +263,18 @@ def main(argv: list[str] | None = None) -> int:
     decode_variants = DECODE_VARIANTS if args.sweep else DECODE_VARIANTS[:1]
     for batch in args.batches if "decode" in args.only else []:
         for seq_len in args.seq_lens:
-            r = bench_decode(batch, seq_len, args.reps, decode_variants)
-            report["decode"].append(r)
-            if args.out:  # as it goes: a run cut short by its time limit keeps the shapes it measured
-                with open(args.out, "w") as f:
-                    json.dump(report, f, indent=1)
-            print(
-                f"decode B={batch:4d} L={seq_len:6d}: triton {r['triton_gbps']:7.0f} GB/s  best {r['best_gbps']:7.0f} "
-                f"{r['best_variant']}  sdpa {r['sdpa_gbps']:7.0f} GB/s  ratio {r['triton_gbps'] / r['sdpa_gbps']:.2f}",
-                flush=True,
-            )
+            for table_len in [0] + [t for t in args.table_lens if batch == 1 and t > seq_len]:
+                r = bench_decode(batch, seq_len, args.reps, decode_variants, table_len)
+                report["decode"].append(r)
+                if args.out:  # as it goes: a run cut short by its time limit keeps the shapes it measured
+                    with open(args.out, "w") as f:
+                        json.dump(report, f, indent=1)
+                print(
+                    f"decode B={batch:4d} L={seq_len:6d} table {r['table_len']:6d}: triton {r['triton_gbps']:7.0f} "
+                    f"GB/s  best {r['best_gbps']:7.0f} {r['best_variant']}  sdpa {r['sdpa_gbps']:7.0f} GB/s  ratio "
+                    f"{r['triton_gbps'] / r['sdpa_gbps']:.2f}",
+                    flush=True,
+                )
     report["prefill"] = []
     prefill_variants = PREFILL_VARIANTS if args.sweep else PREFILL_VARIANTS[:1]
     for case, context_len, q_len in PREFILL_CASES if "prefill" in args.only else []:
@@ -301,12 +322,17 @@ def _print_table(report: dict[str, Any]) -> None:
         print(f"correctness {c['kernel']} window={c['window']}: rel err {c['rel_err']:.2e}")
 
 
+def _shape_name(r: dict[str, Any]) -> str:
+    table = r.get("table_len", r["seq_len"])
+    return f"B={r['batch']} L={r['seq_len']}" + (f" table {table}" if table > r["seq_len"] else "")
+
+
 def _print_decode_variants(decode: list[dict[str, Any]]) -> None:
     """One row per decode variant: its ratio to SDPA and partition count at every shape (F: merged in the
     kernel, fused_reduce), the best of each column marked with *."""
     names = list(dict.fromkeys(v["name"] for r in decode for v in r["variants"]))
     print("\ndecode variants: ratio to SDPA / partitions (F: fused_reduce), * best of the shape")
-    print("| variant | " + " | ".join(f"B={r['batch']} L={r['seq_len']}" for r in decode) + " |")
+    print("| variant | " + " | ".join(_shape_name(r) for r in decode) + " |")
     print("|---" * (len(decode) + 1) + "|")
     for name in names:
         cells = []

@@ -71,7 +71,7 @@ elif [ "$stage" = t ]; then
     -k "not cuda_graphs_equal_eager and not gemv and not int4" > "$out/gpu_tests.txt" 2>&1 \
     && echo "OTHER GPU TESTS PASSED" || echo "OTHER GPU TESTS FAILED (see gpu_tests.txt)"
   tail -4 "$out/gpu_tests.txt"
-  python -m loadtest.kernels_bench --sweep --only decode --out "$out/kernels-decode.json" 2>&1 | tail -30
+  python -m loadtest.kernels_bench --sweep --only decode --table-lens 131072 --out "$out/kernels-decode.json" 2>&1 | tail -40
 elif [ "$stage" = 5 ]; then
   if [ -n "${NEW_KV_TESTS:-}" ]; then
     PAGEDSERVE_PREFILL_KERNEL=new_kv python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \

@@ -49,6 +49,7 @@ from loadtest.int4_gemm_sweep import (  # noqa: E402
     LAYER_SHAPES_8B,
     LAYER_SHAPES_TINY,
     PREFILL,
+    ROTATE_BYTES,
     ShapeData,
     check_and_time,
     gemv_table,
@@ -153,8 +154,24 @@ def bench_case(
     dense: list[Callable[[], object]] = [partial(torch.matmul, x, w.t()) for w in shape.dense]
     t_cublas = time_it(dense, reps) * 1e6
     row["cublas_us"] = round(t_cublas, 2)
+    if m == 1:  # what any kernel that moves this many bytes takes here, launch and DRAM latency included
+        row["copy_us"] = round(1e6 * same_traffic_copy_s(int4_bytes(m, n, k), reps), 2)
     _add_rates(row, t_cublas)
     return row
+
+
+def same_traffic_copy_s(num_bytes: int, reps: int) -> float:
+    """Seconds per device copy of ``num_bytes // 2`` bytes (read + written: ``num_bytes`` of DRAM traffic, the
+    M = 1 GEMM's), timed as the GEMMs are: many in one CUDA graph, cycling through buffers that overflow the L2.
+    The bytes over the copy bandwidth are the floor ``int4_model`` counts; this adds what a small kernel pays
+    on top (its launch in the graph, the first loads' latency, the last wave)."""
+    half = max(1, num_bytes // 2)
+    copies = max(2, min(32, ROTATE_BYTES // half))
+    srcs = [torch.empty(half, dtype=torch.uint8, device="cuda") for _ in range(copies)]
+    dst = torch.empty(half, dtype=torch.uint8, device="cuda")
+    seconds = timer(dst.device)([partial(dst.copy_, src) for src in srcs], reps)
+    del srcs, dst
+    return seconds
 
 
 def _add_rates(row: dict[str, Any], t_cublas: float) -> None:
@@ -241,6 +258,23 @@ def check_graph_replay(device: torch.device) -> dict[str, float]:
     return errors
 
 
+def add_practical_floor(results: dict[str, Any], shape: str) -> None:
+    """The int4 model's batch-1 floor plus what each of its layer GEMMs pays beyond its bytes, measured as a
+    copy moving the same bytes (``copy_us`` of the M = 1 rows): ``practical_floor_ms`` and the TPOT over it.
+    Only where both parts ran on the 8B shape, whose layers the GEMM rows are."""
+    from loadtest.shapes import SHAPES
+
+    rows = {r["layer"]: r for r in results.get("gemm", []) if r["m"] == 1 and "copy_us" in r}
+    lat = results.get("int4", {}).get("latency", {})
+    if shape != "8b" or "floor_ms" not in lat or set(rows) != {name for name, _, _ in LAYER_SHAPES_8B}:
+        return
+    tb_s = results["copy_tb_s"]
+    extra_us = sum(r["copy_us"] - int4_bytes(1, r["n"], r["k"]) / (tb_s * 1e6) for r in rows.values())
+    practical = lat["floor_ms"] + int(SHAPES[shape]["num_hidden_layers"]) * extra_us / 1e3  # type: ignore[call-overload]
+    lat["practical_floor_ms"] = round(practical, 3)
+    lat["ratio_to_practical_floor"] = round(lat["tpot_ms"] / practical, 3)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.int4_bench", description=__doc__)
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny shapes (correctness of the script)")
@@ -276,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.tiny:
                 raise
             results["model_error"] = f"{type(exc).__name__}: {exc}"
+    add_practical_floor(results, args.shape)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     print(json.dumps({k: v for k, v in results.items() if k != "gemm"}))

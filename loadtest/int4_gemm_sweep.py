@@ -247,4 +247,9 @@ def gemv_table(rows: list[dict[str, Any]], copy_tb_s: float | None) -> list[str]
         lines.append(f"      {'best (variant)':20s} | " + " | ".join(f"{w:23s}" for w in winners))
         lines.append(f"      {'best':20s} | " + " | ".join(cell(r, best[r["layer"]]) for r in cases))
         lines.append(f"      {'cuBLAS (bf16 bytes)':20s} | " + " | ".join(cell(r, r["cublas_us"], True) for r in cases))
+        if all("copy_us" in r for r in cases):  # a copy moving the same bytes: the practical floor of a kernel
+            lines.append(f"      {'copy (same bytes)':20s} | " + " | ".join(cell(r, r["copy_us"]) for r in cases))
+            lines.append(
+                f"      {'best / copy':20s} | " + " | ".join(f"{best[r['layer']] / r['copy_us']:<23.2f}" for r in cases)
+            )
     return lines

@@ -38,6 +38,11 @@ FUSED_MERGE_MAX_ROWS = 512
 # (block-table entries, then K and V) can be issued before the first tile's math instead of one round trip per
 # tile. Sweep rows "unroll*"; 0: never.
 UNROLL_MAX_TILES = 0
+# THE other switch: partitions cut each sequence's own length (read on the device) into as many pieces as fill
+# PROGRAMS_PER_SM programs per SM, instead of a length fixed by the block table's width. A CUDA graph captured for
+# a 128k-token context otherwise cuts a 1k-token sequence's decode into 2048-token partitions: one program per KV
+# head. Sweep rows "dyn*"; False: fixed partitions (decode_partition_size).
+DYNAMIC_PARTITIONS = False
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,9 @@ class DecodePlan:
     num_partitions: int
     fused_reduce: bool
     unroll: bool = False
+    dynamic: bool = (
+        False  # partition_size is only the tile granularity: each sequence's length is cut in num_partitions
+    )
 
 
 @lru_cache(maxsize=8)
@@ -100,10 +108,19 @@ def plan_decode(
     partition_size: int | None = None,
     fused_reduce: bool | None = None,
     unroll: bool | None = None,
+    dynamic: bool | None = None,
+    programs_per_sm: int | None = None,
 ) -> DecodePlan:
     """The defaults above for every knob left None (tests and the benchmark set them)."""
     tile = SMALL_BATCH_TILE if num_seqs <= SMALL_BATCH_MAX_SEQS else LARGE_BATCH_TILE
     block_n = block_n or tile[0]
+    if dynamic if dynamic is not None else DYNAMIC_PARTITIONS:
+        if partition_size is not None or unroll:
+            raise ValueError("dynamic partitions take neither a partition_size nor unroll")
+        per_sm = programs_per_sm or PROGRAMS_PER_SM
+        parts = max(1, min(per_sm * sms // (num_seqs * num_kv_heads), -(-max_len // block_n)))
+        fused = use_fused_reduce(num_seqs, num_heads // num_kv_heads, parts) if fused_reduce is None else fused_reduce
+        return DecodePlan(block_n, num_stages or tile[1], block_n, parts, fused and parts > 1, False, True)
     if partition_size is None:
         partition_size = decode_partition_size(num_seqs, num_kv_heads, max_len, sms, block_n)
     if partition_size % block_n or partition_size < block_n:

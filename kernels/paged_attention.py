@@ -112,13 +112,13 @@ def _online_softmax_step(s, v, m_i, l_i, acc, MAY_BE_EMPTY: tl.constexpr, DOT_PR
 
 @triton.jit
 def _merge_partitions(
-    seq_len, base, out_row_ptr, part_out_ptr, part_stats_ptr, num_partitions,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+    seq_len, part_len, base, out_row_ptr, part_out_ptr, part_stats_ptr, num_partitions,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Merge one head's partition results (scratch rows ``base + p``) into its output row: an online softmax
     over chunks of partitions, so a chunk's stats and outputs come in one L2 round trip (.cg: from L2,
     where the other programs' stores landed; the fused variant reads them right away)."""
-    num_parts = tl.minimum(tl.cdiv(seq_len, PARTITION_SIZE), num_partitions)  # the rest were never written
+    num_parts = tl.minimum(tl.cdiv(seq_len, part_len), num_partitions)  # the rest were never written
     d = tl.arange(0, HEAD_DIM_PAD)
     m_run = tl.full([1], float("-inf"), tl.float32)
     l_run = tl.zeros([1], tl.float32)
@@ -142,6 +142,17 @@ def _merge_partitions(
 
 
 @triton.jit
+def _partition_len(seq_len, num_partitions, PARTITION_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DYNAMIC: tl.constexpr):
+    """Tokens per partition of a sequence of ``seq_len``: PARTITION_SIZE, or with DYNAMIC the sequence's own length
+    cut into ``num_partitions`` whole tiles (a graph captured for a long context still spreads a short sequence
+    over the grid; partitions past the sequence's end get no tokens). The partition kernel and the merge agree."""
+    if DYNAMIC:
+        return tl.cdiv(tl.cdiv(seq_len, num_partitions), BLOCK_N) * BLOCK_N
+    else:
+        return seq_len * 0 + PARTITION_SIZE
+
+
+@triton.jit
 def _decode_tile(
     q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh, stride_kb, stride_kt, stride_kh,
     scale_log2, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -161,7 +172,7 @@ def _decode_partition_kernel(
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_os, stride_oh,
     num_partitions,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, DYNAMIC: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
@@ -169,8 +180,9 @@ def _decode_partition_kernel(
     kvh = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    part_start = part * PARTITION_SIZE
-    part_end = tl.minimum(part_start + PARTITION_SIZE, seq_len)
+    part_len = _partition_len(seq_len, num_partitions, PARTITION_SIZE, BLOCK_N, DYNAMIC)
+    part_start = part * part_len
+    part_end = tl.minimum(part_start + part_len, seq_len)
     kv_lo = part_start
     if USE_WINDOW:
         kv_lo = tl.maximum(part_start, seq_len - sliding_window)
@@ -217,17 +229,17 @@ def _decode_partition_kernel(
         if FUSED_REDUCE:  # noqa: SIM102 - a constexpr branch (resolved at compile time) around a runtime one
             if live:  # the same in every thread of the program, so the barriers in there are safe
                 _merge_if_last(
-                    counters_ptr + seq * tl.num_programs(1) + kvh, seq, kvh, seq_len, out_ptr, part_out_ptr,
+                    counters_ptr + seq * tl.num_programs(1) + kvh, seq, kvh, seq_len, part_len, out_ptr, part_out_ptr,
                     part_stats_ptr, stride_os, stride_oh, num_partitions, tl.num_programs(1),
-                    GROUP, HEAD_DIM, HEAD_DIM_PAD, PARTITION_SIZE, CHUNK,
+                    GROUP, HEAD_DIM, HEAD_DIM_PAD, CHUNK,
                 )  # fmt: skip
 
 
 @triton.jit
 def _merge_if_last(
-    counter, seq, kvh, seq_len, out_ptr, part_out_ptr, part_stats_ptr, stride_os, stride_oh, num_partitions,
-    num_kv_heads, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+    counter, seq, kvh, seq_len, part_len, out_ptr, part_out_ptr, part_stats_ptr, stride_os, stride_oh,
+    num_partitions, num_kv_heads, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Count this program's arrival at its (seq, kv head); the last live one merges every head's partitions.
     Ordering (PTX memory model, the pattern of a cooperative-groups grid sync, as in int4_gemv): the barrier
@@ -237,14 +249,14 @@ def _merge_if_last(
     not L1) come after it."""
     tl.debug_barrier()
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.minimum(tl.cdiv(seq_len, PARTITION_SIZE), num_partitions) - 1:
+    if arrived == tl.minimum(tl.cdiv(seq_len, part_len), num_partitions) - 1:
         tl.atomic_xchg(counter, 0, sem="relaxed")  # zero again for the next call and graph replay
         for gi in tl.static_range(GROUP):  # one head at a time: [CHUNK, D] tiles, few registers
             head = kvh * GROUP + gi
             _merge_partitions(
-                seq_len, (seq * (GROUP * num_kv_heads) + head) * num_partitions,
+                seq_len, part_len, (seq * (GROUP * num_kv_heads) + head) * num_partitions,
                 out_ptr + seq * stride_os + head * stride_oh, part_out_ptr, part_stats_ptr, num_partitions,
-                HEAD_DIM, HEAD_DIM_PAD, PARTITION_SIZE, CHUNK,
+                HEAD_DIM, HEAD_DIM_PAD, CHUNK,
             )  # fmt: skip
 
 
@@ -252,14 +264,16 @@ def _merge_if_last(
 def _decode_reduce_kernel(
     seq_lens_ptr, out_ptr, part_out_ptr, part_stats_ptr,
     stride_os, stride_oh, num_partitions,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DYNAMIC: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
     _merge_partitions(
-        tl.load(seq_lens_ptr + seq), (seq * tl.num_programs(1) + head) * num_partitions,
-        out_ptr + seq * stride_os + head * stride_oh, part_out_ptr, part_stats_ptr, num_partitions,
-        HEAD_DIM, HEAD_DIM_PAD, PARTITION_SIZE, CHUNK,
+        seq_len, _partition_len(seq_len, num_partitions, PARTITION_SIZE, BLOCK_N, DYNAMIC),
+        (seq * tl.num_programs(1) + head) * num_partitions, out_ptr + seq * stride_os + head * stride_oh,
+        part_out_ptr, part_stats_ptr, num_partitions, HEAD_DIM, HEAD_DIM_PAD, CHUNK,
     )  # fmt: skip
 
 
@@ -348,7 +362,8 @@ def _paged_decode_attention(
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_partitions,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=plan.block_n, PARTITION_SIZE=plan.partition_size, SINGLE_PARTITION=single,
+        BLOCK_SIZE=block_size, BLOCK_N=plan.block_n, PARTITION_SIZE=plan.partition_size, DYNAMIC=plan.dynamic,
+        SINGLE_PARTITION=single,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
         FUSED_REDUCE=plan.fused_reduce, CHUNK=chunk, UNROLL=plan.unroll, num_warps=num_warps,
         num_stages=plan.num_stages,
@@ -357,6 +372,7 @@ def _paged_decode_attention(
         _decode_reduce_kernel[(num_seqs, num_heads)](
             seq_lens, out, part_out, part_stats, out.stride(0), out.stride(1), num_partitions,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim), PARTITION_SIZE=plan.partition_size,
+            BLOCK_N=plan.block_n, DYNAMIC=plan.dynamic,
             CHUNK=min(16, next_pow2(num_partitions)), num_warps=4,
         )  # fmt: skip
     return out

@@ -43,7 +43,8 @@ from loadtest.prefill_bench import (
 # many programs per SM (ptxas for sm_90: the default tile's 128 registers allow 4, block_n 32's 80 allow 6).
 # fused_reduce False: the reduction in a second launch; True: the last program of each (seq, kv head) merges
 # the partitions; absent: the default's choice. "unroll": the partition's tiles unrolled (skipped past
-# MAX_UNROLL_TILES tiles); "cap": no partition longer than that. Rows named default* start from the default tile, the others from (64, 3 stages).
+# MAX_UNROLL_TILES tiles); "cap": no partition longer than that; "dynamic" with "programs_per_sm": each
+# sequence's own length cut into that many programs per SM (kernels.decode_plan.DYNAMIC_PARTITIONS). Rows named default* start from the default tile, the others from (64, 3 stages).
 # Removed after the 2026-12-01 sweeps, where they never won a shape: fused_p0.5, fused_s2, fused_bn128_s2(_p2),
 # fused_w8, two_launch_min128, two_launch_bn128_s2.
 DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
@@ -67,6 +68,10 @@ DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("default_cap512", {"cap": 512}),
     ("default_fit4_cap512", {"fit": 4, "cap": 512}),
     ("default_fit4_cap512_unroll", {"fit": 4, "cap": 512, "unroll": True}),
+    ("default_dyn3", {"dynamic": True, "programs_per_sm": 3}),
+    ("default_dyn4", {"dynamic": True, "programs_per_sm": 4}),
+    ("default_dyn6", {"dynamic": True, "programs_per_sm": 6}),
+    ("default_dyn8", {"dynamic": True, "programs_per_sm": 8}),
 ]
 MAX_UNROLL_TILES = 16
 

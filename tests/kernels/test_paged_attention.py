@@ -9,6 +9,7 @@ import subprocess
 import sys
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,28 +40,30 @@ def _query(num_rows: int, num_heads: int, dtype: torch.dtype, gen: torch.Generat
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("sliding_window", [None, 24])
-# None: one partition here; 32 (4 partitions): the reduce kernel; (32, fused): the last program of each
-# (seq, kv head) merges them; 48: three tiles, not a power of two, unrolled or looped
+# {}: one partition here; 32 (4 partitions): the reduce kernel; fused: the last program of each (seq, kv head)
+# merges them; 48: three tiles, not a power of two, unrolled or looped; dynamic: each sequence's own length cut
+# into the grid's partitions (3 here: 4 programs per SM of the interpreter's 8 "SMs", 5 sequences x 2 KV heads)
 @pytest.mark.parametrize(
-    ("partition_size", "fused_reduce", "unroll"),
-    [(None, False, False), (32, False, False), (32, True, False), (48, False, True), (48, True, False)],
+    "knobs",
+    [
+        {},
+        {"partition_size": 32},
+        {"partition_size": 32, "fused_reduce": True},
+        {"partition_size": 48, "unroll": True},
+        {"partition_size": 48, "fused_reduce": True},
+        {"dynamic": True},
+        {"dynamic": True, "fused_reduce": True},
+        {"dynamic": True, "programs_per_sm": 16},
+    ],
+    ids=["one", "p32", "p32_fused", "p48_unroll", "p48_fused", "dyn", "dyn_fused", "dyn16"],
 )
 def test_decode_matches_ref(
-    dtype: torch.dtype,
-    group: int,
-    sliding_window: int | None,
-    partition_size: int | None,
-    fused_reduce: bool,
-    unroll: bool,
-    gen: torch.Generator,
+    dtype: torch.dtype, group: int, sliding_window: int | None, knobs: dict[str, Any], gen: torch.Generator
 ) -> None:
     cache, tables = paged_cache(DECODE_LENS, 16, NUM_KV_HEADS, HEAD_DIM, dtype, gen)
     seq_lens = torch.tensor(DECODE_LENS, dtype=torch.int32, device=DEVICE)
     query = _query(len(DECODE_LENS), NUM_KV_HEADS * group, dtype, gen)
-    out = _paged_decode_attention(
-        query, cache, tables, seq_lens, 0.17, sliding_window, partition_size=partition_size, block_n=16,
-        fused_reduce=fused_reduce, unroll=unroll,
-    )  # fmt: skip
+    out = _paged_decode_attention(query, cache, tables, seq_lens, 0.17, sliding_window, block_n=16, **knobs)
     ref = paged_decode_attention_ref(query, cache, tables, seq_lens, 0.17, sliding_window)
     assert rel_err(out, ref) < tolerance(dtype), f"seed {gen.initial_seed()}"
     _assert_counters_zero(query.device)
@@ -220,6 +223,19 @@ def test_fit_partition_size_fills_one_wave() -> None:
         assert partition == 64 or 8 * -(-seq_len // shorter) > per_sm * 132  # the shortest that fits
     assert decode_plan.fit_partition_size(1, 8, 8192, 132, 3, 64) == 192  # 43 partitions, not 64 of 128
     assert decode_plan.fit_partition_size(64, 8, 1024, 132, 4, 64) == 1024
+
+
+def test_dynamic_plan_counts_partitions_not_tokens() -> None:
+    """Dynamic partitions: as many as fill PROGRAMS_PER_SM programs per SM (never more than the table has tiles),
+    the same for an 8k- and a 128k-token table."""
+    wanted = decode_plan.PROGRAMS_PER_SM * 132 // 8
+    for max_len in (8192, 131072):
+        plan = decode_plan.plan_decode(1, 32, 8, max_len, 132, dynamic=True)
+        assert plan.dynamic and plan.num_partitions == wanted
+    assert decode_plan.plan_decode(1, 32, 8, 256, 132, dynamic=True).num_partitions == 4  # 4 tiles of 64
+    assert decode_plan.plan_decode(256, 32, 8, 4096, 132, dynamic=True).num_partitions == 1
+    with pytest.raises(ValueError, match="dynamic"):
+        decode_plan.plan_decode(1, 32, 8, 4096, 132, dynamic=True, partition_size=128)
 
 
 def test_fused_reduce_switch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -55,9 +55,8 @@ class DecodePlan:
     num_partitions: int
     fused_reduce: bool
     unroll: bool = False
-    dynamic: bool = (
-        False  # partition_size is only the tile granularity: each sequence's length is cut in num_partitions
-    )
+    # partition_size is then only the tile granularity: each sequence's own length is cut in num_partitions
+    dynamic: bool = False
 
 
 @lru_cache(maxsize=8)
@@ -114,7 +113,7 @@ def plan_decode(
     """The defaults above for every knob left None (tests and the benchmark set them)."""
     tile = SMALL_BATCH_TILE if num_seqs <= SMALL_BATCH_MAX_SEQS else LARGE_BATCH_TILE
     block_n = block_n or tile[0]
-    if dynamic if dynamic is not None else DYNAMIC_PARTITIONS:
+    if DYNAMIC_PARTITIONS if dynamic is None else dynamic:
         if partition_size is not None or unroll:
             raise ValueError("dynamic partitions take neither a partition_size nor unroll")
         per_sm = programs_per_sm or PROGRAMS_PER_SM

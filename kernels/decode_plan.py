@@ -39,10 +39,20 @@ FUSED_MERGE_MAX_ROWS = 512
 # tile. Sweep rows "unroll*"; 0: never.
 UNROLL_MAX_TILES = 0
 # THE other switch: partitions cut each sequence's own length (read on the device) into as many pieces as fill
-# PROGRAMS_PER_SM programs per SM, instead of a length fixed by the block table's width. A CUDA graph captured for
-# a 128k-token context otherwise cuts a 1k-token sequence's decode into 2048-token partitions: one program per KV
-# head. Sweep rows "dyn*"; False: fixed partitions (decode_partition_size).
-DYNAMIC_PARTITIONS = False
+# PROGRAMS_PER_SM programs per SM, instead of a length fixed by the block table's width. A CUDA graph is captured
+# for the longest context, so with fixed partitions a 128k-token --max-model-len cut a 1k-token sequence's decode
+# into 2048-token partitions: one program per KV head. H200 sweep (gpu_session.sh t, bdb22e2, 2026-12-03), ratio to
+# SDPA, fixed default -> dyn4: batch 1 with 128k-token tables at L = 1k / 8k / 32k 0.238 / 0.250 / 0.555 -> 0.915 /
+# 0.786 / 0.847; batch 1 with tables as long as the sequence 0.976 / 0.853 / 0.894 -> 0.907 / 0.786 / 0.858 (the
+# fixed kernel's constant partition length wins there); batches of 64 / 256 at L = 1k 0.906 / 0.910 -> 0.994 /
+# 0.976 (one partition: the batch fills the SMs), 0.96-0.99 either way at 8k and 32k. So: dynamic for batches past
+# SMALL_BATCH_MAX_SEQS, and for small ones once the table is DYNAMIC_FROM_LEN tokens wide (a graph's, for a long
+# --max-model-len); None in plan_decode's knob means this rule, True / False force it.
+DYNAMIC_FROM_LEN = 16384
+
+
+def use_dynamic(num_seqs: int, max_len: int) -> bool:
+    return num_seqs > SMALL_BATCH_MAX_SEQS or max_len >= DYNAMIC_FROM_LEN
 
 
 @dataclass(frozen=True)
@@ -113,7 +123,9 @@ def plan_decode(
     """The defaults above for every knob left None (tests and the benchmark set them)."""
     tile = SMALL_BATCH_TILE if num_seqs <= SMALL_BATCH_MAX_SEQS else LARGE_BATCH_TILE
     block_n = block_n or tile[0]
-    if DYNAMIC_PARTITIONS if dynamic is None else dynamic:
+    if dynamic is None:
+        dynamic = partition_size is None and not unroll and use_dynamic(num_seqs, max_len)
+    if dynamic:
         if partition_size is not None or unroll:
             raise ValueError("dynamic partitions take neither a partition_size nor unroll")
         per_sm = programs_per_sm or PROGRAMS_PER_SM

@@ -30,12 +30,14 @@
 #   stage i (~6 min): int4 at batch 1: the M = 1 GEMMs against a copy moving the same bytes, the int4 and bf16
 #                     models' TPOT against the bytes floor and that practical floor; then the concurrency sweep
 #                     (plot it here: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png)
+#   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
+#                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -75,6 +77,11 @@ elif [ "$stage" = t ]; then
     && echo "OTHER GPU TESTS PASSED" || echo "OTHER GPU TESTS FAILED (see gpu_tests.txt)"
   tail -4 "$out/gpu_tests.txt"
   python -m loadtest.kernels_bench --sweep --only decode --table-lens 131072 --out "$out/kernels-decode.json" 2>&1 | tail -40
+elif [ "$stage" = v ]; then
+  python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/kernels/test_gpu.py -k "not gemv and not int4" \
+    > "$out/gpu_tests.txt" 2>&1 && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
+  tail -3 "$out/gpu_tests.txt"
+  python -m loadtest.kernels_bench --table-lens 131072 --out "$out/kernels.json" 2>&1 | tail -24
 elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24
   python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \

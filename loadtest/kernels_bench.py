@@ -44,7 +44,8 @@ from loadtest.prefill_bench import (
 # fused_reduce False: the reduction in a second launch; True: the last program of each (seq, kv head) merges
 # the partitions; absent: the default's choice. "unroll": the partition's tiles unrolled (skipped past
 # MAX_UNROLL_TILES tiles); "cap": no partition longer than that; "dynamic" with "programs_per_sm": each
-# sequence's own length cut into that many programs per SM (kernels.decode_plan.DYNAMIC_PARTITIONS). Rows named default* start from the default tile, the others from (64, 3 stages).
+# sequence's own length cut into that many programs per SM (kernels.decode_plan.use_dynamic). Rows named
+# default* start from the default tile, the others from (64, 3 stages).
 # Removed after the 2026-12-01 sweeps, where they never won a shape: fused_p0.5, fused_s2, fused_bn128_s2(_p2),
 # fused_w8, two_launch_min128, two_launch_bn128_s2.
 DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [

@@ -34,10 +34,6 @@ LARGE_BATCH_TILE = (64, 3)  # 128 was faster at B=256 but slower at B=64 (one pr
 # Query-head rows x partitions one program may merge: 512 fp32 rows of 128 are 256 KB of L2 reads by one
 # SM, ~2 us on the critical path, what the saved launch is worth; past that the second launch wins.
 FUSED_MERGE_MAX_ROWS = 512
-# Partitions of at most this many KV tiles run with their tile loop unrolled (UNROLL), so the loads of every tile
-# (block-table entries, then K and V) can be issued before the first tile's math instead of one round trip per
-# tile. Sweep rows "unroll*"; 0: never.
-UNROLL_MAX_TILES = 0
 # THE other switch: partitions cut each sequence's own length (read on the device) into as many pieces as fill
 # PROGRAMS_PER_SM programs per SM, instead of a length fixed by the block table's width. A CUDA graph is captured
 # for the longest context, so with fixed partitions a 128k-token --max-model-len cut a 1k-token sequence's decode
@@ -64,7 +60,6 @@ class DecodePlan:
     partition_size: int
     num_partitions: int
     fused_reduce: bool
-    unroll: bool = False
     # partition_size is then only the tile granularity: each sequence's own length is cut in num_partitions
     dynamic: bool = False
 
@@ -116,7 +111,6 @@ def plan_decode(
     num_stages: int | None = None,
     partition_size: int | None = None,
     fused_reduce: bool | None = None,
-    unroll: bool | None = None,
     dynamic: bool | None = None,
     programs_per_sm: int | None = None,
 ) -> DecodePlan:
@@ -124,14 +118,14 @@ def plan_decode(
     tile = SMALL_BATCH_TILE if num_seqs <= SMALL_BATCH_MAX_SEQS else LARGE_BATCH_TILE
     block_n = block_n or tile[0]
     if dynamic is None:
-        dynamic = partition_size is None and not unroll and use_dynamic(num_seqs, max_len)
+        dynamic = partition_size is None and use_dynamic(num_seqs, max_len)
     if dynamic:
-        if partition_size is not None or unroll:
-            raise ValueError("dynamic partitions take neither a partition_size nor unroll")
+        if partition_size is not None:
+            raise ValueError("dynamic partitions take no partition_size")
         per_sm = programs_per_sm or PROGRAMS_PER_SM
         parts = max(1, min(per_sm * sms // (num_seqs * num_kv_heads), -(-max_len // block_n)))
         fused = use_fused_reduce(num_seqs, num_heads // num_kv_heads, parts) if fused_reduce is None else fused_reduce
-        return DecodePlan(block_n, num_stages or tile[1], block_n, parts, fused and parts > 1, False, True)
+        return DecodePlan(block_n, num_stages or tile[1], block_n, parts, fused and parts > 1, True)
     if partition_size is None:
         partition_size = decode_partition_size(num_seqs, num_kv_heads, max_len, sms, block_n)
     if partition_size % block_n or partition_size < block_n:
@@ -139,8 +133,6 @@ def plan_decode(
     num_partitions = max(1, -(-max_len // partition_size))
     if fused_reduce is None:
         fused_reduce = use_fused_reduce(num_seqs, num_heads // num_kv_heads, num_partitions)
-    if unroll is None:
-        unroll = partition_size // block_n <= UNROLL_MAX_TILES
     return DecodePlan(
-        block_n, num_stages or tile[1], partition_size, num_partitions, fused_reduce and num_partitions > 1, unroll
+        block_n, num_stages or tile[1], partition_size, num_partitions, fused_reduce and num_partitions > 1
     )

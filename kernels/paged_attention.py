@@ -174,7 +174,7 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, DYNAMIC: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
+    UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -200,20 +200,12 @@ def _decode_partition_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if UNROLL:  # every tile of the partition unrolled: their loads need not wait for the previous tile's math
-        for t in tl.static_range(PARTITION_SIZE // BLOCK_N):
-            pos = part_start + t * BLOCK_N + tl.arange(0, BLOCK_N)
-            pos_ok = (pos < part_end) & (pos >= kv_lo)
-            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh,
-                                         stride_kb, stride_kt, stride_kh, scale_log2, BLOCK_SIZE, UPCAST,
-                                         DOT_PRECISION)  # fmt: skip
-    else:
-        for start in range((kv_lo // BLOCK_N) * BLOCK_N, part_end, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            pos_ok = (pos < part_end) & (pos >= kv_lo)
-            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh,
-                                         stride_kb, stride_kt, stride_kh, scale_log2, BLOCK_SIZE, UPCAST,
-                                         DOT_PRECISION)  # fmt: skip
+    for start in range((kv_lo // BLOCK_N) * BLOCK_N, part_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = (pos < part_end) & (pos >= kv_lo)
+        m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh,
+                                     stride_kb, stride_kt, stride_kh, scale_log2, BLOCK_SIZE, UPCAST,
+                                     DOT_PRECISION)  # fmt: skip
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE_PARTITION:
@@ -325,7 +317,7 @@ def _paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     num_warps: int = 4,
-    **knobs: Any,  # plan_decode's block_n, num_stages, partition_size, fused_reduce, unroll; unset: the defaults
+    **knobs: Any,  # plan_decode's block_n, num_stages, partition_size, fused_reduce, dynamic; unset: the defaults
 ) -> torch.Tensor:
     """The wrapper with its tuning knobs exposed (tests force small partitions; the benchmark sweeps)."""
     require_triton("paged_decode_attention")
@@ -365,7 +357,7 @@ def _paged_decode_attention(
         BLOCK_SIZE=block_size, BLOCK_N=plan.block_n, PARTITION_SIZE=plan.partition_size, DYNAMIC=plan.dynamic,
         SINGLE_PARTITION=single,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
-        FUSED_REDUCE=plan.fused_reduce, CHUNK=chunk, UNROLL=plan.unroll, num_warps=num_warps,
+        FUSED_REDUCE=plan.fused_reduce, CHUNK=chunk, num_warps=num_warps,
         num_stages=plan.num_stages,
     )  # fmt: skip
     if not single and not plan.fused_reduce:

@@ -42,12 +42,12 @@ from loadtest.prefill_bench import (
 # be shorter (128: the sizing measured on 2026-11-29); "fit": kernels.decode_plan.fit_partition_size with that
 # many programs per SM (ptxas for sm_90: the default tile's 128 registers allow 4, block_n 32's 80 allow 6).
 # fused_reduce False: the reduction in a second launch; True: the last program of each (seq, kv head) merges
-# the partitions; absent: the default's choice. "unroll": the partition's tiles unrolled (skipped past
-# MAX_UNROLL_TILES tiles); "cap": no partition longer than that; "dynamic" with "programs_per_sm": each
+# the partitions; absent: the default's choice. "cap": no partition longer than that; "dynamic" with "programs_per_sm": each
 # sequence's own length cut into that many programs per SM (kernels.decode_plan.use_dynamic). Rows named
 # default* start from the default tile, the others from (64, 3 stages).
 # Removed after the 2026-12-01 sweeps, where they never won a shape: fused_p0.5, fused_s2, fused_bn128_s2(_p2),
-# fused_w8, two_launch_min128, two_launch_bn128_s2.
+# fused_w8, two_launch_min128, two_launch_bn128_s2; after the 2026-12-03 sweep (bdb22e2), the unrolled tile loop
+# (0.43-0.60 of SDPA where the loop gave 0.85-0.99: 176-255 registers, 2 programs per SM).
 DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("default", {}),
     ("two_launch", {"fused_reduce": False}),
@@ -55,26 +55,18 @@ DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("two_launch_p2", {"fused_reduce": False, "partition_scale": 2}),
     ("fused", {"fused_reduce": True}),
     ("fused_p2", {"fused_reduce": True, "partition_scale": 2}),
-    ("default_unroll", {"unroll": True}),
-    ("default_unroll_w8", {"unroll": True, "num_warps": 8}),
     ("default_fit3", {"fit": 3}),
     ("default_fit4", {"fit": 4}),
     ("default_fit6", {"fit": 6}),
-    ("default_fit3_unroll", {"fit": 3, "unroll": True}),
-    ("default_fit4_unroll", {"fit": 4, "unroll": True}),
-    ("default_bn32_unroll", {"block_n": 32, "unroll": True}),
-    ("default_bn32_fit6_unroll", {"block_n": 32, "fit": 6, "unroll": True}),
     ("default_bn32_fit6", {"block_n": 32, "fit": 6}),
     ("default_cap256", {"cap": 256}),
     ("default_cap512", {"cap": 512}),
     ("default_fit4_cap512", {"fit": 4, "cap": 512}),
-    ("default_fit4_cap512_unroll", {"fit": 4, "cap": 512, "unroll": True}),
     ("default_dyn3", {"dynamic": True, "programs_per_sm": 3}),
     ("default_dyn4", {"dynamic": True, "programs_per_sm": 4}),
     ("default_dyn6", {"dynamic": True, "programs_per_sm": 6}),
     ("default_dyn8", {"dynamic": True, "programs_per_sm": 8}),
 ]
-MAX_UNROLL_TILES = 16
 
 
 def check_correctness() -> list[dict[str, Any]]:
@@ -152,8 +144,6 @@ def bench_decode(
     result["variants"] = []
     for name, variant in variants:
         kwargs, plan = _decode_variant_kwargs(batch, table_len, name, variant)
-        if plan["unroll"] and plan["partition_size"] // plan["block_n"] > MAX_UNROLL_TILES:
-            continue  # hundreds of unrolled tiles: a compile, not a candidate
         calls = [
             partial(_paged_decode_attention, query, cache, tables[i % copies], seq_lens, scale, None, **kwargs)
             for i in range(calls_per_graph)

@@ -41,7 +41,7 @@ def _query(num_rows: int, num_heads: int, dtype: torch.dtype, gen: torch.Generat
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("sliding_window", [None, 24])
 # {}: one partition here; 32 (4 partitions): the reduce kernel; fused: the last program of each (seq, kv head)
-# merges them; 48: three tiles, not a power of two, unrolled or looped; dynamic: each sequence's own length cut
+# merges them; 48: three tiles, not a power of two; dynamic: each sequence's own length cut
 # into the grid's partitions (3 here: 4 programs per SM of the interpreter's 8 "SMs", 5 sequences x 2 KV heads)
 @pytest.mark.parametrize(
     "knobs",
@@ -49,13 +49,13 @@ def _query(num_rows: int, num_heads: int, dtype: torch.dtype, gen: torch.Generat
         {},
         {"partition_size": 32},
         {"partition_size": 32, "fused_reduce": True},
-        {"partition_size": 48, "unroll": True},
+        {"partition_size": 48},
         {"partition_size": 48, "fused_reduce": True},
         {"dynamic": True},
         {"dynamic": True, "fused_reduce": True},
         {"dynamic": True, "programs_per_sm": 16},
     ],
-    ids=["one", "p32", "p32_fused", "p48_unroll", "p48_fused", "dyn", "dyn_fused", "dyn16"],
+    ids=["one", "p32", "p32_fused", "p48", "p48_fused", "dyn", "dyn_fused", "dyn16"],
 )
 def test_decode_matches_ref(
     dtype: torch.dtype, group: int, sliding_window: int | None, knobs: dict[str, Any], gen: torch.Generator
@@ -236,6 +236,10 @@ def test_dynamic_plan_counts_partitions_not_tokens() -> None:
     assert decode_plan.plan_decode(256, 32, 8, 4096, 132, dynamic=True).num_partitions == 1
     with pytest.raises(ValueError, match="dynamic"):
         decode_plan.plan_decode(1, 32, 8, 4096, 132, dynamic=True, partition_size=128)
+    # the default rule: fixed partitions for small batches over short tables, dynamic past either bound
+    assert not decode_plan.plan_decode(1, 32, 8, 4096, 132).dynamic
+    assert decode_plan.plan_decode(1, 32, 8, decode_plan.DYNAMIC_FROM_LEN, 132).dynamic
+    assert decode_plan.plan_decode(decode_plan.SMALL_BATCH_MAX_SEQS + 1, 32, 8, 1024, 132).dynamic
 
 
 def test_fused_reduce_switch(monkeypatch: pytest.MonkeyPatch) -> None:

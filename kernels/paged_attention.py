@@ -153,19 +153,6 @@ def _partition_len(seq_len, num_partitions, PARTITION_SIZE: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _decode_tile(
-    q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh, stride_kb, stride_kt, stride_kh,
-    scale_log2, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Fold the keys at ``pos`` (only where ``pos_ok``) into one decode program's running softmax."""
-    k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh, stride_kb, stride_kt, stride_kh,
-                         BLOCK_SIZE, True, UPCAST)  # fmt: skip
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
-    s = tl.where(pos_ok[None, :], s, float("-inf"))
-    return _online_softmax_step(s, v, m_i, l_i, acc, True, DOT_PRECISION)
-
-
-@triton.jit
 def _decode_partition_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_stats_ptr, counters_ptr,
     scale_log2, sliding_window,
@@ -203,9 +190,11 @@ def _decode_partition_kernel(
     for start in range((kv_lo // BLOCK_N) * BLOCK_N, part_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = (pos < part_end) & (pos >= kv_lo)
-        m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh,
-                                     stride_kb, stride_kt, stride_kh, scale_log2, BLOCK_SIZE, UPCAST,
-                                     DOT_PRECISION)  # fmt: skip
+        k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh, stride_kb, stride_kt, stride_kh,
+                             BLOCK_SIZE, True, UPCAST)  # fmt: skip
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, True, DOT_PRECISION)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE_PARTITION:

@@ -170,24 +170,25 @@ def bench_decode(
 
 def _decode_variant_kwargs(batch: int, seq_len: int, name: str, variant: dict[str, Any]) -> tuple[dict, dict]:
     """The variant's knobs for _paged_decode_attention, and its plan as the wrapper resolves it (for the
-    JSON and the matrix). Every variant but "default" starts from block_n 64 and 3 stages, so a row means
-    the same whatever tile kernels.decode_plan picks by default."""
+    JSON and the matrix). Every variant but "default" has fixed partitions unless it says "dynamic", and the
+    ones not named default* start from block_n 64 and 3 stages, so a row means the same whatever the defaults
+    of kernels.decode_plan pick."""
     from kernels.decode_plan import decode_partition_size, fit_partition_size, num_sms, plan_decode
 
-    if name.startswith("default"):
-        tile = plan_decode(batch, NUM_HEADS, NUM_KV_HEADS, seq_len, 8)  # the default tile (any SM count)
-        kwargs = {"block_n": tile.block_n, "num_stages": tile.num_stages, **variant}
-    else:
-        kwargs = {"block_n": 64, "num_stages": 3, **variant}
     if name == "default":
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
+    elif name.startswith("default"):
+        tile = plan_decode(batch, NUM_HEADS, NUM_KV_HEADS, seq_len, 8)  # the default tile (any SM count)
+        kwargs = {"block_n": tile.block_n, "num_stages": tile.num_stages, "dynamic": False, **variant}
+    else:  # fixed partitions, whatever kernels.decode_plan.use_dynamic picks for the default
+        kwargs = {"block_n": 64, "num_stages": 3, "dynamic": False, **variant}
     sms = num_sms(torch.cuda.current_device())
     if "fit" in kwargs:
         kwargs["partition_size"] = fit_partition_size(batch, NUM_KV_HEADS, seq_len, sms, kwargs.pop("fit"),
                                                       kwargs["block_n"])  # fmt: skip
     if "cap" in kwargs:  # no partition longer than this (a whole number of tiles)
         cap = kwargs.pop("cap") // kwargs["block_n"] * kwargs["block_n"]
-        default = plan_decode(batch, NUM_HEADS, NUM_KV_HEADS, seq_len, sms, block_n=kwargs["block_n"])
+        default = plan_decode(batch, NUM_HEADS, NUM_KV_HEADS, seq_len, sms, block_n=kwargs["block_n"], dynamic=False)
         kwargs["partition_size"] = min(kwargs.get("partition_size", default.partition_size), cap)
     if "min_partition" in kwargs or "partition_scale" in kwargs:
         block_n = kwargs["block_n"]

@@ -36,6 +36,9 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
+    # the weight is loaded first: issued after the reduction's barriers, its load would add a memory round trip
+    # to a kernel whose M = 1 call (a decode step at batch 1, 65 calls) is all latency
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # round the sum to the input dtype before the norm, as the reference (and HF) does
@@ -45,7 +48,6 @@ def _rms_norm_kernel(
     h = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
     y = (h * inv_rms).to(x.dtype).to(tl.float32)  # the reference casts back before the weight multiply
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -30,6 +30,8 @@
 #   stage i (~6 min): int4 at batch 1: the M = 1 GEMMs against a copy moving the same bytes, the int4 and bf16
 #                     models' TPOT against the bytes floor and that practical floor; then the concurrency sweep
 #                     (plot it here: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png)
+#   stage m (~9 min): the norm / SiLU / argmax GPU tests, the suite (stage 2), prefill attention at the defaults
+#                     (the engine's new_kv kernel against SDPA), the batch-1 decode step's kernels (step_profile)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -37,7 +39,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, m, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -86,6 +88,14 @@ elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24
   python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \
     --concurrency 1 2 4 8 16 32 64 128 256 512 --commit "$commit" --out "$out/sweep.json" 2>&1 | tail -5
+elif [ "$stage" = m ]; then
+  python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py -k "rms_norm or silu or argmax" \
+    > "$out/gpu_tests.txt" 2>&1 && echo "NORM GPU TESTS PASSED" || echo "NORM GPU TESTS FAILED (see gpu_tests.txt)"
+  tail -2 "$out/gpu_tests.txt"
+  bash "$0" 2 "$commit"
+  python -m loadtest.kernels_bench --only prefill --out "$out/prefill.json" 2>&1 | tail -6
+  python -m loadtest.step_profile --shape 8b --prompt-len 128 --decode-kernels 50 --top 14 \
+    --out "$out/step_profile.json" 2>&1 | grep -v USDT | head -40
 elif [ "$stage" = 5 ]; then
   if [ -n "${NEW_KV_TESTS:-}" ]; then
     PAGEDSERVE_PREFILL_KERNEL=new_kv python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \

@@ -13,15 +13,16 @@ import torch.nn.functional as F
 
 from loadtest.kernel_bench_common import BLOCK_SIZE, DTYPE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, rel_err, time_graph
 
-# (name, kernel, knobs): "paged" is kernels.prefill_attention._paged_prefill_attention (what the engine
-# calls), "new_kv" kernels.prefill_new_kv._prefill_attention_new_kv (this step's K/V from the contiguous
-# tensors; "tma": host tensor descriptors, "ptr": pointer loads). The first is the default's; "lf": longest
-# causal tiles launched first; "fma": the tutorial's softmax step below the diagonal (scale in the exponent's
-# FMA, PV accumulated in place); m/bn/w/s: rows, KV tile, warps, stages. The sweep decides the defaults.
-# Compiled for sm_90 with Triton 3.6 (offline, ptxas): no entry below spills. Left out for spilling: the
-# paged kernel at block_n 128 (255 regs + 40 B stack) and 128 rows on 4 warps (either kernel).
+# (name, kernel, knobs): "new_kv" is kernels.prefill_new_kv._prefill_attention_new_kv (this step's K/V from
+# the contiguous tensors, the engine's kernel since e341694; "tma": host tensor descriptors, "ptr": pointer
+# loads), "paged" kernels.prefill_attention._paged_prefill_attention. The first row is the engine's default;
+# "lf": longest causal tiles launched first; "fma": the tutorial's softmax step below the diagonal (scale in the
+# exponent's FMA, PV accumulated in place); m/bn/w/s: rows, KV tile, warps, stages. The sweep decides the
+# defaults. Compiled for sm_90 with Triton 3.6 (offline, ptxas): no entry below spills. Left out for spilling:
+# the paged kernel at block_n 128 (255 regs + 40 B stack) and 128 rows on 4 warps (either kernel).
 PREFILL_VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
-    ("default", "paged", {}),
+    ("default", "new_kv", {}),
+    ("paged", "paged", {}),
     ("paged_lf", "paged", {"largest_first": True}),
     ("paged_fma_lf", "paged", {"fma_softmax": True, "largest_first": True}),
     ("paged_s3_lf", "paged", {"num_stages": 3, "largest_first": True}),
@@ -36,7 +37,6 @@ PREFILL_VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("new_kv_tma_m128_w8_s2", "new_kv", {"use_tma": True, "block_n": 64, "num_stages": 2}),
     ("new_kv_tma_m128_w8_s4", "new_kv", {"use_tma": True, "block_n": 64, "num_stages": 4}),
     ("new_kv_tma_m128_bn128_w8_s2", "new_kv", {"use_tma": True, "block_n": 128, "num_stages": 2}),
-    ("new_kv_tma_m128_bn128_w8_s3", "new_kv", {"use_tma": True, "block_n": 128}),  # its defaults
     ("new_kv_tma_m64_w4_s3", "new_kv", {"use_tma": True, "block_m": 64, "block_n": 64, "num_warps": 4}),
     (
         "new_kv_tma_m64_w4_s2",

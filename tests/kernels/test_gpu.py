@@ -115,6 +115,18 @@ def test_silu_and_mul_real_size(gen: torch.Generator) -> None:
     assert rel_err(silu_and_mul(x), silu_and_mul_ref(x)) < 1e-2
 
 
+@pytest.mark.parametrize("rows", [1, 8192])
+def test_rms_norm_real_size(rows: int, gen: torch.Generator) -> None:
+    from kernels.norm import rms_norm, rms_norm_ref
+
+    x, residual = (torch.randn(rows, 4096, generator=gen).to(device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    weight = (1.0 + 0.1 * torch.randn(4096, generator=gen)).to(device="cuda", dtype=torch.bfloat16)
+    out, res_out = rms_norm(x, weight, 1e-5, residual)
+    ref, res_ref = rms_norm_ref(x, weight, 1e-5, residual)
+    assert torch.equal(res_out, res_ref)
+    assert rel_err(out, ref) < 1e-2
+
+
 @pytest.mark.parametrize("sliding_window", [None, 700])
 @pytest.mark.parametrize("use_tma", [True, False])
 def test_prefill_new_kv_real_sizes(sliding_window: int | None, use_tma: bool, gen: torch.Generator) -> None:

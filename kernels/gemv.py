@@ -33,6 +33,9 @@ calls of one device must not overlap on two streams.
 ``plan_gemv`` says, from (M, N, K, SM count) alone, whether the linear layers use this kernel or cuBLAS, and
 with which knobs; ``loadtest.gemv_bench`` is the sweep that decides its constants. ``pdl`` (off) launches
 with programmatic dependent launch: the programs wait for the kernel before (``griddepcontrol.wait``).
+
+``gemv_gated`` (``linear_gated``) reads the MLP's gate_up output ``x2 [M, 2K]`` and multiplies
+``silu_and_mul(x2)`` (rounded as ``silu_and_mul_ref``), so the down projection needs no activation launch.
 """
 
 from __future__ import annotations
@@ -45,8 +48,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import next_pow2, require_triton, tl, triton
+from kernels._triton import HAS_TRITON, next_pow2, require_triton, tl, triton
+from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.decode_plan import num_sms
+from kernels.gemv_launch import check_gemv_inputs, zeroed_buffer
+from kernels.gemv_launch import scratch_is_zero as scratch_is_zero  # re-exported: tests and the benchmark check it
 
 Kernel = Literal["fma", "dot"]
 SplitReduce = Literal["counter", "atomic", "two_pass"]
@@ -72,6 +78,11 @@ GEMV_MAX_WEIGHT_ELEMS = 64 << 20
 # way on the H200, behind a small kernel slightly slower (qkv 16.5 vs 16.3 us at M = 1), so off. The variant that also prefetched the first
 # 2048 weights of each row into L2 before waiting lost 5-25 % and was deleted.
 USE_PDL = False
+# The MLP's down projection reads gate_up's output itself where it runs on the GEMV (linear_gated), instead of an
+# activation launch before it. H200, 8B down shape in a CUDA graph (2026-12-03): M = 1 29.64 us against 30.11 for
+# the activation + GEMV (28.86 the GEMV alone: each program recomputes the activation of its K range); M = 8 32.70
+# against 33.17. PAGEDSERVE_GEMV_GATED=0 turns it off (the same-process batch-1 A/B of gpu_session.sh f).
+GEMV_GATED = os.environ.get("PAGEDSERVE_GEMV_GATED", "1") != "0"
 # Split-K (sweep rows "dot split1/2/4"): none when N alone gives SPLIT_MIN_FILL programs per SM, else doubling
 # until there is one per SM. Three H200 runs, dot kernel (64 columns a tile) at M = 2-8: qkv (96 tiles) was
 # fastest unsplit (15.5-16.3 us against 15.7-17.2 split 2 and 17.1-18.4 split 4); o and down (64 tiles) with
@@ -184,7 +195,25 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return F.linear(x.float(), weight.float(), b).to(x.dtype)
 
 
+def gemv_gated_ref(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``gemv_ref(silu_and_mul_ref(x2), weight, bias)``: what ``gemv_gated`` computes, up to summation order."""
+    return gemv_ref(silu_and_mul_ref(x2), weight, bias)
+
+
 # ---- Triton ----
+
+
+@triton.jit
+def _load_x(x_ptrs, mask, K, GATED: tl.constexpr):
+    """x's ``[BM, BK]`` tile; GATED: ``silu(gate) * up`` of x2 ``[M, 2K]`` (up K columns on), rounded to
+    x's dtype twice as ``silu_and_mul_ref`` (the silu, then the product)."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
+    if GATED:
+        up = tl.load(x_ptrs + K, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        gate = x.to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
+        x = (act * up).to(x.dtype)
+    return x
 
 
 @triton.jit
@@ -240,7 +269,7 @@ def _gemv_kernel(
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT_MODE: tl.constexpr, EVEN: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -268,11 +297,11 @@ def _gemv_kernel(
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN:  # masks along N and K only where there are tails: they would cut the 16-byte loads
             w = tl.load(w_ptrs, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0, eviction_policy="evict_last")
+            x = _load_x(x_ptrs, mask_m[:, None], K, GATED)
         else:
             mask_k = (k0 + offs_k) < k_end
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_last")
+            x = _load_x(x_ptrs, mask_m[:, None] & mask_k[None, :], K, GATED)
         if USE_DOT:
             acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
         elif BLOCK_M == 1:
@@ -309,45 +338,7 @@ def _gemv_reduce_kernel(
     tl.store(out_ptr + m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# ---- launch ----
-
-_ZEROED: dict[tuple[str, int | None, torch.dtype], list[torch.Tensor]] = {}
-
-
-def zeroed_buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """At least ``numel`` zeros that every GEMV launch leaves zero (split-K counters, the atomic
-    accumulator). Grown on demand and never freed, as a captured CUDA graph keeps the address of the one it
-    was captured with; growing inside a capture is refused (the zeroing would only be recorded, not run):
-    run each shape once before capturing it, as the engine's decode graphs do."""
-    bufs = _ZEROED.setdefault((device.type, device.index, dtype), [])
-    if not bufs or bufs[-1].numel() < numel:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("gemv split-K: run this shape once before capturing it in a CUDA graph")
-        bufs.append(torch.zeros(max(numel, 2 * bufs[-1].numel() if bufs else 1 << 14), dtype=dtype, device=device))
-    return bufs[-1]
-
-
-def scratch_is_zero() -> bool:
-    """Whether every counter and accumulator is back at zero (tests and the benchmark check it)."""
-    return all(not buf.any() for bufs in _ZEROED.values() for buf in bufs)
-
-
-def check_gemv_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"gemv: x must be float16 or bfloat16, got {x.dtype}")
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"gemv: weight and bias must have x's dtype {x.dtype}, got {weight.dtype}")
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv: x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"gemv: bias must be [N={weight.shape[0]}], got {tuple(bias.shape)}")
-    if (x.shape[1] > 1 and x.stride(1) != 1) or (weight.shape[1] > 1 and weight.stride(1) != 1):
-        raise ValueError(f"gemv: x and weight must be contiguous along K, got {x.stride()}, {weight.stride()}")
-    if bias is not None and weight.shape[0] > 1 and bias.stride(0) != 1:
-        raise ValueError(f"gemv: bias must be contiguous, got stride {bias.stride()}")
-    devices = {x.device, weight.device} | ({bias.device} if bias is not None else set())
-    if len(devices) > 1:
-        raise ValueError(f"gemv: all tensors must be on one device, got {devices}")
+# ---- launch (the checks and the zeroed scratch: kernels.gemv_launch) ----
 
 
 def gemv(
@@ -362,11 +353,34 @@ def gemv(
     ``config`` forcing some); CUDA-graph capturable once the shape has run eagerly (split-K counters)."""
     require_triton("gemv")
     check_gemv_inputs(x, weight, bias)
-    (m, k), n = x.shape, weight.shape[0]
+    return _launch(x, weight, bias, config, plan, gated=False)
+
+
+def gemv_gated(
+    x2: torch.Tensor,  # [M, 2K]: gate | up, as the MLP's gate_up projection writes them
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    *,
+    plan: GemvPlan | None = None,
+) -> torch.Tensor:
+    """``gemv(silu_and_mul(x2), weight, bias)`` in one launch: each program computes the activation of the x
+    tiles it loads (rounded as ``silu_and_mul_ref``), so the ``[M, K]`` activation is never written."""
+    require_triton("gemv_gated")
+    check_gemv_inputs(x2, weight, bias, gated=True)
+    return _launch(x2, weight, bias, config, plan, gated=True)
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
+    plan: GemvPlan | None, gated: bool,
+) -> torch.Tensor:  # fmt: skip
+    """``gemv`` / ``gemv_gated`` after their checks (K is weight's)."""
+    m, (n, k) = x.shape[0], weight.shape
     sms = num_sms(x.device.index or 0) if x.is_cuda else 8
     plan = plan or plan_gemv(m, n, k, sms, config)
     if plan.block_m < m or (plan.kernel == "dot" and plan.block_m < 16):
-        raise ValueError(f"gemv: {plan} does not fit M={m}")
+        raise ValueError(f"gemv{'_gated' if gated else ''}: {plan} does not fit M={m}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     mode = SPLIT_MODES["none" if plan.split_k == 1 else plan.split_reduce]
     num_tiles = -(-n // plan.block_n)
@@ -383,7 +397,7 @@ def gemv(
         x, weight, b, out, ws, cnt, m, n, k, plan.k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, USE_DOT=plan.kernel == "dot", BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         BLOCK_K=plan.block_k, NUM_STAGES=plan.num_stages, SPLIT_MODE=mode,
-        EVEN=n % plan.block_n == 0 and k % plan.k_per_split == 0, PDL=pdl,
+        EVEN=n % plan.block_n == 0 and k % plan.k_per_split == 0, PDL=pdl, GATED=gated,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     if mode == 3:
@@ -400,14 +414,33 @@ def _layer_plan(m: int, n: int, k: int, sms: int, max_m: int, max_elems: int) ->
     return plan_gemv(m, n, k, sms)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, by the GEMV where ``plan_gemv`` picks it for this shape (CUDA, fp16/bf16, 2-D x): what the
-    dense linear layers call. The first test is on M alone, so prefill pays nothing for the check."""
+def _layer_gemv_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> GemvPlan | None:
+    """The plan where the dense layers take the GEMV (CUDA, fp16/bf16, 2-D x, contiguous along the last dim,
+    ``plan_gemv`` picks it for the shape), else None. The first test is on M alone, so prefill pays nothing
+    for the check. ``gated``: x is ``x2 [M, 2K]``."""
     if x.dim() != 2 or x.shape[0] > GEMV_MAX_M or not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
-        return F.linear(x, weight, bias)
+        return None
     (m, k), n = x.shape, weight.shape[0]
+    k = k // 2 if gated else k
     plan = _layer_plan(m, n, k, num_sms(x.device.index or 0), GEMV_MAX_M, GEMV_MAX_WEIGHT_ELEMS) if m else None
     contiguous = x.stride(-1) == 1 and weight.stride(-1) == 1 and (bias is None or bias.stride(-1) == 1)
     if plan is None or not plan.use_gemv or weight.dtype != x.dtype or not contiguous:
-        return F.linear(x, weight, bias)
-    return gemv(x, weight, bias, plan=plan)
+        return None
+    return plan
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, by the GEMV where ``plan_gemv`` picks it for this shape: what the dense linear layers call."""
+    plan = _layer_gemv_plan(x, weight, bias, gated=False)
+    return F.linear(x, weight, bias) if plan is None else gemv(x, weight, bias, plan=plan)
+
+
+def linear_gated(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(silu_and_mul(x2), weight, bias)`` (the MLP's down projection of gate_up's output): by the
+    gated GEMV where ``linear`` takes the GEMV for that shape, else the activation (Triton on CUDA) and
+    ``F.linear``."""
+    plan = _layer_gemv_plan(x2, weight, bias, gated=True) if GEMV_GATED else None
+    if plan is not None:
+        return gemv_gated(x2, weight, bias, plan=plan)
+    act = silu_and_mul(x2) if x2.is_cuda and HAS_TRITON else silu_and_mul_ref(x2)
+    return linear(act, weight, bias)

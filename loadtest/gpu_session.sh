@@ -32,6 +32,9 @@
 #                     (plot it here: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png)
 #   stage m (~9 min): the norm / SiLU / argmax GPU tests, the suite (stage 2), prefill attention at the defaults
 #                     (the engine's new_kv kernel against SDPA), the batch-1 decode step's kernels (step_profile)
+#   stage f (~7 min): the kernels' and engine's GPU tests (not int4), the decode sweep at batch 1 over short
+#                     sequences in 4k-token tables (a decode graph's at --max-model-len 4096), then batch-1 TPOT with
+#                     and without the gated down-projection GEMV, alternating (PAGEDSERVE_GEMV_GATED)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -39,7 +42,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, m, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, m, f, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -96,6 +99,16 @@ elif [ "$stage" = m ]; then
   python -m loadtest.kernels_bench --only prefill --out "$out/prefill.json" 2>&1 | tail -6
   python -m loadtest.step_profile --shape 8b --prompt-len 128 --decode-kernels 50 --top 14 \
     --out "$out/step_profile.json" 2>&1 | grep -v USDT | head -40
+elif [ "$stage" = f ]; then
+  python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py tests/engine/test_gpu.py -k "not int4" \
+    > "$out/gpu_tests.txt" 2>&1 && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
+  grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -10; tail -2 "$out/gpu_tests.txt"
+  python -m loadtest.kernels_bench --sweep --only decode --batches 1 --seq-lens 128 256 512 1024 --table-lens 4096 \
+    --out "$out/kernels-short.json" 2>&1 | tail -34
+  for gated in 1 0 1 0; do  # batch-1 TPOT with and without the gated down-projection GEMV, alternating
+    PAGEDSERVE_GEMV_GATED=$gated python -m loadtest.throughput latency --shape 8b --max-model-len 4096 \
+      --out "$out/latency-gated$gated-$RANDOM.json" 2>&1 | grep -E "tpot|ttft" | tr -d '\n' ; echo " gated=$gated"
+  done
 elif [ "$stage" = 5 ]; then
   if [ -n "${NEW_KV_TESTS:-}" ]; then
     PAGEDSERVE_PREFILL_KERNEL=new_kv python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \

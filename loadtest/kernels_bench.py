@@ -66,6 +66,12 @@ DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("default_dyn4", {"dynamic": True, "programs_per_sm": 4}),
     ("default_dyn6", {"dynamic": True, "programs_per_sm": 6}),
     ("default_dyn8", {"dynamic": True, "programs_per_sm": 8}),
+    # short contexts at batch 1 (a decode graph's table is --max-model-len wide, its sequence a few hundred
+    # tokens): the merge in the last program, 4x longer partitions, one partition (no merge at all)
+    ("default_fused", {"fused_reduce": True}),
+    ("default_p4", {"partition_scale": 4}),
+    ("default_p64", {"partition_scale": 64}),
+    ("default_dyn4_fused", {"dynamic": True, "programs_per_sm": 4, "fused_reduce": True}),
 ]
 
 

@@ -9,6 +9,7 @@ that slice and the matmul. Biases stay dense.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from engine.layers.weights import LinearSlice, WeightSource, copy_checked, read_full, set_weight_loader
 from engine.parallel import ParallelState, divide
 from kernels.gemv import linear as dense_linear
+from kernels.gemv import linear_gated as dense_linear_gated
 
 
 class QuantMethod(Protocol):
@@ -210,4 +212,14 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.parallel.all_reduce(self.matmul(x))
+        return y if self.bias is None else y + self.bias
+
+    def forward_gated(self, x2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``forward(act(x2))`` for the gated MLP's down projection (``act``: silu_and_mul of ``x2 = gate | up``).
+        Dense weights: ``kernels.gemv.linear_gated``, whose GEMV applies the activation as it loads x (no
+        activation launch at batch 1); 4-bit weights: the activation, then their matmul."""
+        if self.quant is not None:
+            return self.forward(act(x2))
+        assert self.weight is not None
+        y = self.parallel.all_reduce(dense_linear_gated(x2, self.weight))
         return y if self.bias is None else y + self.bias

@@ -109,7 +109,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj.forward_gated(self.gate_up_proj(x), self.act_fn)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,6 +1,8 @@
 """The dense GEMV (``kernels.gemv``) against its torch reference under the Triton interpreter (tiny shapes,
 every kernel and split reduction, M = 1..8, tails along N and K, bias), its plan and its checks. The dot
-kernel runs in fp16 here: the interpreter's bf16 ``tl.dot`` is wrong (the GPU tests run it in bf16)."""
+kernel runs in fp16 here: the interpreter's bf16 ``tl.dot`` is wrong (the GPU tests run it in bf16). The gated
+GEMV meets its reference in fp16 too: the interpreter truncates fp32 -> bf16 casts where torch rounds them to
+nearest (~1 % apart after the gated input's three casts); in bf16 it is compared with the Triton activation."""
 
 from __future__ import annotations
 
@@ -12,7 +14,19 @@ import torch
 import torch.nn.functional as F
 
 from kernels import gemv as gemv_mod
-from kernels.gemv import GEMV_LIMIT_M, GemvConfig, gemv, gemv_ref, linear, plan_gemv, scratch_is_zero
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.gemv import (
+    GEMV_LIMIT_M,
+    GemvConfig,
+    gemv,
+    gemv_gated,
+    gemv_gated_ref,
+    gemv_ref,
+    linear,
+    linear_gated,
+    plan_gemv,
+    scratch_is_zero,
+)
 from tests.kernels.helpers import DEVICE, rel_err
 
 H200_SMS = 132
@@ -188,6 +202,95 @@ def test_engine_layers_call_it(monkeypatch: pytest.MonkeyPatch) -> None:
     row.weight.data.normal_()
     row(torch.randn(3, 16))
     assert calls == [True, False]
+
+
+# ---- gemv_gated: silu_and_mul of x2 [M, 2K] computed as the kernel loads x ----
+
+
+def _gated_inputs(
+    m: int, n: int, k: int, dtype: torch.dtype, gen: torch.Generator, bias: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    x2 = (2 * torch.randn(m, 2 * k, generator=gen)).to(dtype).to(DEVICE)  # gate | up, silu's curved range
+    _, w, b = _inputs(m, n, k, dtype, gen, bias)
+    return x2, w, b
+
+
+@pytest.mark.parametrize("kernel", ["fma", "dot"])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n, k", [(37, 100), (64, 128)])  # tails along N and K (masked loads), none (EVEN)
+def test_gated_matches_reference(kernel: str, m: int, bias: bool, n: int, k: int, gen: torch.Generator) -> None:
+    x2, w, b = _gated_inputs(m, n, k, torch.float16, gen, bias)
+    out = gemv_gated(x2, w, b, _config(kernel, 1))
+    assert out.shape == (m, n) and out.dtype == x2.dtype
+    assert rel_err(out, gemv_gated_ref(x2, w, b)) < 1e-2, f"seed {gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("kernel", ["fma", "dot"])
+@pytest.mark.parametrize("split_reduce", ["counter", "atomic", "two_pass"])
+def test_gated_split_reductions(kernel: str, split_reduce: str, gen: torch.Generator) -> None:
+    """4 K splits of 10 tiles with tails along N and K, each reduction: the scratch back at zero."""
+    x2, w, b = _gated_inputs(3, 45, 160, torch.float16, gen, bias=True)
+    out = gemv_gated(x2, w, b, _config(kernel, 4, split_reduce))
+    assert rel_err(out, gemv_gated_ref(x2, w, b)) < 1e-2, f"seed {gen.initial_seed()}"
+    assert scratch_is_zero()
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("n, k", [(37, 100), (64, 128)])
+def test_gated_is_gemv_of_the_activation(m: int, n: int, k: int, gen: torch.Generator) -> None:
+    """fma, unsplit, bf16: the same products summed in the same order as ``gemv`` of the Triton activation
+    (the same ops and casts), bit for bit."""
+    x2, w, b = _gated_inputs(m, n, k, torch.bfloat16, gen, bias=True)
+    cfg = _config("fma", 1)
+    assert torch.equal(gemv_gated(x2, w, b, cfg), gemv(silu_and_mul(x2), w, b, cfg)), f"seed {gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_gated_rounds_as_the_reference(m: int, gen: torch.Generator) -> None:
+    """fp16 (whose casts the interpreter rounds as torch): bit-equal to ``gemv`` of ``silu_and_mul_ref``, the
+    silu and the product each rounded to x's dtype, once the gates whose fp32 silu numpy's exp and torch's
+    round to neighbouring fp16 values (3 of the 63k) are set to zero."""
+    x2, w, _ = _gated_inputs(m, 37, 100, torch.float16, gen, bias=False)
+    differ = silu_and_mul(x2) != silu_and_mul_ref(x2)
+    assert differ.sum() <= 2, f"seed {gen.initial_seed()}"
+    x2[:, :100][differ] = 0.0
+    cfg = _config("fma", 1)
+    assert torch.equal(gemv_gated(x2, w, None, cfg), gemv(silu_and_mul_ref(x2), w, None, cfg)), (
+        f"seed {gen.initial_seed()}"
+    )
+
+
+def test_gated_wrapper_checks() -> None:
+    x2, w, b = torch.randn(2, 64).bfloat16(), torch.randn(16, 32).bfloat16(), torch.randn(16).bfloat16()
+    with pytest.raises(ValueError, match="gemv_gated: x2 must be float16 or bfloat16"):
+        gemv_gated(x2.float(), w.float())
+    with pytest.raises(ValueError, match="x2's dtype"):
+        gemv_gated(x2, w.half())
+    with pytest.raises(ValueError, match="x2's dtype"):
+        gemv_gated(x2, w, b.half())
+    with pytest.raises(ValueError, match=r"x2 \[M, 2K\] and weight \[N, K\]"):
+        gemv_gated(x2[:, :32], w)  # K columns, not 2K
+    with pytest.raises(ValueError, match=r"x2 \[M, 2K\]"):
+        gemv_gated(x2[None], w)
+    with pytest.raises(ValueError, match="bias must be"):
+        gemv_gated(x2, w, b[:8])
+    with pytest.raises(ValueError, match="x2 and weight must be contiguous"):
+        gemv_gated(torch.randn(64, 2).bfloat16().t(), w)
+    with pytest.raises(ValueError, match="one device"):
+        gemv_gated(x2.to("meta"), w)
+    with pytest.raises(ValueError, match="M <= 16"):
+        gemv_gated(torch.randn(17, 64).bfloat16(), w)
+    with pytest.raises(ValueError, match="gemv_gated: .* does not fit"):
+        gemv_gated(x2, w, plan=plan_gemv(1, 16, 32, 8))
+
+
+def test_linear_gated_off_cuda() -> None:
+    """``F.linear`` of ``silu_and_mul_ref`` on CPU (3-D x2 included)."""
+    x2, w, b = torch.randn(2, 64).bfloat16(), torch.randn(16, 32).bfloat16(), torch.randn(16).bfloat16()
+    assert torch.equal(linear_gated(x2, w, b), F.linear(silu_and_mul_ref(x2), w, b))
+    assert torch.equal(linear_gated(x2[None], w), F.linear(silu_and_mul_ref(x2[None]), w))
+    torch.testing.assert_close(gemv_gated_ref(x2, w, b), F.linear(F.silu(x2[:, :32]) * x2[:, 32:], w, b))
 
 
 @pytest.mark.slow

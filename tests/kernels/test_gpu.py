@@ -276,6 +276,34 @@ def test_dense_linear_with_gemv_in_decode_graphs(gen: torch.Generator, monkeypat
     assert gemv_mod.scratch_is_zero()
 
 
+@pytest.mark.parametrize("m", [1, 8])
+def test_gemv_gated_real_size(m: int, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """down_proj reading gate_up's output ``x2 [M, 2 * 14336]`` (bf16, bias): each kernel and reduction
+    against the reference; bit-equal to ``gemv`` / ``linear`` of the Triton activation (same ops, same
+    order); ``linear_gated`` is ``F.linear`` of the activation where ``linear`` would call cuBLAS."""
+    from kernels import gemv as gemv_mod
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import GemvConfig, gemv, gemv_gated, gemv_gated_ref, linear_gated, scratch_is_zero
+
+    w, x2, b = _cuda_randn(gen, 4096, 14336), _cuda_randn(gen, m, 2 * 14336), _cuda_randn(gen, 4096)
+    ref = gemv_gated_ref(x2, w, b)
+    configs = [
+        GemvConfig(), GemvConfig(kernel="fma"), GemvConfig(kernel="dot"), GemvConfig(kernel="fma", split_k=4),
+        GemvConfig(kernel="dot", split_k=4, split_reduce="atomic"),
+        GemvConfig(kernel="dot", split_k=3, split_reduce="two_pass"),
+    ]  # fmt: skip
+    for cfg in configs:
+        assert rel_err(gemv_gated(x2, w, b, cfg), ref) < 1e-2, f"{cfg} seed {gen.initial_seed()}"
+    assert scratch_is_zero()
+    fma = GemvConfig(kernel="fma", split_k=1)
+    act = silu_and_mul(x2)
+    assert torch.equal(gemv_gated(x2, w, b, fma), gemv(act, w, b, fma))
+    monkeypatch.setattr(gemv_mod, "GEMV_MAX_M", 8)  # the GEMV (the default plan, deterministic)
+    assert torch.equal(linear_gated(x2, w, b), gemv_mod.linear(act, w, b))
+    monkeypatch.setattr(gemv_mod, "GEMV_MAX_M", 0)  # cuBLAS
+    assert torch.equal(linear_gated(x2, w, b), torch.nn.functional.linear(act, w, b))
+
+
 # ---- engine.attention: the fused rotary + cache write feeding prefill_attention_new_kv ----
 
 

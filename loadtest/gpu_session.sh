@@ -34,7 +34,8 @@
 #                     (the engine's new_kv kernel against SDPA), the batch-1 decode step's kernels (step_profile)
 #   stage f (~7 min): the kernels' and engine's GPU tests (not int4), the decode sweep at batch 1 over short
 #                     sequences in 4k-token tables (a decode graph's at --max-model-len 4096), then batch-1 TPOT with
-#                     and without the gated down-projection GEMV, alternating (PAGEDSERVE_GEMV_GATED)
+#                     and without the gated down-projection GEMV, alternating (PAGEDSERVE_GEMV_GATED); then where
+#                     `mixed`'s device time goes, by kernel category, and how long the device idles (run_profile)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -109,6 +110,8 @@ elif [ "$stage" = f ]; then
     PAGEDSERVE_GEMV_GATED=$gated python -m loadtest.throughput latency --shape 8b --max-model-len 4096 \
       --out "$out/latency-gated$gated-$RANDOM.json" 2>&1 | grep -E "tpot|ttft" | tr -d '\n' ; echo " gated=$gated"
   done
+  python -m loadtest.run_profile --shape 8b --workload mixed --max-model-len 4096 --max-num-seqs 512 \
+    --out "$out/run_profile.json" 2>&1 | grep -v USDT | tail -24
 elif [ "$stage" = 5 ]; then
   if [ -n "${NEW_KV_TESTS:-}" ]; then
     PAGEDSERVE_PREFILL_KERNEL=new_kv python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \

@@ -1,0 +1,96 @@
+"""Where a whole workload's time goes on the device: ``python -m loadtest.run_profile --shape 8b --workload mixed``.
+
+One engine runs the workload once unprofiled (its wall time) and once under torch.profiler with CUDA activity only
+(CUPTI sees the kernels inside CUDA graphs). Every kernel's device time is summed by category (GEMMs, prefill and
+decode attention, norms, the activation, rotary + cache write, sampling, copies, the rest), and the device's idle
+time is the wall time minus the busy time (kernels do not overlap on the engine's one stream). Against the suite's
+MFU this says which part of ``mixed`` is short of its bound: the GEMMs' rate, the attention's bandwidth, the small
+kernels, or the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from loadtest.throughput import build_engine, parse, run_engine, sync
+from loadtest.workloads import BenchRequest, make_workload
+
+# (category, substrings of the kernel's name, lower case), first match wins
+CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90_", "splitk")),
+    ("prefill_attention", ("prefill",)),
+    ("decode_attention", ("decode",)),
+    ("rms_norm", ("rms_norm",)),
+    ("silu_and_mul", ("silu",)),
+    ("rope_and_cache", ("rope", "cache_kernel")),
+    ("sampling", ("argmax", "sampl", "topk", "sort", "softmax", "multinomial", "exponential")),
+    ("copies", ("memcpy", "memset", "copy")),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def profile_run(engine: Any, reqs: list[BenchRequest], top: int) -> dict[str, Any]:
+    """The workload's wall time unprofiled, then its kernels' device time by category under the profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    plain = run_engine(engine, reqs, "plain")
+    engine.kv.reset_prefix_cache()
+    activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        profiled = run_engine(engine, reqs, "prof")
+        sync(engine)
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == DeviceType.CUDA]
+    by_cat: dict[str, float] = {}
+    for e in kernels:
+        by_cat[category(e.key)] = by_cat.get(category(e.key), 0.0) + e.self_device_time_total / 1e6
+    busy = sum(by_cat.values())
+    rows = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    return {
+        "elapsed_s": plain["elapsed_s"],
+        "steps": plain["steps"],
+        "output_tok_s": plain["output_tok_s"],
+        "profiled_wall_s": round(wall, 3),
+        "profiled_elapsed_s": profiled["elapsed_s"],
+        "device_busy_s": round(busy, 3),
+        "device_idle_s": round(wall - busy, 3),
+        "by_category_s": {k: round(v, 3) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+        "top": [{"name": e.key[:100], "calls": e.count, "s": round(e.self_device_time_total / 1e6, 4)} for e in rows],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--top", type=int, default=20)
+    known, rest = extra.parse_known_args(argv)
+    args = parse(["throughput", *rest])  # the bench's engine flags (--shape, --max-num-seqs, ...)
+    engine = build_engine(args)
+    vocab = engine.vocab_size
+    warm = [BenchRequest(r.prompt_token_ids[::-1], r.max_tokens) for r in make_workload("mixed", vocab, 16)]
+    run_engine(engine, warm, "warm")  # compiles outside the timed runs, as the suite does
+    res = profile_run(engine, make_workload(args.workload, vocab, args.num_requests), known.top)
+    res.update(workload=args.workload, shape=args.shape, max_num_seqs=args.max_num_seqs)
+    engine.shutdown()
+    print(json.dumps({k: v for k, v in res.items() if k != "top"}), flush=True)
+    for row in res["top"]:
+        print(f"  {row['s']:8.3f} s {row['calls']:7d}x {row['name']}")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=1)
+    torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""The whole-run profile on a tiny random checkpoint on CPU: the workload runs to the end in both runs, the kernel
+categories are named as the engine's kernels are, and nothing is counted busy without device kernels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine import Engine
+from loadtest.run_profile import category, profile_run
+from loadtest.workloads import BenchRequest
+from tests.helpers import build_tiny_model
+
+
+def test_categories_of_the_engines_kernels() -> None:
+    assert category("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT") == "gemm"
+    assert category("_gemv_kernel") == "gemm"
+    assert category("_prefill_new_kv_kernel") == "prefill_attention"
+    assert category("_decode_partition_kernel") == "decode_attention"
+    assert category("_decode_reduce_kernel") == "decode_attention"
+    assert category("_rms_norm_kernel") == "rms_norm"
+    assert category("_silu_and_mul_kernel") == "silu_and_mul"
+    assert category("_rope_and_cache_kernel") == "rope_and_cache"
+    assert category("_argmax_chunks_kernel") == "sampling"
+    assert category("Memcpy HtoD (Pageable -> Device)") == "copies"
+    assert category("some_other_kernel") == "other"
+
+
+def test_profile_run_on_cpu(tmp_path: Path) -> None:
+    folder = build_tiny_model(tmp_path, "llama", seed=3)
+    config = EngineConfig(
+        model=ModelConfig(model=str(folder), max_model_len=128, skip_tokenizer_init=True),
+        cache=CacheConfig(block_size=4, num_gpu_blocks_override=128),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
+        device="cpu",
+    )
+    engine = Engine(config)
+    try:
+        reqs = [BenchRequest([5 + i, 7, 9, 11, 13], 4 + i) for i in range(3)]
+        res = profile_run(engine, reqs, top=5)
+    finally:
+        engine.shutdown()
+    assert res["steps"] >= 6 and res["elapsed_s"] > 0 and res["profiled_wall_s"] > 0
+    assert res["device_busy_s"] == 0 and res["device_idle_s"] == res["profiled_wall_s"]  # no CUDA kernels on CPU
+    assert res["top"] == []

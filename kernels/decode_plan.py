@@ -60,7 +60,8 @@ class DecodePlan:
     partition_size: int
     num_partitions: int
     fused_reduce: bool
-    # partition_size is then only the tile granularity: each sequence's own length is cut in num_partitions
+    # each sequence's own length cut into num_partitions whole tiles, none shorter than partition_size (a short
+    # sequence then has fewer live partitions: each program streams several tiles instead of one)
     dynamic: bool = False
 
 
@@ -120,12 +121,15 @@ def plan_decode(
     if dynamic is None:
         dynamic = partition_size is None and use_dynamic(num_seqs, max_len)
     if dynamic:
-        if partition_size is not None:
-            raise ValueError("dynamic partitions take no partition_size")
+        min_len = partition_size or block_n
+        if min_len % block_n:
+            raise ValueError(
+                f"dynamic partitions: partition_size {min_len} (the shortest) must be a multiple of {block_n}"
+            )
         per_sm = programs_per_sm or PROGRAMS_PER_SM
-        parts = max(1, min(per_sm * sms // (num_seqs * num_kv_heads), -(-max_len // block_n)))
+        parts = max(1, min(per_sm * sms // (num_seqs * num_kv_heads), -(-max_len // min_len)))
         fused = use_fused_reduce(num_seqs, num_heads // num_kv_heads, parts) if fused_reduce is None else fused_reduce
-        return DecodePlan(block_n, num_stages or tile[1], block_n, parts, fused and parts > 1, True)
+        return DecodePlan(block_n, num_stages or tile[1], min_len, parts, fused and parts > 1, True)
     if partition_size is None:
         partition_size = decode_partition_size(num_seqs, num_kv_heads, max_len, sms, block_n)
     if partition_size % block_n or partition_size < block_n:

@@ -104,7 +104,7 @@ elif [ "$stage" = f ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py tests/engine/test_gpu.py -k "not int4" \
     > "$out/gpu_tests.txt" 2>&1 && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -10; tail -2 "$out/gpu_tests.txt"
-  python -m loadtest.kernels_bench --sweep --only decode --batches 1 --seq-lens 128 256 512 1024 --table-lens 4096 \
+  python -m loadtest.kernels_bench --sweep --only decode --batches 1 --seq-lens 128 256 512 1024 8192 32768 --table-lens 4096 \
     --out "$out/kernels-short.json" 2>&1 | tail -34
   for gated in 1 0 1 0; do  # batch-1 TPOT with and without the gated down-projection GEMV, alternating
     PAGEDSERVE_GEMV_GATED=$gated python -m loadtest.throughput latency --shape 8b --max-model-len 4096 \

@@ -42,9 +42,10 @@ from loadtest.prefill_bench import (
 # be shorter (128: the sizing measured on 2026-11-29); "fit": kernels.decode_plan.fit_partition_size with that
 # many programs per SM (ptxas for sm_90: the default tile's 128 registers allow 4, block_n 32's 80 allow 6).
 # fused_reduce False: the reduction in a second launch; True: the last program of each (seq, kv head) merges
-# the partitions; absent: the default's choice. "cap": no partition longer than that; "dynamic" with "programs_per_sm": each
-# sequence's own length cut into that many programs per SM (kernels.decode_plan.use_dynamic). Rows named
-# default* start from the default tile, the others from (64, 3 stages).
+# the partitions; absent: the default's choice. "cap": no partition longer than that; "dynamic" with
+# "programs_per_sm": each sequence's own length cut into that many programs per SM (kernels.decode_plan.use_dynamic),
+# "partition_size" then the shortest partition. Rows named default* start from the default tile, the others from
+# (64, 3 stages).
 # Removed after the 2026-12-01 sweeps, where they never won a shape: fused_p0.5, fused_s2, fused_bn128_s2(_p2),
 # fused_w8, two_launch_min128, two_launch_bn128_s2; after the 2026-12-03 sweep (bdb22e2), the unrolled tile loop
 # (0.43-0.60 of SDPA where the loop gave 0.85-0.99: 176-255 registers, 2 programs per SM).
@@ -72,6 +73,10 @@ DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("default_p4", {"partition_scale": 4}),
     ("default_p64", {"partition_scale": 64}),
     ("default_dyn4_fused", {"dynamic": True, "programs_per_sm": 4, "fused_reduce": True}),
+    # dynamic partitions of at least 2 / 4 tiles (partition_size): fewer, longer programs for a short sequence
+    ("default_dyn4_min128", {"dynamic": True, "programs_per_sm": 4, "partition_size": 128}),
+    ("default_dyn4_min256", {"dynamic": True, "programs_per_sm": 4, "partition_size": 256}),
+    ("default_dyn4_min256_fused", {"dynamic": True, "programs_per_sm": 4, "partition_size": 256, "fused_reduce": True}),
 ]
 
 

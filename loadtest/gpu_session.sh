@@ -101,8 +101,9 @@ elif [ "$stage" = m ]; then
   python -m loadtest.step_profile --shape 8b --prompt-len 128 --decode-kernels 50 --top 14 \
     --out "$out/step_profile.json" 2>&1 | grep -v USDT | head -40
 elif [ "$stage" = f ]; then
-  python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py tests/engine/test_gpu.py -k "not int4" \
-    > "$out/gpu_tests.txt" 2>&1 && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
+  python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py tests/engine/test_gpu.py \
+    -k "${F_TESTS:-gemv or decode or graph or bf16 or hf}" > "$out/gpu_tests.txt" 2>&1 \
+    && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -10; tail -2 "$out/gpu_tests.txt"
   python -m loadtest.kernels_bench --sweep --only decode --batches 1 --seq-lens 128 256 512 1024 8192 32768 --table-lens 4096 \
     --out "$out/kernels-short.json" 2>&1 | tail -34

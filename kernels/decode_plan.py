@@ -7,6 +7,7 @@ H200 sweep (``python -m loadtest.kernels_bench --sweep``, whose variant names ar
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -47,8 +48,16 @@ FUSED_MERGE_MAX_ROWS = 512
 DYNAMIC_FROM_LEN = 16384
 
 
+# Small batches: dynamic partitions of at least this many tokens over any table (0: the rule above). A batch-1
+# decode graph is captured for a --max-model-len-wide table and replayed for sequences of a few hundred tokens,
+# which fixed partitions cut into one tile per program, merged by a second launch. Being measured
+# (gpu_session.sh f: the short-context sweep, and batch-1 TPOT with PAGEDSERVE_DECODE_MIN_PARTITION=256).
+SMALL_BATCH_MIN_PARTITION = int(os.environ.get("PAGEDSERVE_DECODE_MIN_PARTITION", "0"))
+
+
 def use_dynamic(num_seqs: int, max_len: int) -> bool:
-    return num_seqs > SMALL_BATCH_MAX_SEQS or max_len >= DYNAMIC_FROM_LEN
+    small = num_seqs <= SMALL_BATCH_MAX_SEQS
+    return not small or max_len >= DYNAMIC_FROM_LEN or SMALL_BATCH_MIN_PARTITION > 0
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,8 @@ def plan_decode(
     if dynamic is None:
         dynamic = partition_size is None and use_dynamic(num_seqs, max_len)
     if dynamic:
-        min_len = partition_size or block_n
+        small_min = SMALL_BATCH_MIN_PARTITION if num_seqs <= SMALL_BATCH_MAX_SEQS else 0
+        min_len = partition_size or max(block_n, -(-small_min // block_n) * block_n)
         if min_len % block_n:
             raise ValueError(
                 f"dynamic partitions: partition_size {min_len} (the shortest) must be a multiple of {block_n}"

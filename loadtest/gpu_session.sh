@@ -34,7 +34,8 @@
 #                     (the engine's new_kv kernel against SDPA), the batch-1 decode step's kernels (step_profile)
 #   stage f (~7 min): the kernels' and engine's GPU tests (not int4), the decode sweep at batch 1 over short
 #                     sequences in 4k-token tables (a decode graph's at --max-model-len 4096), then batch-1 TPOT with
-#                     and without the gated down-projection GEMV, alternating (PAGEDSERVE_GEMV_GATED); then where
+#                     and without the gated down-projection GEMV and with short-context partitions, alternating
+#                     (PAGEDSERVE_GEMV_GATED, PAGEDSERVE_DECODE_MIN_PARTITION); then where
 #                     `mixed`'s device time goes, by kernel category, and how long the device idles (run_profile)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
@@ -105,11 +106,15 @@ elif [ "$stage" = f ]; then
     -k "${F_TESTS:-gemv or decode or graph or bf16 or hf}" > "$out/gpu_tests.txt" 2>&1 \
     && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -10; tail -2 "$out/gpu_tests.txt"
-  python -m loadtest.kernels_bench --sweep --only decode --batches 1 --seq-lens 128 256 512 1024 8192 32768 --table-lens 4096 \
+  PAGEDSERVE_DECODE_MIN_PARTITION=256 python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py -k decode \
+    2>&1 | tail -1 | sed 's/^/decode GPU tests with 256-token partitions: /'
+  python -m loadtest.kernels_bench --sweep --only decode --batches 1 --seq-lens 128 256 512 1024 8192 --table-lens 4096 \
     --out "$out/kernels-short.json" 2>&1 | tail -34
-  for gated in 1 0 1 0; do  # batch-1 TPOT with and without the gated down-projection GEMV, alternating
-    PAGEDSERVE_GEMV_GATED=$gated python -m loadtest.throughput latency --shape 8b --max-model-len 4096 \
-      --out "$out/latency-gated$gated-$RANDOM.json" 2>&1 | grep -E "tpot|ttft" | tr -d '\n' ; echo " gated=$gated"
+  # batch-1 TPOT, alternating: gated down GEMV on / off, and short-context decode partitions (min 256 tokens)
+  for cfg in 1:0 0:0 1:256 1:0 0:0 1:256; do
+    IFS=: read -r gated minp <<< "$cfg"
+    PAGEDSERVE_GEMV_GATED=$gated PAGEDSERVE_DECODE_MIN_PARTITION=$minp python -m loadtest.throughput latency \
+      --shape 8b --max-model-len 4096 2>&1 | grep -E "tpot|ttft" | tr -d '\n '; echo " gated=$gated min_partition=$minp"
   done
   python -m loadtest.run_profile --shape 8b --workload mixed --max-model-len 4096 --max-num-seqs 512 \
     --out "$out/run_profile.json" 2>&1 | grep -v USDT | tail -24

@@ -247,6 +247,20 @@ def test_dynamic_plan_counts_partitions_not_tokens() -> None:
     assert decode_plan.plan_decode(decode_plan.SMALL_BATCH_MAX_SEQS + 1, 32, 8, 1024, 132).dynamic
 
 
+def test_small_batch_min_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SMALL_BATCH_MIN_PARTITION: small batches take dynamic partitions of at least that many tokens over any
+    table (a 4k-token table: 16 partitions of >= 256, a sequence of 200 tokens then has one live); large
+    batches keep theirs."""
+    monkeypatch.setattr(decode_plan, "SMALL_BATCH_MIN_PARTITION", 256)
+    plan = decode_plan.plan_decode(1, 32, 8, 4096, 132)
+    assert plan.dynamic and plan.partition_size == 256 and plan.num_partitions == 16
+    assert decode_plan.plan_decode(1, 32, 8, 131072, 132).num_partitions == decode_plan.PROGRAMS_PER_SM * 132 // 8
+    large = decode_plan.plan_decode(decode_plan.SMALL_BATCH_MAX_SEQS + 1, 32, 8, 4096, 132)
+    assert large.dynamic and large.partition_size == large.block_n
+    monkeypatch.setattr(decode_plan, "SMALL_BATCH_MIN_PARTITION", 0)
+    assert not decode_plan.plan_decode(1, 32, 8, 4096, 132).dynamic
+
+
 def test_fused_reduce_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(decode_plan, "FUSED_REDUCE_MAX_SEQS", 16)
     assert decode_plan.use_fused_reduce(1, 4, 64) and decode_plan.use_fused_reduce(16, 8, 64)

@@ -7,7 +7,6 @@ H200 sweep (``python -m loadtest.kernels_bench --sweep``, whose variant names ar
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -48,16 +47,8 @@ FUSED_MERGE_MAX_ROWS = 512
 DYNAMIC_FROM_LEN = 16384
 
 
-# Small batches: dynamic partitions of at least this many tokens over any table (0: the rule above). A batch-1
-# decode graph is captured for a --max-model-len-wide table and replayed for sequences of a few hundred tokens,
-# which fixed partitions cut into one tile per program, merged by a second launch. Being measured
-# (gpu_session.sh f: the short-context sweep, and batch-1 TPOT with PAGEDSERVE_DECODE_MIN_PARTITION=256).
-SMALL_BATCH_MIN_PARTITION = int(os.environ.get("PAGEDSERVE_DECODE_MIN_PARTITION", "0"))
-
-
 def use_dynamic(num_seqs: int, max_len: int) -> bool:
-    small = num_seqs <= SMALL_BATCH_MAX_SEQS
-    return not small or max_len >= DYNAMIC_FROM_LEN or SMALL_BATCH_MIN_PARTITION > 0
+    return num_seqs > SMALL_BATCH_MAX_SEQS or max_len >= DYNAMIC_FROM_LEN
 
 
 @dataclass(frozen=True)
@@ -69,8 +60,7 @@ class DecodePlan:
     partition_size: int
     num_partitions: int
     fused_reduce: bool
-    # each sequence's own length cut into num_partitions whole tiles, none shorter than partition_size (a short
-    # sequence then has fewer live partitions: each program streams several tiles instead of one)
+    # partition_size is then only the tile granularity: each sequence's own length is cut in num_partitions
     dynamic: bool = False
 
 
@@ -130,16 +120,12 @@ def plan_decode(
     if dynamic is None:
         dynamic = partition_size is None and use_dynamic(num_seqs, max_len)
     if dynamic:
-        small_min = SMALL_BATCH_MIN_PARTITION if num_seqs <= SMALL_BATCH_MAX_SEQS else 0
-        min_len = partition_size or max(block_n, -(-small_min // block_n) * block_n)
-        if min_len % block_n:
-            raise ValueError(
-                f"dynamic partitions: partition_size {min_len} (the shortest) must be a multiple of {block_n}"
-            )
+        if partition_size is not None:
+            raise ValueError("dynamic partitions take no partition_size")
         per_sm = programs_per_sm or PROGRAMS_PER_SM
-        parts = max(1, min(per_sm * sms // (num_seqs * num_kv_heads), -(-max_len // min_len)))
+        parts = max(1, min(per_sm * sms // (num_seqs * num_kv_heads), -(-max_len // block_n)))
         fused = use_fused_reduce(num_seqs, num_heads // num_kv_heads, parts) if fused_reduce is None else fused_reduce
-        return DecodePlan(block_n, num_stages or tile[1], min_len, parts, fused and parts > 1, True)
+        return DecodePlan(block_n, num_stages or tile[1], block_n, parts, fused and parts > 1, True)
     if partition_size is None:
         partition_size = decode_partition_size(num_seqs, num_kv_heads, max_len, sms, block_n)
     if partition_size % block_n or partition_size < block_n:

@@ -79,9 +79,10 @@ GEMV_MAX_WEIGHT_ELEMS = 64 << 20
 # 2048 weights of each row into L2 before waiting lost 5-25 % and was deleted.
 USE_PDL = False
 # The MLP's down projection reads gate_up's output itself where it runs on the GEMV (linear_gated), instead of an
-# activation launch before it. H200, 8B down shape in a CUDA graph (2026-12-03): M = 1 29.64 us against 30.11 for
-# the activation + GEMV (28.86 the GEMV alone: each program recomputes the activation of its K range); M = 8 32.70
-# against 33.17. PAGEDSERVE_GEMV_GATED=0 turns it off (the same-process batch-1 A/B of gpu_session.sh f).
+# activation launch before it. H200 (2026-12-03): the 8B down shape in a CUDA graph, M = 1 29.64 us against 30.11 for
+# the activation + GEMV (28.86 the GEMV alone: each program recomputes the activation of its K range), M = 8 32.70
+# against 33.17; the 8B shape's batch-1 TPOT, alternating in one device call (gpu_session.sh f, eeac913), 4.305 /
+# 4.307 ms against 4.429 / 4.428 without, more than the kernel alone saves. PAGEDSERVE_GEMV_GATED=0 turns it off.
 GEMV_GATED = os.environ.get("PAGEDSERVE_GEMV_GATED", "1") != "0"
 # Split-K (sweep rows "dot split1/2/4"): none when N alone gives SPLIT_MIN_FILL programs per SM, else doubling
 # until there is one per SM. Three H200 runs, dot kernel (64 columns a tile) at M = 2-8: qkv (96 tiles) was

@@ -144,11 +144,10 @@ def _merge_partitions(
 @triton.jit
 def _partition_len(seq_len, num_partitions, PARTITION_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DYNAMIC: tl.constexpr):
     """Tokens per partition of a sequence of ``seq_len``: PARTITION_SIZE, or with DYNAMIC the sequence's own length
-    cut into ``num_partitions`` whole tiles, none shorter than PARTITION_SIZE (a graph captured for a long context
-    still spreads a short sequence over the grid; partitions past the sequence's end get no tokens). The partition
-    kernel and the merge agree."""
+    cut into ``num_partitions`` whole tiles (a graph captured for a long context still spreads a short sequence
+    over the grid; partitions past the sequence's end get no tokens). The partition kernel and the merge agree."""
     if DYNAMIC:
-        return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_partitions), BLOCK_N) * BLOCK_N, PARTITION_SIZE)
+        return tl.cdiv(tl.cdiv(seq_len, num_partitions), BLOCK_N) * BLOCK_N
     else:
         return seq_len * 0 + PARTITION_SIZE
 

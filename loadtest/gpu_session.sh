@@ -32,10 +32,10 @@
 #                     (plot it here: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png)
 #   stage m (~9 min): the norm / SiLU / argmax GPU tests, the suite (stage 2), prefill attention at the defaults
 #                     (the engine's new_kv kernel against SDPA), the batch-1 decode step's kernels (step_profile)
-#   stage f (~7 min): the kernels' and engine's GPU tests (not int4), the decode sweep at batch 1 over short
-#                     sequences in 4k-token tables (a decode graph's at --max-model-len 4096), then batch-1 TPOT with
-#                     and without the gated down-projection GEMV and with short-context partitions, alternating
-#                     (PAGEDSERVE_GEMV_GATED, PAGEDSERVE_DECODE_MIN_PARTITION); then where
+#   stage f (~7 min): the GPU tests of the GEMV, decode, graphs, bf16 and HF (F_TESTS), the decode sweep at batch 1
+#                     over short sequences in 4k-token tables (a decode graph's at --max-model-len 4096), then
+#                     batch-1 TPOT with and without the gated down-projection GEMV, alternating
+#                     (PAGEDSERVE_GEMV_GATED); then where
 #                     `mixed`'s device time goes, by kernel category, and how long the device idles (run_profile)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
@@ -105,16 +105,12 @@ elif [ "$stage" = f ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py tests/engine/test_gpu.py \
     -k "${F_TESTS:-gemv or decode or graph or bf16 or hf}" > "$out/gpu_tests.txt" 2>&1 \
     && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
-  grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -10; tail -2 "$out/gpu_tests.txt"
-  PAGEDSERVE_DECODE_MIN_PARTITION=256 python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py -k decode \
-    2>&1 | tail -1 | sed 's/^/decode GPU tests with 256-token partitions: /'
+  { grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
   python -m loadtest.kernels_bench --sweep --only decode --batches 1 --seq-lens 128 256 512 1024 8192 --table-lens 4096 \
     --out "$out/kernels-short.json" 2>&1 | tail -34
-  # batch-1 TPOT, alternating: gated down GEMV on / off, and short-context decode partitions (min 256 tokens)
-  for cfg in 1:0 0:0 1:256 1:0 0:0 1:256; do
-    IFS=: read -r gated minp <<< "$cfg"
-    PAGEDSERVE_GEMV_GATED=$gated PAGEDSERVE_DECODE_MIN_PARTITION=$minp python -m loadtest.throughput latency \
-      --shape 8b --max-model-len 4096 2>&1 | grep -E "tpot|ttft" | tr -d '\n '; echo " gated=$gated min_partition=$minp"
+  for gated in 1 0 1 0; do  # batch-1 TPOT with and without the gated down-projection GEMV, alternating
+    PAGEDSERVE_GEMV_GATED=$gated python -m loadtest.throughput latency --shape 8b --max-model-len 4096 2>&1 \
+      | grep -E "tpot|ttft" | tr -d '\n '; echo " gated=$gated"
   done
   python -m loadtest.run_profile --shape 8b --workload mixed --max-model-len 4096 --max-num-seqs 512 \
     --out "$out/run_profile.json" 2>&1 | grep -v USDT | tail -24

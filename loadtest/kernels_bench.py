@@ -43,12 +43,14 @@ from loadtest.prefill_bench import (
 # many programs per SM (ptxas for sm_90: the default tile's 128 registers allow 4, block_n 32's 80 allow 6).
 # fused_reduce False: the reduction in a second launch; True: the last program of each (seq, kv head) merges
 # the partitions; absent: the default's choice. "cap": no partition longer than that; "dynamic" with
-# "programs_per_sm": each sequence's own length cut into that many programs per SM (kernels.decode_plan.use_dynamic),
-# "partition_size" then the shortest partition. Rows named default* start from the default tile, the others from
-# (64, 3 stages).
+# "programs_per_sm": each sequence's own length cut into that many programs per SM (kernels.decode_plan.use_dynamic).
+# Rows named default* start from the default tile, the others from (64, 3 stages).
 # Removed after the 2026-12-01 sweeps, where they never won a shape: fused_p0.5, fused_s2, fused_bn128_s2(_p2),
 # fused_w8, two_launch_min128, two_launch_bn128_s2; after the 2026-12-03 sweep (bdb22e2), the unrolled tile loop
-# (0.43-0.60 of SDPA where the loop gave 0.85-0.99: 176-255 registers, 2 programs per SM).
+# (0.43-0.60 of SDPA where the loop gave 0.85-0.99: 176-255 registers, 2 programs per SM); after the short-context
+# sweep (eeac913, batch 1 at 128-1024 tokens in 4k tables, and 8k), where none won a shape: the in-kernel merge
+# over the default tile (0.46-1.01), partitions 4x longer (0.62-0.92), dynamic partitions of at least 128 / 256
+# tokens (0.41-0.95; at batch 1 in the engine, 256 made TPOT 4.62 ms against 4.31) and dynamic + in-kernel merge.
 DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("default", {}),
     ("two_launch", {"fused_reduce": False}),
@@ -67,16 +69,9 @@ DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("default_dyn4", {"dynamic": True, "programs_per_sm": 4}),
     ("default_dyn6", {"dynamic": True, "programs_per_sm": 6}),
     ("default_dyn8", {"dynamic": True, "programs_per_sm": 8}),
-    # short contexts at batch 1 (a decode graph's table is --max-model-len wide, its sequence a few hundred
-    # tokens): the merge in the last program, 4x longer partitions, one partition (no merge at all)
-    ("default_fused", {"fused_reduce": True}),
-    ("default_p4", {"partition_scale": 4}),
+    # batch 1 over a short sequence: one partition, no merge (2026-12-03, eeac913: the best row at 128 tokens, 4.4-4.6
+    # us against the default's 4.9-6.1; from 256 tokens on 0.55-0.82 of SDPA where the default gives 0.97-1.23)
     ("default_p64", {"partition_scale": 64}),
-    ("default_dyn4_fused", {"dynamic": True, "programs_per_sm": 4, "fused_reduce": True}),
-    # dynamic partitions of at least 2 / 4 tiles (partition_size): fewer, longer programs for a short sequence
-    ("default_dyn4_min128", {"dynamic": True, "programs_per_sm": 4, "partition_size": 128}),
-    ("default_dyn4_min256", {"dynamic": True, "programs_per_sm": 4, "partition_size": 256}),
-    ("default_dyn4_min256_fused", {"dynamic": True, "programs_per_sm": 4, "partition_size": 256, "fused_reduce": True}),
 ]
 
 

@@ -42,8 +42,7 @@ def _query(num_rows: int, num_heads: int, dtype: torch.dtype, gen: torch.Generat
 @pytest.mark.parametrize("sliding_window", [None, 24])
 # {}: one partition here; 32 (4 partitions): the reduce kernel; fused: the last program of each (seq, kv head)
 # merges them; 48: three tiles, not a power of two; dynamic: each sequence's own length cut
-# into the grid's partitions (3 here: 4 programs per SM of the interpreter's 8 "SMs", 5 sequences x 2 KV heads);
-# min32: dynamic partitions of at least two tiles (a short sequence gets fewer live partitions)
+# into the grid's partitions (3 here: 4 programs per SM of the interpreter's 8 "SMs", 5 sequences x 2 KV heads)
 @pytest.mark.parametrize(
     "knobs",
     [
@@ -55,10 +54,8 @@ def _query(num_rows: int, num_heads: int, dtype: torch.dtype, gen: torch.Generat
         {"dynamic": True},
         {"dynamic": True, "fused_reduce": True},
         {"dynamic": True, "programs_per_sm": 16},
-        {"dynamic": True, "programs_per_sm": 16, "partition_size": 32},
-        {"dynamic": True, "programs_per_sm": 16, "partition_size": 32, "fused_reduce": True},
     ],
-    ids=["one", "p32", "p32_fused", "p48", "p48_fused", "dyn", "dyn_fused", "dyn16", "dyn16_min32", "dyn16_min32_f"],
+    ids=["one", "p32", "p32_fused", "p48", "p48_fused", "dyn", "dyn_fused", "dyn16"],
 )
 def test_decode_matches_ref(
     dtype: torch.dtype, group: int, sliding_window: int | None, knobs: dict[str, Any], gen: torch.Generator
@@ -237,28 +234,12 @@ def test_dynamic_plan_counts_partitions_not_tokens() -> None:
         assert plan.dynamic and plan.num_partitions == wanted
     assert decode_plan.plan_decode(1, 32, 8, 256, 132, dynamic=True).num_partitions == 4  # 4 tiles of 64
     assert decode_plan.plan_decode(256, 32, 8, 4096, 132, dynamic=True).num_partitions == 1
-    # partition_size: the shortest partition, so a 4k table has at most 32 partitions of 128 and more
-    assert decode_plan.plan_decode(1, 32, 8, 4096, 132, dynamic=True, partition_size=128).num_partitions == 32
     with pytest.raises(ValueError, match="dynamic"):
-        decode_plan.plan_decode(1, 32, 8, 4096, 132, dynamic=True, partition_size=96)
+        decode_plan.plan_decode(1, 32, 8, 4096, 132, dynamic=True, partition_size=128)
     # the default rule: fixed partitions for small batches over short tables, dynamic past either bound
     assert not decode_plan.plan_decode(1, 32, 8, 4096, 132).dynamic
     assert decode_plan.plan_decode(1, 32, 8, decode_plan.DYNAMIC_FROM_LEN, 132).dynamic
     assert decode_plan.plan_decode(decode_plan.SMALL_BATCH_MAX_SEQS + 1, 32, 8, 1024, 132).dynamic
-
-
-def test_small_batch_min_partition(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SMALL_BATCH_MIN_PARTITION: small batches take dynamic partitions of at least that many tokens over any
-    table (a 4k-token table: 16 partitions of >= 256, a sequence of 200 tokens then has one live); large
-    batches keep theirs."""
-    monkeypatch.setattr(decode_plan, "SMALL_BATCH_MIN_PARTITION", 256)
-    plan = decode_plan.plan_decode(1, 32, 8, 4096, 132)
-    assert plan.dynamic and plan.partition_size == 256 and plan.num_partitions == 16
-    assert decode_plan.plan_decode(1, 32, 8, 131072, 132).num_partitions == decode_plan.PROGRAMS_PER_SM * 132 // 8
-    large = decode_plan.plan_decode(decode_plan.SMALL_BATCH_MAX_SEQS + 1, 32, 8, 4096, 132)
-    assert large.dynamic and large.partition_size == large.block_n
-    monkeypatch.setattr(decode_plan, "SMALL_BATCH_MIN_PARTITION", 0)
-    assert not decode_plan.plan_decode(1, 32, 8, 4096, 132).dynamic
 
 
 def test_fused_reduce_switch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,6 +30,13 @@ BACKENDS = ("torch", "triton")
 PREFILL_KERNEL = os.environ.get("PAGEDSERVE_PREFILL_KERNEL", "new_kv")
 if PREFILL_KERNEL not in ("paged", "new_kv"):
     raise ValueError(f"PAGEDSERVE_PREFILL_KERNEL={PREFILL_KERNEL!r}: expected 'paged' or 'new_kv'")
+# A step that mixes prefill chunks with decodes (Triton backend): the decode rows through the decode kernel
+# (kernels.paged_attention.paged_decode_rows: which rows is read on the device, so a prefill graph serves any mix)
+# and the prefill kernel on the rest, instead of the prefill kernel's 128-row tiles for each one-token query. The
+# H200 profile of `mixed` at eeac913 (loadtest/run_profile.py) gave prefill attention 0.84 s where the causal
+# prefill FLOPs at 0.9x SDPA take 0.10 s; its 34 steps are those mixed ones. Off until a GPU run measures it
+# (PAGEDSERVE_SPLIT_DECODE_ROWS=1; the A/B: loadtest/gpu_session.sh sd).
+SPLIT_DECODE_ROWS = os.environ.get("PAGEDSERVE_SPLIT_DECODE_ROWS", "0") == "1"
 
 
 @dataclass
@@ -94,20 +101,22 @@ def paged_attention(
     """Attend through the block tables (this step's K/V from ``new_kv`` where given). Returns
     ``[num_tokens, num_heads, head_dim]``."""
     if meta.backend == "triton":
-        from kernels.paged_attention import paged_decode_attention
+        from kernels.paged_attention import paged_decode_attention, paged_decode_rows
         from kernels.prefill_attention import paged_prefill_attention
         from kernels.prefill_new_kv import prefill_attention_new_kv
 
         if meta.is_decode_only:
             return paged_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
+        tables, qsl, lens, split = meta.block_tables, meta.query_start_loc, meta.seq_lens, SPLIT_DECODE_ROWS
         if new_kv is not None:
-            return prefill_attention_new_kv(
-                query, new_kv[0], new_kv[1], kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                scale, sliding_window,
-            )  # fmt: skip
-        return paged_prefill_attention(
-            query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, sliding_window
-        )
+            out = prefill_attention_new_kv(
+                query, new_kv[0], new_kv[1], kv_cache, tables, qsl, lens, scale, sliding_window, split
+            )
+        else:
+            out = paged_prefill_attention(query, kv_cache, tables, qsl, lens, scale, sliding_window, split)
+        if split:
+            paged_decode_rows(query, kv_cache, tables, lens, qsl, scale, sliding_window, out)
+        return out
     if meta.is_decode_only:
         return paged_decode_attention_ref(query, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
     return paged_prefill_attention_ref(

@@ -195,7 +195,7 @@ def _launch_dot(
     split = -(-k // k_per_split)
     grid = (-(-m // cfg.block_m), -(-n // cfg.block_n), split)
     target = split_target(cfg.split_reduce, split, grid[0] * grid[1], cfg.block_m * cfg.block_n, out)
-    upcast = x.device.type == "cpu" and x.dtype == torch.bfloat16  # see kernels.paged_attention._upcast
+    upcast = x.device.type == "cpu" and x.dtype == torch.bfloat16  # see kernels.attention_launch._upcast
     one_group = g_idx is None and group_size % cfg.block_k == 0  # tiles start at multiples of block_k
     _int4_gemm_kernel[grid](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, target.workspace, target.counters,

@@ -11,15 +11,14 @@ from typing import Any
 
 import torch
 
-from kernels._triton import (
-    check_float,
-    check_index,
-    check_last_dim_contiguous,
-    check_same_device,
-    next_pow2,
-    require_triton,
-    tl,
-    triton,
+from kernels._triton import next_pow2, require_triton, tl, triton
+from kernels.attention_launch import _COUNTERS as _COUNTERS  # re-exported: the tests check the counters
+from kernels.attention_launch import (
+    _arrival_counters,
+    _check_attention_inputs,
+    _check_step_rows,
+    _dot_precision,
+    _upcast,
 )
 from kernels.decode_plan import num_sms, plan_decode
 
@@ -153,20 +152,33 @@ def _partition_len(seq_len, num_partitions, PARTITION_SIZE: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _query_row(seq, query_start_loc_ptr, STEP_ROWS: tl.constexpr):
+    """Sequence ``seq``'s query row and whether it decodes in this call: row ``seq`` of a decode step, or with
+    STEP_ROWS row ``query_start_loc[seq]`` of a mixed step, only where that sequence has one new token (the
+    others are the prefill kernel's)."""
+    if STEP_ROWS:
+        start = tl.load(query_start_loc_ptr + seq)
+        return start, (tl.load(query_start_loc_ptr + seq + 1) - start) == 1
+    else:
+        return seq, seq >= 0
+
+
+@triton.jit
 def _decode_partition_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_stats_ptr, counters_ptr,
-    scale_log2, sliding_window,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr, part_out_ptr, part_stats_ptr,
+    counters_ptr, scale_log2, sliding_window,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_os, stride_oh,
     num_partitions,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, DYNAMIC: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, CHUNK: tl.constexpr,
+    UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, CHUNK: tl.constexpr, STEP_ROWS: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    q_row, is_row = _query_row(seq, query_start_loc_ptr, STEP_ROWS)
     part_len = _partition_len(seq_len, num_partitions, PARTITION_SIZE, BLOCK_N, DYNAMIC)
     part_start = part * part_len
     part_end = tl.minimum(part_start + part_len, seq_len)
@@ -178,8 +190,8 @@ def _decode_partition_kernel(
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     heads = kvh * GROUP + g
-    live = part_start < seq_len  # the block tables' width may exceed this sequence: nothing to do past it
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
+    live = (part_start < seq_len) & is_row  # the tables' width may exceed this sequence: nothing to do past it
+    q = tl.load(q_ptr + q_row * stride_qs + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :] & live, other=0.0)  # fmt: skip
     if UPCAST:
         q = q.to(tl.float32)
@@ -198,8 +210,8 @@ def _decode_partition_kernel(
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE_PARTITION:
-        o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        o_ptrs = out_ptr + q_row * stride_os + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask & live)
     else:
         # [num_seqs, num_heads, num_partitions] scratch rows; partitions past seq_len are never read
         row = (seq * (GROUP * tl.num_programs(1)) + heads) * num_partitions + part  # [GROUP_PAD]
@@ -210,15 +222,15 @@ def _decode_partition_kernel(
         if FUSED_REDUCE:  # noqa: SIM102 - a constexpr branch (resolved at compile time) around a runtime one
             if live:  # the same in every thread of the program, so the barriers in there are safe
                 _merge_if_last(
-                    counters_ptr + seq * tl.num_programs(1) + kvh, seq, kvh, seq_len, part_len, out_ptr, part_out_ptr,
-                    part_stats_ptr, stride_os, stride_oh, num_partitions, tl.num_programs(1),
+                    counters_ptr + seq * tl.num_programs(1) + kvh, seq, q_row, kvh, seq_len, part_len, out_ptr,
+                    part_out_ptr, part_stats_ptr, stride_os, stride_oh, num_partitions, tl.num_programs(1),
                     GROUP, HEAD_DIM, HEAD_DIM_PAD, CHUNK,
                 )  # fmt: skip
 
 
 @triton.jit
 def _merge_if_last(
-    counter, seq, kvh, seq_len, part_len, out_ptr, part_out_ptr, part_stats_ptr, stride_os, stride_oh,
+    counter, seq, q_row, kvh, seq_len, part_len, out_ptr, part_out_ptr, part_stats_ptr, stride_os, stride_oh,
     num_partitions, num_kv_heads, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
 ):  # fmt: skip
@@ -236,54 +248,28 @@ def _merge_if_last(
             head = kvh * GROUP + gi
             _merge_partitions(
                 seq_len, part_len, (seq * (GROUP * num_kv_heads) + head) * num_partitions,
-                out_ptr + seq * stride_os + head * stride_oh, part_out_ptr, part_stats_ptr, num_partitions,
+                out_ptr + q_row * stride_os + head * stride_oh, part_out_ptr, part_stats_ptr, num_partitions,
                 HEAD_DIM, HEAD_DIM_PAD, CHUNK,
             )  # fmt: skip
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    seq_lens_ptr, out_ptr, part_out_ptr, part_stats_ptr,
+    seq_lens_ptr, query_start_loc_ptr, out_ptr, part_out_ptr, part_stats_ptr,
     stride_os, stride_oh, num_partitions,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DYNAMIC: tl.constexpr, CHUNK: tl.constexpr,
+    DYNAMIC: tl.constexpr, CHUNK: tl.constexpr, STEP_ROWS: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    _merge_partitions(
-        seq_len, _partition_len(seq_len, num_partitions, PARTITION_SIZE, BLOCK_N, DYNAMIC),
-        (seq * tl.num_programs(1) + head) * num_partitions, out_ptr + seq * stride_os + head * stride_oh,
-        part_out_ptr, part_stats_ptr, num_partitions, HEAD_DIM, HEAD_DIM_PAD, CHUNK,
-    )  # fmt: skip
-
-
-def _check_attention_inputs(
-    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
-) -> None:
-    check_float("query", query)
-    if query.dim() != 3:
-        raise ValueError(f"query must be [tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}"
-        )
-    if kv_cache.dtype != query.dtype:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal query dtype {query.dtype}")
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if query.shape[2] != head_dim:
-        raise ValueError(f"query head_dim {query.shape[2]} != kv_cache head_dim {head_dim}")
-    if query.shape[1] % num_kv_heads:
-        raise ValueError(f"num_heads {query.shape[1]} must be a multiple of num_kv_heads {num_kv_heads}")
-    check_last_dim_contiguous("query", query)
-    check_last_dim_contiguous("kv_cache", kv_cache)
-    check_index("block_tables", block_tables, 2)
-    check_index("seq_lens", seq_lens, 1)
-    if block_tables.shape[0] != seq_lens.shape[0]:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {seq_lens.shape[0]}")
-    check_same_device(query=query, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens)
+    q_row, is_row = _query_row(seq, query_start_loc_ptr, STEP_ROWS)
+    if is_row:
+        _merge_partitions(
+            seq_len, _partition_len(seq_len, num_partitions, PARTITION_SIZE, BLOCK_N, DYNAMIC),
+            (seq * tl.num_programs(1) + head) * num_partitions, out_ptr + q_row * stride_os + head * stride_oh,
+            part_out_ptr, part_stats_ptr, num_partitions, HEAD_DIM, HEAD_DIM_PAD, CHUNK,
+        )  # fmt: skip
 
 
 def paged_decode_attention(
@@ -298,6 +284,24 @@ def paged_decode_attention(
     return _paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale, sliding_window)
 
 
+def paged_decode_rows(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: a mixed step's rows, sequences back to back
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], this step's K/V written
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32: cached + new tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """The decode kernel on the sequences of a mixed step that have one new token (which sequences is read on the
+    device, so a CUDA graph serves any mix), their rows of ``out`` written in place and the other rows left as
+    they are (the prefill kernel's, with ``skip_decode_rows``). Equals the prefill reference on those rows."""
+    return _paged_decode_attention(
+        query, kv_cache, block_tables, seq_lens, scale, sliding_window, query_start_loc=query_start_loc, out=out
+    )
+
+
 def _paged_decode_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -306,19 +310,26 @@ def _paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     num_warps: int = 4,
+    *,
+    query_start_loc: torch.Tensor | None = None,  # [num_seqs + 1]: a mixed step's rows (paged_decode_rows)
+    out: torch.Tensor | None = None,  # with query_start_loc: the step's output, decode rows written in place
     **knobs: Any,  # plan_decode's block_n, num_stages, partition_size, fused_reduce, dynamic; unset: the defaults
 ) -> torch.Tensor:
     """The wrapper with its tuning knobs exposed (tests force small partitions; the benchmark sweeps)."""
     require_triton("paged_decode_attention")
     _check_attention_inputs(query, kv_cache, block_tables, seq_lens)
-    if query.shape[0] != seq_lens.shape[0]:
-        raise ValueError(f"decode takes one query per sequence: {query.shape[0]} queries, {seq_lens.shape[0]} seqs")
+    num_seqs, num_heads, head_dim = query.shape[0], query.shape[1], query.shape[2]
+    if query_start_loc is None:
+        if query.shape[0] != seq_lens.shape[0]:
+            raise ValueError(f"decode takes one query per sequence: {query.shape[0]} queries, {seq_lens.shape[0]} seqs")
+        out = torch.empty_like(query)
+    else:
+        num_seqs = _check_step_rows(query, seq_lens, query_start_loc, out)
+    assert out is not None
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
     if num_seqs == 0:
         return out
     max_len = block_tables.shape[1] * block_size  # upper bound on seq_lens; no device sync
@@ -338,53 +349,23 @@ def _paged_decode_attention(
     # [group, chunk, d] tile took 128-204.
     chunk = min(next_pow2(num_partitions), max(1, 4096 // head_dim_pad))
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_stats, counters,
-        scale * _LOG2E, sliding_window or 0,
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc if query_start_loc is not None else seq_lens,
+        out, part_out, part_stats, counters, scale * _LOG2E, sliding_window or 0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_partitions,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=plan.block_n, PARTITION_SIZE=plan.partition_size, DYNAMIC=plan.dynamic,
         SINGLE_PARTITION=single,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
-        FUSED_REDUCE=plan.fused_reduce, CHUNK=chunk, num_warps=num_warps,
+        FUSED_REDUCE=plan.fused_reduce, CHUNK=chunk, STEP_ROWS=query_start_loc is not None, num_warps=num_warps,
         num_stages=plan.num_stages,
     )  # fmt: skip
     if not single and not plan.fused_reduce:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            seq_lens, out, part_out, part_stats, out.stride(0), out.stride(1), num_partitions,
+            seq_lens, query_start_loc if query_start_loc is not None else seq_lens, out, part_out, part_stats,
+            out.stride(0), out.stride(1), num_partitions,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim), PARTITION_SIZE=plan.partition_size,
-            BLOCK_N=plan.block_n, DYNAMIC=plan.dynamic,
-            CHUNK=min(16, next_pow2(num_partitions)), num_warps=4,
+            BLOCK_N=plan.block_n, DYNAMIC=plan.dynamic, CHUNK=min(16, next_pow2(num_partitions)),
+            STEP_ROWS=query_start_loc is not None, num_warps=4,
         )  # fmt: skip
     return out
-
-
-# Per device, every counter buffer ever handed out: a captured CUDA graph keeps the address it was
-# captured with, so a larger buffer is added beside the old ones, never in their place.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-_MIN_COUNTERS = 1 << 16  # 256 KB: more (seq, kv head) pairs than any captured batch has, so it never grows
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` zeroed int32 counters, one per (seq, kv head), that the fused variant leaves zeroed
-    after every call (and every graph replay). Growing inside a CUDA-graph capture is refused: the zeroing
-    would only be recorded, and the buffer would live in the graph's pool."""
-    bufs = _COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fused_reduce: run the shape once before capturing it in a CUDA graph")
-        bufs.append(
-            torch.zeros(max(n, 2 * bufs[-1].numel() if bufs else _MIN_COUNTERS), dtype=torch.int32, device=device)
-        )
-    return bufs[-1]
-
-
-def _upcast(query: torch.Tensor) -> bool:
-    # Triton 3.7's interpreter multiplies the raw uint16 bits of bf16 operands in tl.dot; on CPU (tests
-    # under TRITON_INTERPRET=1) bf16 tiles are upcast to fp32 first. The GPU path stays native bf16.
-    return query.device.type == "cpu" and query.dtype == torch.bfloat16
-
-
-def _dot_precision(query: torch.Tensor) -> str:
-    # fp32 (tests) must not round operands to tf32; half types take the native tensor-core path anyway
-    return "ieee" if query.dtype == torch.float32 or _upcast(query) else "tf32"

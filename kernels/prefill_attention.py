@@ -7,14 +7,8 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import check_index, check_same_device, next_pow2, require_triton, tl, triton
-from kernels.paged_attention import (
-    _LOG2E,
-    _check_attention_inputs,
-    _dot_precision,
-    _load_kv_tile,
-    _online_softmax_step,
-    _upcast,
-)
+from kernels.attention_launch import _check_attention_inputs, _dot_precision, _upcast
+from kernels.paged_attention import _LOG2E, _load_kv_tile, _online_softmax_step
 
 
 def paged_prefill_attention_ref(
@@ -65,9 +59,10 @@ def paged_prefill_attention_ref(
 
 
 @triton.jit
-def _locate_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_Q: tl.constexpr):
+def _locate_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_Q: tl.constexpr, SKIP_DECODE_ROWS: tl.constexpr):
     """The sequence that owns query tile ``tile``, its first query row and length, and the tile's first
-    token among the sequence's new tokens (past q_len: an idle tile of the bound)."""
+    token among the sequence's new tokens (past q_len: an idle tile of the bound). SKIP_DECODE_ROWS: a sequence
+    with one new token reads as none (its row is the decode kernel's: kernels.paged_attention.paged_decode_rows)."""
     lo = 0
     hi = num_seqs
     while hi - lo > 1:  # largest s with q_start[s] // BLOCK_Q + s <= tile
@@ -79,6 +74,8 @@ def _locate_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_Q: tl.constexpr):
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_tile_start = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if SKIP_DECODE_ROWS:
+        q_len = tl.where(q_len == 1, 0, q_len)
     return seq, q_start, q_len, q_tile_start
 
 
@@ -119,10 +116,10 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
     SPLIT_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, LARGEST_FIRST: tl.constexpr,
-    FMA_SOFTMAX: tl.constexpr,
+    FMA_SOFTMAX: tl.constexpr, SKIP_DECODE_ROWS: tl.constexpr,
 ):  # fmt: skip
     tile, kvh = _program_tile(LARGEST_FIRST)
-    seq, q_start, q_len, q_tile_start = _locate_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_Q)
+    seq, q_start, q_len, q_tile_start = _locate_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_Q, SKIP_DECODE_ROWS)
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len  # cached tokens before this step's queries
 
@@ -185,9 +182,13 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32: cached prefix + new tokens
     scale: float,
     sliding_window: int | None = None,
+    skip_decode_rows: bool = False,  # one-token sequences' rows left unwritten (kernels.paged_attention's then)
 ) -> torch.Tensor:
     """Triton version of :func:`paged_prefill_attention_ref`."""
-    return _paged_prefill_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window)
+    return _paged_prefill_attention(
+        query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
+        skip_decode_rows=skip_decode_rows,
+    )  # fmt: skip
 
 
 # The paged kernel's tile, as the H200 sweep last chose it (``python -m loadtest.kernels_bench --sweep --only
@@ -217,6 +218,7 @@ def _paged_prefill_attention(
     split_mask: bool = True,  # an unmasked loop below the causal diagonal, masks only on the diagonal tiles
     largest_first: bool = PREFILL_LARGEST_FIRST,  # launch the longest causal tiles first (see _program_tile)
     fma_softmax: bool = PREFILL_FMA_SOFTMAX,  # below the diagonal: _unmasked_step (needs scale > 0)
+    skip_decode_rows: bool = False,  # one-token sequences' rows are left unwritten (paged_decode_rows' then)
 ) -> torch.Tensor:
     require_triton("paged_prefill_attention")
     check_prefill_inputs(query, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window)
@@ -241,8 +243,8 @@ def _paged_prefill_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
         SPLIT_MASK=split_mask and sliding_window is None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
-        LARGEST_FIRST=largest_first, FMA_SOFTMAX=fma_softmax and scale > 0, num_warps=num_warps,
-        num_stages=num_stages,
+        LARGEST_FIRST=largest_first, FMA_SOFTMAX=fma_softmax and scale > 0, SKIP_DECODE_ROWS=skip_decode_rows,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 

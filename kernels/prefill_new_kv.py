@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from kernels._triton import next_pow2, require_triton, tl, triton
-from kernels.paged_attention import _LOG2E, _dot_precision, _load_kv_tile, _online_softmax_step, _upcast
+from kernels.attention_launch import _dot_precision, _upcast
+from kernels.paged_attention import _LOG2E, _load_kv_tile, _online_softmax_step
 from kernels.prefill_attention import (
     _MAX_GRID_Y,
     _SHAPE_ARGS,
@@ -145,9 +146,10 @@ def _prefill_new_kv_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, LARGEST_FIRST: tl.constexpr,
+    SKIP_DECODE_ROWS: tl.constexpr,
 ):  # fmt: skip
     tile, kvh = _program_tile(LARGEST_FIRST)
-    seq, q_start, q_len, q_tile_start = _locate_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_Q)
+    seq, q_start, q_len, q_tile_start = _locate_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_Q, SKIP_DECODE_ROWS)
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
 
@@ -220,11 +222,13 @@ def prefill_attention_new_kv(
     seq_lens: torch.Tensor,  # [num_seqs] int32: cached prefix + new tokens
     scale: float,
     sliding_window: int | None = None,
+    skip_decode_rows: bool = False,  # one-token sequences' rows left unwritten (kernels.paged_attention's then)
 ) -> torch.Tensor:
     """Triton version of :func:`prefill_attention_new_kv_ref`."""
     return _prefill_attention_new_kv(
-        query, key, value, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
-    )
+        query, key, value, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
+        skip_decode_rows=skip_decode_rows,
+    )  # fmt: skip
 
 
 def _prefill_attention_new_kv(
@@ -243,6 +247,7 @@ def _prefill_attention_new_kv(
     num_stages: int | None = None,  # None: NEW_KV_NUM_STAGES, or what fits
     use_tma: bool | None = None,  # None: where the GPU and the tensors allow it (can_use_tma)
     largest_first: bool = True,
+    skip_decode_rows: bool = False,  # one-token sequences' rows are left unwritten (paged_decode_rows' then)
 ) -> torch.Tensor:
     require_triton("prefill_attention_new_kv")
     check_prefill_inputs(query, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window)
@@ -282,7 +287,8 @@ def _prefill_attention_new_kv(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
         USE_TMA=use_tma, DOT_PRECISION=_dot_precision(query),
-        UPCAST=_upcast(query), LARGEST_FIRST=largest_first, num_warps=num_warps, num_stages=num_stages,
+        UPCAST=_upcast(query), LARGEST_FIRST=largest_first, SKIP_DECODE_ROWS=skip_decode_rows,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 

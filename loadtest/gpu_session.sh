@@ -37,6 +37,9 @@
 #                     batch-1 TPOT with and without the gated down-projection GEMV, alternating
 #                     (PAGEDSERVE_GEMV_GATED); then where
 #                     `mixed`'s device time goes, by kernel category, and how long the device idles (run_profile)
+#   stage sd (~7 min): the kernels' and engine's GPU tests with a mixed step's decode rows through the decode
+#                     kernel (PAGEDSERVE_SPLIT_DECODE_ROWS=1), then `mixed` by kernel category with and without it
+#                     (run_profile, which warms up first; SD_AGAIN=1: each twice, alternating)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -44,7 +47,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, m, f, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, m, f, sd, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -114,6 +117,16 @@ elif [ "$stage" = f ]; then
   done
   python -m loadtest.run_profile --shape 8b --workload mixed --max-model-len 4096 --max-num-seqs 512 \
     --out "$out/run_profile.json" 2>&1 | grep -v USDT | tail -24
+elif [ "$stage" = sd ]; then
+  PAGEDSERVE_SPLIT_DECODE_ROWS=1 python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py tests/engine/test_gpu.py \
+    -k "not int4 and not gemv" > "$out/gpu_tests.txt" 2>&1 && echo "GPU TESTS (split) PASSED" \
+    || echo "GPU TESTS (split) FAILED (see gpu_tests.txt)"
+  { grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
+  for split in 1 0 ${SD_AGAIN:+1 0}; do  # mixed's time by kernel category, decode rows split or not
+    PAGEDSERVE_SPLIT_DECODE_ROWS=$split python -m loadtest.run_profile --shape 8b --workload mixed \
+      --max-model-len 4096 --max-num-seqs 512 --out "$out/run_profile-split$split-$RANDOM.json" 2>&1 \
+      | grep '^{' | sed "s/^/split=$split /"
+  done
 elif [ "$stage" = 5 ]; then
   if [ -n "${NEW_KV_TESTS:-}" ]; then
     PAGEDSERVE_PREFILL_KERNEL=new_kv python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \

@@ -127,6 +127,29 @@ def test_rms_norm_real_size(rows: int, gen: torch.Generator) -> None:
     assert rel_err(out, ref) < 1e-2
 
 
+def test_mixed_step_split_real_sizes(gen: torch.Generator) -> None:
+    """A mixed step at the 8B heads, bf16: 300 decode rows (contexts 1-4000) around two prefill chunks, the decode
+    rows through paged_decode_rows (dynamic partitions: over 16 sequences), the rest through the new_kv kernel
+    with skip_decode_rows; every row against the prefill reference."""
+    from kernels.paged_attention import paged_decode_rows
+    from kernels.prefill_new_kv import prefill_attention_new_kv
+
+    lens_rng = torch.randint(1, 4000, (300,), generator=gen).tolist()
+    rows = [(n - 1, 1) for n in lens_rng[:150]] + [(1000, 517)] + [(n - 1, 1) for n in lens_rng[150:]] + [(0, 700)]
+    lens = [c + q for c, q in rows]
+    cache, tables = paged_cache(lens, 16, 8, 128, torch.bfloat16, gen)
+    q_lens = torch.tensor([q for _, q in rows])
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).cuda()
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    query = torch.randn(int(q_lens.sum()), 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    kv = torch.cat([cache[:, tables[i].long()[torch.arange(c, c + q, device="cuda") // 16],
+                          torch.arange(c, c + q, device="cuda") % 16] for i, (c, q) in enumerate(rows)], dim=1)  # fmt: skip
+    out = prefill_attention_new_kv(query, kv[0], kv[1], cache, tables, qsl, seq_lens, 0.088, skip_decode_rows=True)
+    paged_decode_rows(query, cache, tables, seq_lens, qsl, 0.088, None, out)
+    ref = paged_prefill_attention_ref(query, cache, tables, qsl, seq_lens, 0.088)
+    assert rel_err(out, ref) < 1e-2
+
+
 @pytest.mark.parametrize("sliding_window", [None, 700])
 @pytest.mark.parametrize("use_tma", [True, False])
 def test_prefill_new_kv_real_sizes(sliding_window: int | None, use_tma: bool, gen: torch.Generator) -> None:

@@ -243,6 +243,26 @@ def test_engine_paged_switch_and_decode_step(monkeypatch: pytest.MonkeyPatch, ge
     assert meta.is_decode_only and new_kv is None and rel_err(out, ref) < tolerance(torch.float32)
 
 
+@pytest.mark.parametrize(
+    ("kernel", "dtype", "window"), [("new_kv", torch.bfloat16, None), ("paged", torch.float32, 12)]
+)
+def test_engine_mixed_step_with_decode_rows_split(
+    kernel: str, dtype: torch.dtype, window: int | None, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator
+) -> None:
+    """SPLIT_DECODE_ROWS: a mixed step's decode rows through the decode kernel, the rest through the prefill kernel;
+    output and cache equal the torch backend's."""
+    monkeypatch.setattr(engine.attention, "PREFILL_KERNEL", kernel)
+    monkeypatch.setattr(engine.attention, "SPLIT_DECODE_ROWS", True)
+    positions, qkv, cache, meta = _engine_step([(40, 1), (0, 23), (17, 9), (5, 1), (32, 24), (60, 1)], 4, dtype, gen)
+    ref_cache = cache.clone()
+    ref, _ = _layer("torch", positions, qkv, ref_cache, meta, window)
+    out, _ = _layer("triton", positions, qkv, cache, meta, window)
+    n = int(meta.query_start_loc[-1])
+    assert rel_err(out[:n], ref[:n]) < tolerance(dtype), f"seed {gen.initial_seed()}"
+    written = ~cache.isnan()
+    assert rel_err(cache[written], ref_cache[written]) <= (1e-6 if dtype == torch.float32 else tolerance(dtype))
+
+
 def test_prefill_kernels_do_not_specialize_on_the_steps_shapes() -> None:
     """The sequence count, block-table width and window change from step to step: were Triton to specialize
     on them (1 / divisible by 16 / other), a step whose pattern the warm-up missed would compile inside a

@@ -1,0 +1,117 @@
+"""A mixed step split between two kernels: its decode rows (sequences with one new token) through the decode kernel
+(kernels.paged_attention.paged_decode_rows, which rows read on the device) and the rest through a prefill kernel that
+skips them (skip_decode_rows), against the prefill reference on every row. The engine's switch for it is tested
+with the new_kv kernel's engine tests (tests/kernels/test_prefill_new_kv.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kernels.paged_attention import _paged_decode_attention, paged_decode_rows
+from kernels.prefill_attention import _paged_prefill_attention, paged_prefill_attention_ref
+from kernels.prefill_new_kv import _prefill_attention_new_kv
+from tests.kernels.helpers import DEVICE, paged_cache, rel_err, tolerance
+
+HEAD_DIM = 32
+NUM_KV_HEADS = 2
+# (cached prefix, new tokens): decode rows first, between and last, a one-token prompt (a decode row too: one new
+# token), full prefills and chunks after a cached prefix
+ROWS = [(70, 1), (0, 23), (40, 1), (17, 9), (0, 1), (32, 24), (5, 1)]
+
+
+def _step(group: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Query, the new tokens' key and value (as written in the cache), cache, tables, query_start_loc, seq_lens."""
+    lens = [c + q for c, q in ROWS]
+    cache, tables = paged_cache(lens, 16, NUM_KV_HEADS, HEAD_DIM, dtype, gen)
+    q_lens = torch.tensor([q for _, q in ROWS])
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).to(DEVICE)
+    query = torch.randn(int(q_lens.sum()), NUM_KV_HEADS * group, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
+    parts = []
+    for i, (c, q) in enumerate(ROWS):
+        pos = torch.arange(c, c + q, device=DEVICE)
+        parts.append(cache[:, tables[i].long()[pos // 16], pos % 16])  # [2, q, Hkv, D]
+    kv = torch.cat(parts, dim=1)
+    return query, kv[0], kv[1], cache, tables, qsl, torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+
+
+def _decode_row_mask(qsl: torch.Tensor) -> torch.Tensor:
+    q_lens = (qsl[1:] - qsl[:-1]).long()
+    return torch.repeat_interleave(q_lens == 1, q_lens)  # [num_tokens]
+
+
+# each prefill kernel, dtype, group and window, and the decode kernel's partitions: one, fixed with a second-launch
+# merge, fixed with the in-kernel merge, dynamic (each sequence's own length), dynamic with the in-kernel merge
+CASES = [
+    ("new_kv", torch.bfloat16, 4, None, {}),
+    ("new_kv", torch.float32, 1, 10, {"partition_size": 16}),
+    ("paged", torch.bfloat16, 8, None, {"partition_size": 16, "fused_reduce": True}),
+    ("paged", torch.float16, 4, 10, {"dynamic": True}),
+    ("new_kv", torch.float32, 4, None, {"dynamic": True, "fused_reduce": True}),
+]
+
+
+@pytest.mark.parametrize(("kernel", "dtype", "group", "window", "knobs"), CASES)
+def test_split_step_equals_the_reference(
+    kernel: str, dtype: torch.dtype, group: int, window: int | None, knobs: dict[str, Any], gen: torch.Generator
+) -> None:
+    query, key, value, cache, tables, qsl, seq_lens = _step(group, dtype, gen)
+    if kernel == "new_kv":
+        out = _prefill_attention_new_kv(
+            query, key, value, cache, tables, qsl, seq_lens, 0.17, window, block_m=32, block_n=16,
+            skip_decode_rows=True,
+        )  # fmt: skip
+    else:
+        out = _paged_prefill_attention(
+            query, cache, tables, qsl, seq_lens, 0.17, window, block_m=16, block_n=16, skip_decode_rows=True
+        )
+    ref = paged_prefill_attention_ref(query, cache, tables, qsl, seq_lens, 0.17, window)
+    decode = _decode_row_mask(qsl)
+    assert rel_err(out[~decode], ref[~decode]) < tolerance(dtype), f"seed {gen.initial_seed()}"
+    prefill_rows = out[~decode].clone()
+    _paged_decode_attention(query, cache, tables, seq_lens, 0.17, window, query_start_loc=qsl, out=out, block_n=16,
+                            **knobs)  # fmt: skip
+    assert torch.equal(out[~decode], prefill_rows)  # the prefill kernel's rows are left as they were
+    assert rel_err(out[decode], ref[decode]) < tolerance(dtype), f"seed {gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("kernel", ["new_kv", "paged"])
+def test_prefill_kernels_skip_decode_rows(kernel: str, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator) -> None:
+    """With skip_decode_rows a prefill kernel reads nothing of a one-token sequence and writes none of its rows:
+    that sequence's cache is NaN, its rows stay as allocated (zeros here) and the other rows are finite."""
+    query, key, value, cache, tables, qsl, seq_lens = _step(4, torch.float32, gen)
+    for i, (c, q) in enumerate(ROWS):
+        if q == 1:
+            pos = torch.arange(c + q, device=DEVICE)
+            cache[:, tables[i].long()[pos // 16], pos % 16] = float("nan")
+    monkeypatch.setattr(torch, "empty_like", torch.zeros_like)  # the wrappers allocate the output with it
+    if kernel == "new_kv":
+        out = _prefill_attention_new_kv(query, key, value, cache, tables, qsl, seq_lens, 0.17, skip_decode_rows=True)
+    else:
+        out = _paged_prefill_attention(query, cache, tables, qsl, seq_lens, 0.17, skip_decode_rows=True)
+    decode = _decode_row_mask(qsl)
+    assert torch.equal(out[decode], torch.zeros_like(out[decode])) and out[~decode].isfinite().all()
+
+
+def test_decode_rows_only_write_decode_rows(gen: torch.Generator) -> None:
+    """The public wrapper writes the one-token sequences' rows and nothing else (NaN stays NaN elsewhere)."""
+    query, _, _, cache, tables, qsl, seq_lens = _step(4, torch.float32, gen)
+    out = torch.full_like(query, float("nan"))
+    paged_decode_rows(query, cache, tables, seq_lens, qsl, 0.2, None, out)
+    decode = _decode_row_mask(qsl)
+    assert out[~decode].isnan().all() and not out[decode].isnan().any()
+    ref = paged_prefill_attention_ref(query, cache, tables, qsl, seq_lens, 0.2)
+    assert rel_err(out[decode], ref[decode]) < tolerance(torch.float32)
+
+
+def test_decode_rows_reject_bad_inputs(gen: torch.Generator) -> None:
+    query, _, _, cache, tables, qsl, seq_lens = _step(4, torch.bfloat16, gen)
+    out = torch.empty_like(query)
+    with pytest.raises(ValueError, match="num_seqs \\+ 1"):
+        paged_decode_rows(query, cache, tables, seq_lens, qsl[:-1], 0.2, None, out)
+    with pytest.raises(ValueError, match="shaped like query"):
+        paged_decode_rows(query, cache, tables, seq_lens, qsl, 0.2, None, out[:3])
+    with pytest.raises(ValueError, match="shaped like query"):
+        paged_decode_rows(query, cache, tables, seq_lens, qsl, 0.2, None, out.float())

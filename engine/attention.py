@@ -31,11 +31,12 @@ PREFILL_KERNEL = os.environ.get("PAGEDSERVE_PREFILL_KERNEL", "new_kv")
 if PREFILL_KERNEL not in ("paged", "new_kv"):
     raise ValueError(f"PAGEDSERVE_PREFILL_KERNEL={PREFILL_KERNEL!r}: expected 'paged' or 'new_kv'")
 # A step that mixes prefill chunks with decodes (Triton backend): the decode rows through the decode kernel
-# (kernels.paged_attention.paged_decode_rows: which rows is read on the device, so a prefill graph serves any mix)
-# and the prefill kernel on the rest, instead of the prefill kernel's 128-row tiles for each one-token query. The
-# H200 profile of `mixed` at eeac913 (loadtest/run_profile.py) gave prefill attention 0.84 s where the causal
-# prefill FLOPs at 0.9x SDPA take 0.10 s; its 34 steps are those mixed ones. Off until a GPU run measures it
-# (PAGEDSERVE_SPLIT_DECODE_ROWS=1; the A/B: loadtest/gpu_session.sh sd).
+# (kernels.paged_attention.paged_decode_rows: which rows read on the device, so a prefill graph serves any mix)
+# and the prefill kernel on the rest, instead of the prefill kernel's 128-row tiles for each one-token query. H200,
+# `mixed` under loadtest/run_profile.py: prefill attention 0.837 s off (eeac913) and 0.497 s on (ae1ca49), decode
+# attention 2.956 and 3.135 s, the device busy 13.80 and 13.60 s (two device calls, so not a same-run A/B); its
+# first run after the warm-up took 14.29 s against 13.76 profiled: the split decode kernel's variants compiled
+# inside it. Off until a same-run A/B (loadtest/gpu_session.sh sd, SD_AGAIN=1) and a warm-up that compiles them.
 SPLIT_DECODE_ROWS = os.environ.get("PAGEDSERVE_SPLIT_DECODE_ROWS", "0") == "1"
 
 

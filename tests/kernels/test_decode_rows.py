@@ -13,6 +13,7 @@ import torch
 from kernels.paged_attention import _paged_decode_attention, paged_decode_rows
 from kernels.prefill_attention import _paged_prefill_attention, paged_prefill_attention_ref
 from kernels.prefill_new_kv import _prefill_attention_new_kv
+from loadtest.prefill_bench import new_kv_from_cache
 from tests.kernels.helpers import DEVICE, paged_cache, rel_err, tolerance
 
 HEAD_DIM = 32
@@ -29,12 +30,8 @@ def _step(group: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.T
     q_lens = torch.tensor([q for _, q in ROWS])
     qsl = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).to(DEVICE)
     query = torch.randn(int(q_lens.sum()), NUM_KV_HEADS * group, HEAD_DIM, generator=gen).to(dtype).to(DEVICE)
-    parts = []
-    for i, (c, q) in enumerate(ROWS):
-        pos = torch.arange(c, c + q, device=DEVICE)
-        parts.append(cache[:, tables[i].long()[pos // 16], pos % 16])  # [2, q, Hkv, D]
-    kv = torch.cat(parts, dim=1)
-    return query, kv[0], kv[1], cache, tables, qsl, torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    key, value = new_kv_from_cache(cache, tables, ROWS)
+    return query, key, value, cache, tables, qsl, torch.tensor(lens, dtype=torch.int32, device=DEVICE)
 
 
 def _decode_row_mask(qsl: torch.Tensor) -> torch.Tensor:

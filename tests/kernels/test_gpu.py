@@ -133,6 +133,7 @@ def test_mixed_step_split_real_sizes(gen: torch.Generator) -> None:
     with skip_decode_rows; every row against the prefill reference."""
     from kernels.paged_attention import paged_decode_rows
     from kernels.prefill_new_kv import prefill_attention_new_kv
+    from loadtest.prefill_bench import new_kv_from_cache
 
     lens_rng = torch.randint(1, 4000, (300,), generator=gen).tolist()
     rows = [(n - 1, 1) for n in lens_rng[:150]] + [(1000, 517)] + [(n - 1, 1) for n in lens_rng[150:]] + [(0, 700)]
@@ -142,9 +143,8 @@ def test_mixed_step_split_real_sizes(gen: torch.Generator) -> None:
     qsl = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).cuda()
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     query = torch.randn(int(q_lens.sum()), 32, 128, generator=gen).to(torch.bfloat16).cuda()
-    kv = torch.cat([cache[:, tables[i].long()[torch.arange(c, c + q, device="cuda") // 16],
-                          torch.arange(c, c + q, device="cuda") % 16] for i, (c, q) in enumerate(rows)], dim=1)  # fmt: skip
-    out = prefill_attention_new_kv(query, kv[0], kv[1], cache, tables, qsl, seq_lens, 0.088, skip_decode_rows=True)
+    key, value = new_kv_from_cache(cache, tables, rows)
+    out = prefill_attention_new_kv(query, key, value, cache, tables, qsl, seq_lens, 0.088, skip_decode_rows=True)
     paged_decode_rows(query, cache, tables, seq_lens, qsl, 0.088, None, out)
     ref = paged_prefill_attention_ref(query, cache, tables, qsl, seq_lens, 0.088)
     assert rel_err(out, ref) < 1e-2

@@ -172,7 +172,7 @@ def int4_gemm(
         int4_gemv_launch(
             x, qweight, scales, zeros, group_size, g_idx, out,
             block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, split_reduce=cfg.split_reduce,
-            factored=cfg.factored, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            factored=cfg.factored, num_warps=cfg.num_warps, num_stages=cfg.num_stages, subnormal=cfg.subnormal,
         )  # fmt: skip
     else:
         _launch_dot(x, qweight, scales, zeros, group_size, g_idx, out, cfg)

@@ -156,6 +156,15 @@ def nibble(words, J: tl.constexpr, one_bits):
 
 
 @triton.jit
+def subnormal(words, P: tl.constexpr):
+    """The nibble at bits ``P..P+3`` (``P <= 16``) of every word, masked in place, read as the fp32 subnormal
+    ``code * 2**(P - 149)``: one and per weight, no shift (its activation is scaled by ``2**(64 - P)`` instead,
+    once per activation, :func:`_factored_tile`). Needs the GPU to keep fp32 subnormals, which Triton's
+    multiply-adds do (no ftz); exact, unlike ``nibble``'s ``1 + code / 16``, whose ``1`` cancels later."""
+    return (words & (0xF << P)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _split8(x, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
     """``[BM, R, 8]`` -> its 8 slices ``[BM, R]`` along the last dim (register moves, no data movement)."""
     even, odd = tl.split(tl.reshape(x, (BLOCK_M, ROWS, 4, 2)))  # j = 2 a + b: b = 0 | 1
@@ -171,9 +180,11 @@ def _split8(x, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
 @triton.jit
 def _factored_tile(
     words, x, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, one_bits,
-    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr, SUBNORMAL: tl.constexpr,
 ):  # fmt: skip
     """One tile of group ``g``: ``s (sum_k c_k x_k - z sum_k x_k)`` ``[BM, BN]`` (x fp32 ``[BM, R, 8]``)."""
+    if SUBNORMAL:
+        return _subnormal_tile(words, x, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, BLOCK_M, ROWS, EVEN)
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x, BLOCK_M, ROWS)
     t = nibble(words, 0, one_bits)[None, :, :] * x0[:, :, None]  # [BM, R, BN]: sum_j (1 + c_j / 16) x_j
     t += nibble(words, 1, one_bits)[None, :, :] * x1[:, :, None]
@@ -189,6 +200,38 @@ def _factored_tile(
     # sum_k (c_k - z) x_k = 16 sum t - (16 + z) sum xs; summed over the tile's word rows here, not after
     # the loop: a loop-carried [BM, R, BN] accumulator made Triton spread N one column per thread
     return (16.0 * s)[None, :] * tl.sum(t, axis=1) - (s * (16.0 + z))[None, :] * tl.sum(xs, axis=1)[:, None]
+
+
+# Subnormal nibbles (the ``subnormal`` GEMV): nibble j sits at bit P_j of its word, nibbles 5-7 after one shift by
+# 12 of the word (bits 20-31 to 8-19: a subnormal needs its bits below 23). Its activation is scaled by
+# 2**(64 - P_j), so every product is code * x * 2**-85: normal while |code * x| >= 2**-41, finite while
+# |x| < 2**64 (bf16 activations are far inside both); the sum is scaled back once per tile, by 2**85.
+
+
+@triton.jit
+def _subnormal_tile(
+    words, x, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N,
+    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """:func:`_factored_tile` with :func:`subnormal` codes: ~1.1 integer instructions per weight (an and,
+    and a shift per word for three of them) against ``nibble``'s two."""
+    j = tl.arange(0, 8)
+    p = tl.where(j < 5, 4 * j, 4 * j - 12)  # [8] bit of nibble j in words (j < 5) or in words >> 12
+    x_up = x * ((191 - p) << 23).to(tl.float32, bitcast=True)[None, None, :]  # x_j * 2**(64 - P_j), exact
+    y0, y1, y2, y3, y4, y5, y6, y7 = _split8(x_up, BLOCK_M, ROWS)
+    hi = words >> 12  # arithmetic: the sign copies land in bits 20-31, above every mask below
+    t = subnormal(words, 0)[None, :, :] * y0[:, :, None]  # [BM, R, BN]: sum_j c_j x_j 2**-85
+    t += subnormal(words, 4)[None, :, :] * y1[:, :, None]
+    t += subnormal(words, 8)[None, :, :] * y2[:, :, None]
+    t += subnormal(words, 12)[None, :, :] * y3[:, :, None]
+    t += subnormal(words, 16)[None, :, :] * y4[:, :, None]
+    t += subnormal(hi, 8)[None, :, :] * y5[:, :, None]
+    t += subnormal(hi, 12)[None, :, :] * y6[:, :, None]
+    t += subnormal(hi, 16)[None, :, :] * y7[:, :, None]
+    xs = tl.sum(x, axis=2)  # [BM, R]
+    s = _load(s_ptr + g * stride_sg + offs_n, offs_n < N, EVEN).to(tl.float32)
+    z = _load(z_ptr + g * stride_zg + offs_n, offs_n < N, EVEN).to(tl.float32)
+    return (3.8685626227668134e25 * s)[None, :] * tl.sum(t, axis=1) - (s * z)[None, :] * tl.sum(xs, axis=1)[:, None]
 
 
 @triton.jit
@@ -231,7 +274,7 @@ def _int4_gemv_kernel(
     M, N, K, K_PER_SPLIT, one_bits,
     stride_xm, stride_xk, stride_qk, stride_sg, stride_zg, stride_om,
     GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, FACTORED: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    SUBNORMAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     ROWS: tl.constexpr = BLOCK_K // 8
@@ -255,7 +298,8 @@ def _int4_gemv_kernel(
             x = tl.load(x_ptr + offs_m[:, None, None] * stride_xm + xk[None, :, :] * stride_xk, mask=mask_x, other=0.0)
             g = k0 // GROUP_SIZE
             acc += _factored_tile(
-                words, x.to(tl.float32), s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, one_bits, BLOCK_M, ROWS, EVEN
+                words, x.to(tl.float32), s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, one_bits, BLOCK_M, ROWS, EVEN,
+                SUBNORMAL,
             )  # fmt: skip
         else:
             acc += _exact_tile(
@@ -284,6 +328,7 @@ def int4_gemv_launch(
     factored: bool,
     num_warps: int,
     num_stages: int,
+    subnormal: bool = False,
 ) -> None:
     """Launches the GEMV on inputs ``kernels.int4_gemm.int4_gemm`` has checked; ``factored`` needs each
     ``block_k`` tile inside one group (no g_idx, ``group_size % block_k == 0``) and falls back to exact."""
@@ -300,7 +345,7 @@ def int4_gemv_launch(
         m, n, k, k_per_split, 0x3F800000,
         x.stride(0), x.stride(1), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None, FACTORED=factored and one_group,
-        ONE_GROUP_PER_TILE=one_group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
+        ONE_GROUP_PER_TILE=one_group, SUBNORMAL=subnormal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk, EVEN=n % block_n == 0 and k % block_k == 0,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

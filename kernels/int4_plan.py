@@ -6,6 +6,7 @@ or which ``loadtest.int4_gemm_sweep`` row is to decide it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
@@ -26,11 +27,20 @@ GEMV_MAX_M = 4  # the default kernel is the GEMV up to this many rows (pick_conf
 # table at M = 1..4 (rows "gemv" against "cols ..."): switch once "cols" wins on all four 8B shapes (and
 # GEMV_MAX_M to 8 if it also beats "fused", tl.dot there, at M = 8).
 GEMV_KERNEL: Kernel = "gemv"
+# The factored GEMV's codes as subnormals (kernels.int4_gemv.subnormal: an and per weight) instead of as
+# 1 + code / 16 (a shift and an and-or): unmeasured, decided by loadtest.int4_gemm_sweep's row "gemv sub"
+# against "gemv" at M = 1-4; PAGEDSERVE_INT4_SUBNORMAL=1 turns it on for a same-run A/B of the model
+GEMV_SUBNORMAL = os.environ.get("PAGEDSERVE_INT4_SUBNORMAL", "0") == "1"
 ATOMIC_MAX_M = 64  # the default split-K reduction is "atomic" up to this many rows, "counter" above
 UNPACK_M = (17, 64)  # tl.dot with unpack_in_registers by default only at these M (_pick_dot says why)
 PREFILL_M = 1024  # tl.dot tiles of 256 rows from this M on
 GEMV_LIMIT_M = 16  # the GEMV holds a tile's [M, BLOCK_K / 8, BLOCK_N] fp32 products in registers
 GEMV_PROGRAMS_PER_SM = 4  # GEMV split-K target: enough programs per SM to keep loads in flight
+# The GEMV's (block_n, num_warps, programs per SM) at M = 1 (above: 256, 4, GEMV_PROGRAMS_PER_SM). sm_90 SASS
+# of its loop (subnormal codes): 2 columns per thread 4.53 instructions per weight, 8 columns per thread
+# (256 with 1 warp, 1024 with 4) 3.02 at ~150 registers; the mantissa codes 4.98 and 3.90. Unmeasured:
+# loadtest.int4_gemm_sweep's rows "gemv sub w1 ..." and "gemv sub bn1024 ..." decide it.
+GEMV_M1_TILE = (256, 4, GEMV_PROGRAMS_PER_SM)
 # gemv_cols split-K target (sweep rows "cols pps1/2/4"): fewer, longer programs than the GEMV's, since each
 # split costs a reduction round trip (atomic + arrival counter) at the end of its program
 GEMV_COLS_PROGRAMS_PER_SM = 2
@@ -71,6 +81,8 @@ class Int4GemmConfig:
     # gemv_cols: two nibbles per shift (even ones as 1 + c / 256, a second set of sums; None: by M, see
     # _GEMV_COLS_TILES) instead of one shift per nibble
     paired_nibbles: bool | None = None
+    # gemv (factored): codes read as subnormals (None: GEMV_SUBNORMAL)
+    subnormal: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in (None, *KERNELS):
@@ -110,6 +122,7 @@ class Int4Launch:
     unpack_in_registers: bool
     factored: bool
     paired_nibbles: bool = False  # gemv_cols only
+    subnormal: bool = False  # factored gemv only
 
 
 @lru_cache(maxsize=8)
@@ -227,13 +240,15 @@ def _pick_gemv(
     group_pow2 = group_size & -group_size  # largest power of two dividing the group
     if not has_g_idx and group_pow2 >= PACK:
         bk = min(bk, group_pow2)  # every tile inside one group
-    bn = user.block_n or 256
-    target = (user.programs_per_sm or GEMV_PROGRAMS_PER_SM) * num_sms
+    bn_default, warps, pps = GEMV_M1_TILE if block_m == 1 else (256, 4, GEMV_PROGRAMS_PER_SM)
+    bn = user.block_n or bn_default
+    target = (user.programs_per_sm or pps) * num_sms
     split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), target, 32)
     factored = (user.factored is None or user.factored) and not has_g_idx and group_size % bk == 0
+    subnormal = factored and (GEMV_SUBNORMAL if user.subnormal is None else user.subnormal)
     return Int4Launch(
-        "gemv", block_m, bn, bk, split, _reduce(user, m, split), user.num_warps or 4, user.num_stages or 2,
-        unpack_in_registers=False, factored=factored,
+        "gemv", block_m, bn, bk, split, _reduce(user, m, split), user.num_warps or warps, user.num_stages or 2,
+        unpack_in_registers=False, factored=factored, subnormal=subnormal,
     )  # fmt: skip
 
 

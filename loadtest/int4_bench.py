@@ -60,7 +60,7 @@ from loadtest.int4_gemm_sweep import (  # noqa: E402
     time_fused_variants,
     timer,
 )
-from loadtest.int4_model import GROUP_SIZE, bench_models  # noqa: E402
+from loadtest.int4_model import GEMV_VARIANTS, GROUP_SIZE, bench_models  # noqa: E402
 from loadtest.int4_stats import DEQUANT, FUSED, gemm_summary  # noqa: E402
 
 M_VALUES = (1, 2, 4, 8, 16, 64, 128, 256, 1024, 4096)
@@ -287,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the results here as JSON")
     parser.add_argument("--m", type=int, nargs="+", help=f"GEMM rows to run (default {M_VALUES})")
     parser.add_argument("--skip-dequant", action="store_true", help="time the fused GEMM variants only")
+    parser.add_argument(
+        "--gemv-variants", nargs="+", default=[], choices=sorted(GEMV_VARIANTS),
+        help="also the int4 model with these GEMV defaults (loadtest.int4_model.GEMV_VARIANTS)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
         print("int4_bench needs CUDA (or --tiny on CPU)", file=sys.stderr)

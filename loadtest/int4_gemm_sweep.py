@@ -46,6 +46,7 @@ class Variant:
 
 
 COLS = {"kernel": "gemv_cols"}
+SUB = {"kernel": "gemv", "subnormal": True}
 # the defaults (kernels.int4_plan.pick_config) and the alternatives that came close in the H200 run at 7f8955d
 # or were the defaults before it; where one is the default's launch at an M it is timed once, as an alias.
 # "cols ...": kernels.int4_gemv_cols (unmeasured): its tiles, split-K target, pipeline depth, reduction and
@@ -61,6 +62,16 @@ VARIANTS = [
     Variant("gemv stages3", {"kernel": "gemv", "num_stages": 3}, (1, 2)),
     Variant("gemv pps2", {"kernel": "gemv", "programs_per_sm": 2}, (1, 4)),
     Variant("gemv exact", {"kernel": "gemv", "factored": False}, (1, 1)),  # what g_idx checkpoints run
+    # codes as subnormals (kernels.int4_gemv.subnormal); at M = 1 with 8 columns per thread (int4_plan.GEMV_M1_TILE)
+    Variant("gemv sub", {**SUB}, DECODE),
+    Variant("gemv sub w1", {**SUB, "num_warps": 1}, (1, 1)),
+    Variant("gemv sub w1 pps8", {**SUB, "num_warps": 1, "programs_per_sm": 8}, (1, 1)),
+    Variant("gemv sub w1 pps16", {**SUB, "num_warps": 1, "programs_per_sm": 16}, (1, 1)),
+    Variant("gemv sub bn1024", {**SUB, "block_n": 1024}, (1, 1)),
+    Variant("gemv sub bn1024 pps2", {**SUB, "block_n": 1024, "programs_per_sm": 2}, (1, 1)),
+    Variant("gemv sub bn1024 pps8", {**SUB, "block_n": 1024, "programs_per_sm": 8}, (1, 1)),
+    Variant("gemv sub bn2048 w8", {**SUB, "block_n": 2048, "num_warps": 8}, (1, 1)),
+    Variant("gemv w1 pps8", {"kernel": "gemv", "num_warps": 1, "programs_per_sm": 8}, (1, 1)),  # mantissa codes
     Variant("cols", COLS, (1, 8)),
     Variant("cols tiled", COLS, (1, 8), tiled=True),
     Variant("cols pps1", {**COLS, "programs_per_sm": 1}, (1, 8)),

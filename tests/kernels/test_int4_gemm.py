@@ -101,6 +101,11 @@ CASES = [
     (1, 192, N, 96, True, Cfg(block_k=64, split_k=2)),  # g_idx tile spanning groups
     (2, K, N, 4, False, None),  # groups narrower than a word: exact, scales gathered per feature
     (1, K, 256, 32, False, Cfg(split_k=2)),  # every tile full: the unmasked loads
+    # the GEMV's codes as subnormals
+    (1, K, N, 32, False, Cfg(kernel="gemv", subnormal=True)),
+    (3, 2 * K, 40, K, False, Cfg(kernel="gemv", subnormal=True, split_reduce="counter")),  # channel-wise
+    (2, K, 256, 64, False, Cfg(kernel="gemv", subnormal=True, split_k=2)),  # unmasked loads
+    (2, K, N, 32, True, Cfg(kernel="gemv", subnormal=True)),  # g_idx: exact, subnormal ignored
     # gemv_cols (tiny block_n: several column tiles, an N tail)
     (1, K, N, 32, False, Cfg(kernel="gemv_cols", block_n=32, num_warps=1)),  # split-K picked, atomic
     (2, K, 64, K, False, Cfg(kernel="gemv_cols", block_n=64, split_k=1, num_warps=2)),  # channel-wise, no split
@@ -184,7 +189,7 @@ def _ttgir_sm90(kernel: str, constexprs: dict[str, object], num_warps: int) -> s
 
 
 _GEMV_ATOMIC = {
-    "GROUP_SIZE": 128, "HAS_G_IDX": False, "FACTORED": True, "ONE_GROUP_PER_TILE": True, "BLOCK_M": 4,
+    "GROUP_SIZE": 128, "HAS_G_IDX": False, "FACTORED": True, "ONE_GROUP_PER_TILE": True, "SUBNORMAL": False, "BLOCK_M": 4,
     "BLOCK_N": 256, "BLOCK_K": 32, "NUM_STAGES": 2, "SPLIT_MODE": 2, "SPLIT_CHUNK": 1, "EVEN": True,
 }  # fmt: skip
 _COLS_ATOMIC = {
@@ -304,16 +309,47 @@ def test_atomic_split_at_the_shapes_it_failed(kernel: str, m: int, n: int, k: in
         assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 128)) < tolerance(torch.bfloat16)
 
 
+_SUB_TILES = [
+    Cfg(kernel="gemv", subnormal=True),
+    Cfg(kernel="gemv", subnormal=True, num_warps=1, programs_per_sm=8),
+    Cfg(kernel="gemv", subnormal=True, block_n=1024),
+    Cfg(kernel="gemv", subnormal=True, block_n=2048, num_warps=8),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("config", _SUB_TILES, ids=["sub", "sub-w1", "sub-bn1024", "sub-bn2048-w8"])
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize("x_scale", [1.0, 1e3, 1e-6])
+def test_subnormal_codes_at_the_8b_shapes(
+    n: int, k: int, m: int, config: Int4GemmConfig, x_scale: float, gen: torch.Generator
+) -> None:
+    """The GEMV reading its codes as fp32 subnormals equals the reference on the GPU (which must keep
+    subnormals: flushed, every nibble but the top three would read as zero), for activations far from 1."""
+    _, qweight, scales, zeros, _ = _weights(k, n, 128, False, torch.bfloat16, gen)
+    qweight, scales, zeros = qweight.cuda(), scales.cuda(), zeros.cuda()
+    x = (torch.randn(m, k, generator=gen) * x_scale).to(torch.bfloat16).cuda()
+    out = int4_gemm(x, qweight, scales, zeros, 128, config=config)
+    ref = int4_gemm_ref(x, qweight, scales, zeros, 128)
+    assert rel_err(out, ref) < tolerance(torch.bfloat16)
+    assert rel_err(out, int4_gemm(x, qweight, scales, zeros, 128, config=Cfg(kernel="gemv", subnormal=False))) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("split_reduce", [None, "counter"])
 @pytest.mark.parametrize("m", [1, 4, 16])
-def test_real_size_replayed_from_a_cuda_graph(m: int, split_reduce: str | None, gen: torch.Generator) -> None:
+@pytest.mark.parametrize("subnormal", [False, True])
+def test_real_size_replayed_from_a_cuda_graph(
+    m: int, split_reduce: str | None, subnormal: bool, gen: torch.Generator
+) -> None:
     """8B down_proj (K = 14336, split-K) captured in a CUDA graph after one eager call and replayed with new
     activations: the in-kernel reductions must hand their counters back zeroed for every replay."""
     _, qweight, scales, zeros, _ = _weights(14336, 4096, 128, False, torch.bfloat16, gen)
     qweight, scales, zeros = qweight.cuda(), scales.cuda(), zeros.cuda()
-    cfg = Int4GemmConfig(split_reduce=split_reduce)  # type: ignore[arg-type]
+    cfg = Int4GemmConfig(split_reduce=split_reduce, subnormal=subnormal)  # type: ignore[arg-type]
     x = torch.zeros(m, 14336, dtype=torch.bfloat16, device="cuda")
     int4_gemm(x, qweight, scales, zeros, 128, config=cfg)  # compiles, grows the shared scratch
     graph = torch.cuda.CUDAGraph()

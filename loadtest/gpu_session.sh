@@ -42,6 +42,7 @@
 #   stage sd (~7 min): the kernels' and engine's GPU tests with a mixed step's decode rows through the decode
 #                     kernel (PAGEDSERVE_SPLIT_DECODE_ROWS=1), then `mixed` by kernel category with and without it
 #                     (run_profile, which warms up first; SD_AGAIN=1: each twice, alternating)
+#   stage sa (~6 min): `mixed` unprofiled, a mixed step's decode rows split or not (1 0 1 0 1), one process each
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -49,7 +50,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, m, f, sd, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, m, f, sd, sa, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -134,6 +135,17 @@ elif [ "$stage" = sd ]; then
     PAGEDSERVE_SPLIT_DECODE_ROWS=$split python -m loadtest.run_profile --shape 8b --workload mixed \
       --max-model-len 4096 --max-num-seqs 512 --out "$out/run_profile-split$split-$RANDOM.json" 2>&1 \
       | grep '^{' | sed "s/^/split=$split /"
+  done
+elif [ "$stage" = sa ]; then
+  run=0
+  for split in 1 0 1 0 1; do  # the first run compiles the split's variants (Triton's disk cache keeps them)
+    run=$((run + 1))
+    PAGEDSERVE_SPLIT_DECODE_ROWS=$split python -m loadtest.throughput throughput --workload mixed --shape 8b \
+      --max-model-len 4096 --max-num-seqs 512 --commit "$commit" --out "$out/mixed-split$split-$run.json" \
+      > "$out/mixed-split$split-$run.txt" 2>&1 || echo "mixed split=$split FAILED"
+    python -c "import json,sys; r=json.load(open(sys.argv[1])); m=r.get('mixed', r); print('split', sys.argv[2], \
+      'run', sys.argv[3], m['elapsed_s'], 's', m['output_tok_s'], 'output tok/s', m['total_tok_s'], 'total tok/s')" \
+      "$out/mixed-split$split-$run.json" "$split" "$run" || tail -5 "$out/mixed-split$split-$run.txt"
   done
 elif [ "$stage" = 5 ]; then
   if [ -n "${NEW_KV_TESTS:-}" ]; then

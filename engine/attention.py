@@ -36,7 +36,9 @@ if PREFILL_KERNEL not in ("paged", "new_kv"):
 # `mixed` under loadtest/run_profile.py: prefill attention 0.837 s off (eeac913) and 0.497 s on (ae1ca49), decode
 # attention 2.956 and 3.135 s, the device busy 13.80 and 13.60 s (two device calls, so not a same-run A/B); its
 # first run after the warm-up took 14.29 s against 13.76 profiled: the split decode kernel's variants compiled
-# inside it. Off until a same-run A/B (loadtest/gpu_session.sh sd, SD_AGAIN=1) and a warm-up that compiles them.
+# inside it. The same-run A/B (gpu_session.sh sa, b57ed6b, one process a run): warm, 14.072 / 14.006 s on against
+# 14.118 / 14.121 s off (0.3-0.8 %), the first run with it 16.686 s (its compiles). Off: too small a gain for
+# the compiles a server's first mixed steps would pay without a warm-up over every decode-row plan.
 SPLIT_DECODE_ROWS = os.environ.get("PAGEDSERVE_SPLIT_DECODE_ROWS", "0") == "1"
 
 

@@ -19,15 +19,23 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """``silu(gate) * up`` of two tiles of x's dtype in fp32, rounded to x's dtype after the silu and again
+    after the product: the two roundings of the torch reference. The one copy of this arithmetic: the
+    GEMVs that apply the activation as they load x (``kernels.gemv``, ``kernels.int4_gemv``) call it too."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + INTER + cols, mask=mask, other=0.0)
-    # silu rounded to the input dtype first, then the product: the two roundings of the torch reference
-    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, silu_mul(gate, up), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import HAS_TRITON, next_pow2, require_triton, tl, triton
-from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.activation import silu_and_mul, silu_and_mul_ref, silu_mul
 from kernels.decode_plan import num_sms
 from kernels.gemv_launch import check_gemv_inputs, zeroed_buffer
 from kernels.gemv_launch import scratch_is_zero as scratch_is_zero  # re-exported: tests and the benchmark check it
@@ -82,7 +82,8 @@ USE_PDL = False
 # activation launch before it. H200 (2026-12-03): the 8B down shape in a CUDA graph, M = 1 29.64 us against 30.11 for
 # the activation + GEMV (28.86 the GEMV alone: each program recomputes the activation of its K range), M = 8 32.70
 # against 33.17; the 8B shape's batch-1 TPOT, alternating in one device call (gpu_session.sh f, eeac913), 4.305 /
-# 4.307 ms against 4.429 / 4.428 without, more than the kernel alone saves. PAGEDSERVE_GEMV_GATED=0 turns it off.
+# 4.307 ms against 4.429 / 4.428 without, more than the kernel alone saves. PAGEDSERVE_GEMV_GATED=0 turns it off,
+# and the int4 down projection's gated GEMV too (engine.quantization.int4_linear; not yet timed on the H200).
 GEMV_GATED = os.environ.get("PAGEDSERVE_GEMV_GATED", "1") != "0"
 # Split-K (sweep rows "dot split1/2/4"): none when N alone gives SPLIT_MIN_FILL programs per SM, else doubling
 # until there is one per SM. Three H200 runs, dot kernel (64 columns a tile) at M = 2-8: qkv (96 tiles) was
@@ -210,10 +211,7 @@ def _load_x(x_ptrs, mask, K, GATED: tl.constexpr):
     x's dtype twice as ``silu_and_mul_ref`` (the silu, then the product)."""
     x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
     if GATED:
-        up = tl.load(x_ptrs + K, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        gate = x.to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
-        x = (act * up).to(x.dtype)
+        x = silu_mul(x, tl.load(x_ptrs + K, mask=mask, other=0.0, eviction_policy="evict_last"))
     return x
 
 

@@ -4,7 +4,8 @@ The weight layout (``qweight`` int32 ``[K // 8, N]``, ``scales``/``zeros`` ``[nu
 ``g_idx``) and its dequantization are ``kernels.int4_dequant``'s; so is the large-M path (dequantize once,
 then cuBLAS), which the linear layer takes from ``DEQUANT_MIN_M`` rows on. This module is the fused GEMM:
 the GEMVs (``kernels.int4_gemv``, ``kernels.int4_gemv_cols``) for a few rows and the tl.dot path below;
-``kernels.int4_plan`` picks the kernel and its launch for a shape.
+``kernels.int4_plan`` picks the kernel and its launch for a shape. ``int4_gemm_gated`` is the MLP's down
+projection of gate_up's output ``x2 [M, 2K]``: the GEMV applies ``silu_and_mul`` as it loads x.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import check_float, require_triton, tl, triton
+from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.int4_dequant import PACK, check_int4_weights, codes_tile, dequantize_int4
 from kernels.int4_gemv import finish_tile, int4_gemv_launch, split_target
 from kernels.int4_gemv_cols import int4_gemv_cols_launch
@@ -33,6 +35,18 @@ def int4_gemm_ref(
     dequantized weight computes (HF transformers' compressed-tensors load does exactly that)."""
     w = dequantize_int4(qweight, scales, zeros, group_size, g_idx)
     return F.linear(x, w.to(x.dtype))
+
+
+def int4_gemm_gated_ref(
+    x2: torch.Tensor,  # [M, 2K]: gate | up
+    qweight: torch.Tensor,  # [K // 8, N] int32
+    scales: torch.Tensor,  # [num_groups, N]
+    zeros: torch.Tensor,  # [num_groups, N] uint8
+    group_size: int,
+    g_idx: torch.Tensor | None = None,  # [K] int32
+) -> torch.Tensor:
+    """``int4_gemm_ref(silu_and_mul_ref(x2), ...)``: the activation rounded to x2's dtype, then the GEMM."""
+    return int4_gemm_ref(silu_and_mul_ref(x2), qweight, scales, zeros, group_size, g_idx)
 
 
 # ---- Triton: the tl.dot path (M above the GEMV's; the GEMV is kernels.int4_gemv) ----
@@ -152,16 +166,11 @@ def int4_gemm(
     ``qweight`` (3-D) runs gemv_cols with its tile width, whatever ``config.kernel`` says."""
     require_triton("int4_gemm")
     _check_inputs(x, qweight, scales, zeros, group_size, g_idx)
-    m, k = x.shape
-    n = scales.shape[1]
+    m, n = x.shape[0], scales.shape[1]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    device_index = x.device.index if x.device.type == "cuda" and x.device.index is not None else 0
-    user = config or Int4GemmConfig()
-    if qweight.dim() == 3:
-        user = replace(user, kernel="gemv_cols", block_n=qweight.shape[2])
-    cfg = pick_config(m, n, k, group_size, num_sms(device_index), user, g_idx is not None)
+    cfg = _pick(x, qweight, scales, group_size, g_idx, config)
     if cfg.kernel == "gemv_cols":
         int4_gemv_cols_launch(
             x, qweight, scales, zeros, group_size, out,
@@ -169,14 +178,79 @@ def int4_gemm(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, paired=cfg.paired_nibbles,
         )  # fmt: skip
     elif cfg.kernel == "gemv":
-        int4_gemv_launch(
-            x, qweight, scales, zeros, group_size, g_idx, out,
-            block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, split_reduce=cfg.split_reduce,
-            factored=cfg.factored, num_warps=cfg.num_warps, num_stages=cfg.num_stages, subnormal=cfg.subnormal,
-        )  # fmt: skip
+        _launch_gemv(x, qweight, scales, zeros, group_size, g_idx, out, cfg, gated=False)
     else:
         _launch_dot(x, qweight, scales, zeros, group_size, g_idx, out, cfg)
     return out
+
+
+def int4_gemm_gated(
+    x2: torch.Tensor,  # [M, 2K]: gate | up, as the MLP's gate_up projection writes them
+    qweight: torch.Tensor,  # [K // 8, N] int32, or a tiled [tiles, K // 8, block_n] (gemv_cols: not gated)
+    scales: torch.Tensor,  # [num_groups, N]
+    zeros: torch.Tensor,  # [num_groups, N] uint8
+    group_size: int,
+    g_idx: torch.Tensor | None = None,  # [K] int32
+    config: Int4GemmConfig | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`int4_gemm_gated_ref`: ``int4_gemm(silu_and_mul(x2), ...)``. Where the launch
+    is the GEMV its programs compute the activation of the x they load (so the ``[M, K]`` activation is never
+    written); another kernel (tl.dot, gemv_cols) gets the activation from its own launch first."""
+    require_triton("int4_gemm_gated")
+    check_float("x2", x2)
+    if qweight.dim() not in (2, 3):
+        raise ValueError(f"qweight must be int32 [K // {PACK}, N] (or tiled, 3-D), got {tuple(qweight.shape)}")
+    k = qweight.shape[-2] * PACK
+    if x2.dim() != 2 or x2.shape[1] != 2 * k:
+        raise ValueError(f"x2 must be [M, 2K] = [M, {2 * k}] (gate | up) for qweight's K={k}, got {tuple(x2.shape)}")
+    gate = x2[:, :k]  # [M, K]: what the checks and the launch choice see
+    _check_inputs(gate, qweight, scales, zeros, group_size, g_idx)
+    m, n = x2.shape[0], scales.shape[1]
+    cfg = _pick(gate, qweight, scales, group_size, g_idx, config) if m and n else None
+    if cfg is not None and cfg.kernel != "gemv":
+        # the Triton activation needs unit stride along K (the reference takes any)
+        act = silu_and_mul(x2) if x2.is_cuda and x2.stride(1) == 1 else silu_and_mul_ref(x2)
+        return int4_gemm(act, qweight, scales, zeros, group_size, g_idx, config)
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    if cfg is not None:
+        _launch_gemv(x2, qweight, scales, zeros, group_size, g_idx, out, cfg, gated=True)
+    return out
+
+
+def _pick(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    g_idx: torch.Tensor | None,
+    config: Int4GemmConfig | None,
+) -> Int4Launch:
+    """``pick_config`` for ``x [M, K]`` (M, N >= 1) on x's device; a tiled (3-D) qweight forces gemv_cols."""
+    device_index = x.device.index if x.device.type == "cuda" and x.device.index is not None else 0
+    user = config or Int4GemmConfig()
+    if qweight.dim() == 3:
+        user = replace(user, kernel="gemv_cols", block_n=qweight.shape[2])
+    m, k = x.shape
+    return pick_config(m, scales.shape[1], k, group_size, num_sms(device_index), user, g_idx is not None)
+
+
+def _launch_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    g_idx: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: Int4Launch,
+    gated: bool,
+) -> None:
+    int4_gemv_launch(
+        x, qweight, scales, zeros, group_size, g_idx, out,
+        block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, split_reduce=cfg.split_reduce,
+        factored=cfg.factored, num_warps=cfg.num_warps, num_stages=cfg.num_stages, subnormal=cfg.subnormal,
+        gated=gated,
+    )  # fmt: skip
 
 
 def _launch_dot(

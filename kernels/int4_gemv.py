@@ -26,6 +26,10 @@ Split-K (``SPLIT_MODE``) when N alone does not give every SM enough programs, re
   and zeroes the accumulator again; no ``[split, M, N]`` traffic, but the summation order (so the last bits
   of the result) varies from run to run.
 
+Gated (``GATED``, ``kernels.int4_gemm.int4_gemm_gated``): x points at the MLP's gate_up output ``x2 [M, 2K]`` and
+every load of x loads gate and up and takes ``silu(gate) * up`` rounded as ``silu_and_mul_ref``, so the down
+projection needs no activation launch; the GEMV arithmetic after the load is unchanged.
+
 The counters (and the atomic accumulator) are left at zero by every launch, so one zeroed buffer per device
 serves every GEMM, eager or replayed from a CUDA graph; kernels that use them must not overlap on two
 streams of one device.
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton import next_pow2, tl, triton
+from kernels.activation import silu_mul
 
 SPLIT_MODES = {"none": 0, "counter": 1, "atomic": 2}
 SPLIT_CHUNK_ELEMS = 4096  # fp32 partials the last program of a tile loads at once: [chunk, BM, BN]
@@ -147,6 +152,16 @@ def _load(ptrs, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _load_x(ptrs, mask, up_offset, GATED: tl.constexpr):
+    """x at ``ptrs``, zeros outside ``mask``. GATED: ``silu(gate) * up`` (``kernels.activation.silu_mul``) of the
+    gate at ``ptrs`` and the up ``up_offset`` elements on; zeros outside ``mask`` still (silu(0) * 0)."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if GATED:
+        x = silu_mul(x, tl.load(ptrs + up_offset, mask=mask, other=0.0))
+    return x
+
+
+@triton.jit
 def nibble(words, J: tl.constexpr, one_bits):
     """Nibble ``J`` of every word as the fp32 ``1 + code / 16``: the code moved to bits 19..22 (the top of
     the mantissa) and or-ed with ``one_bits`` (1.0's bits), instead of an int->float conversion. The bits
@@ -237,8 +252,8 @@ def _subnormal_tile(
 @triton.jit
 def _exact_tile(
     words, x_ptr, s_ptr, z_ptr, g_ptr, k0, k_end, offs_m, offs_n, M, N,
-    stride_xm, stride_xk, stride_sg, stride_zg,
-    GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
+    stride_xm, stride_xk, stride_sg, stride_zg, up_offset,
+    GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """One tile's ``sum_k w_k x_k`` ``[BM, BN]``, every weight dequantized and rounded as the reference does."""
     ROWS: tl.constexpr = words.shape[0]
@@ -252,9 +267,9 @@ def _exact_tile(
     for j in tl.static_range(8):
         k = k0 + 8 * offs_i + j  # [R]: the input feature of nibble j of each word row
         mask_k = k < k_end
-        xj = tl.load(
+        xj = _load_x(
             x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
-            mask=(offs_m < M)[:, None] & mask_k[None, :], other=0.0,
+            (offs_m < M)[:, None] & mask_k[None, :], up_offset, GATED,
         )  # [BM, R]  # fmt: skip
         if not ONE_GROUP_PER_TILE:
             g = tl.load(g_ptr + k, mask=mask_k, other=0) if HAS_G_IDX else k // GROUP_SIZE
@@ -275,7 +290,7 @@ def _int4_gemv_kernel(
     stride_xm, stride_xk, stride_qk, stride_sg, stride_zg, stride_om,
     GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, FACTORED: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
     SUBNORMAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, EVEN: tl.constexpr,
+    SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     ROWS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
@@ -286,6 +301,7 @@ def _int4_gemv_kernel(
     mask_n = offs_n < N
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    up_offset = K * stride_xk  # GATED: x is x2 [M, 2K], the up half K columns after the gate
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # a dot-free loop is software-pipelined only when the loop itself carries num_stages
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
@@ -295,7 +311,8 @@ def _int4_gemv_kernel(
         if FACTORED:
             xk = k0 + 8 * offs_i[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
             mask_x = (offs_m < M)[:, None, None] & ((xk < k_end)[None, :, :] | EVEN)  # rows past M: always
-            x = tl.load(x_ptr + offs_m[:, None, None] * stride_xm + xk[None, :, :] * stride_xk, mask=mask_x, other=0.0)
+            x_ptrs = x_ptr + offs_m[:, None, None] * stride_xm + xk[None, :, :] * stride_xk  # [BM, R, 8]
+            x = _load_x(x_ptrs, mask_x, up_offset, GATED)
             g = k0 // GROUP_SIZE
             acc += _factored_tile(
                 words, x.to(tl.float32), s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, one_bits, BLOCK_M, ROWS, EVEN,
@@ -304,7 +321,7 @@ def _int4_gemv_kernel(
         else:
             acc += _exact_tile(
                 words, x_ptr, s_ptr, z_ptr, g_ptr, k0, k_end, offs_m, offs_n, M, N,
-                stride_xm, stride_xk, stride_sg, stride_zg, GROUP_SIZE, HAS_G_IDX, ONE_GROUP_PER_TILE,
+                stride_xm, stride_xk, stride_sg, stride_zg, up_offset, GROUP_SIZE, HAS_G_IDX, ONE_GROUP_PER_TILE, GATED,
             )  # fmt: skip
     finish_tile(
         acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k, tl.num_programs(1),
@@ -313,7 +330,7 @@ def _int4_gemv_kernel(
 
 
 def int4_gemv_launch(
-    x: torch.Tensor,  # [M, K]
+    x: torch.Tensor,  # [M, K], or [M, 2K] (gate | up) when gated
     qweight: torch.Tensor,  # [K // 8, N] int32, contiguous along N
     scales: torch.Tensor,  # [num_groups, N], contiguous along N
     zeros: torch.Tensor,  # [num_groups, N] uint8, contiguous along N
@@ -329,10 +346,12 @@ def int4_gemv_launch(
     num_warps: int,
     num_stages: int,
     subnormal: bool = False,
+    gated: bool = False,
 ) -> None:
-    """Launches the GEMV on inputs ``kernels.int4_gemm.int4_gemm`` has checked; ``factored`` needs each
-    ``block_k`` tile inside one group (no g_idx, ``group_size % block_k == 0``) and falls back to exact."""
-    m, k = x.shape
+    """Launches the GEMV on inputs ``kernels.int4_gemm.int4_gemm`` (``int4_gemm_gated``) has checked;
+    ``factored`` needs each ``block_k`` tile inside one group (no g_idx, ``group_size % block_k == 0``) and
+    falls back to exact. ``gated``: the GEMV of ``silu_and_mul(x)``, K is half of x's columns."""
+    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = qweight.shape[1]
     block_m = next_pow2(m)
     k_per_split = -(-k // (split_k * block_k)) * block_k  # whole tiles per split
@@ -346,6 +365,6 @@ def int4_gemv_launch(
         x.stride(0), x.stride(1), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None, FACTORED=factored and one_group,
         ONE_GROUP_PER_TILE=one_group, SUBNORMAL=subnormal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk, EVEN=n % block_n == 0 and k % block_k == 0,
+        SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk, EVEN=n % block_n == 0 and k % block_k == 0, GATED=gated,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -28,19 +28,22 @@ GEMV_MAX_M = 4  # the default kernel is the GEMV up to this many rows (pick_conf
 # GEMV_MAX_M to 8 if it also beats "fused", tl.dot there, at M = 8).
 GEMV_KERNEL: Kernel = "gemv"
 # The factored GEMV's codes as subnormals (kernels.int4_gemv.subnormal: an and per weight) instead of as
-# 1 + code / 16 (a shift and an and-or): unmeasured, decided by loadtest.int4_gemm_sweep's row "gemv sub"
-# against "gemv" at M = 1-4; PAGEDSERVE_INT4_SUBNORMAL=1 turns it on for a same-run A/B of the model
+# 1 + code / 16 (a shift and an and-or) everywhere, not only on wide layers (GEMV_WIDE_N): H200 at 5da38c4,
+# M = 1, sweep row "gemv sub" against "gemv": qkv 9.5 vs 8.9 us, o 7.6 vs 7.3, down 16.5 vs 16.5, gate_up 28.0
+# vs 28.7; the int4 model 2.720 vs 2.712 ms. PAGEDSERVE_INT4_SUBNORMAL=1 turns it on (for a same-run A/B).
 GEMV_SUBNORMAL = os.environ.get("PAGEDSERVE_INT4_SUBNORMAL", "0") == "1"
 ATOMIC_MAX_M = 64  # the default split-K reduction is "atomic" up to this many rows, "counter" above
 UNPACK_M = (17, 64)  # tl.dot with unpack_in_registers by default only at these M (_pick_dot says why)
 PREFILL_M = 1024  # tl.dot tiles of 256 rows from this M on
 GEMV_LIMIT_M = 16  # the GEMV holds a tile's [M, BLOCK_K / 8, BLOCK_N] fp32 products in registers
 GEMV_PROGRAMS_PER_SM = 4  # GEMV split-K target: enough programs per SM to keep loads in flight
-# The GEMV's (block_n, num_warps, programs per SM) at M = 1 (above: 256, 4, GEMV_PROGRAMS_PER_SM). sm_90 SASS
-# of its loop (subnormal codes): 2 columns per thread 4.53 instructions per weight, 8 columns per thread
-# (256 with 1 warp, 1024 with 4) 3.02 at ~150 registers; the mantissa codes 4.98 and 3.90. Unmeasured:
-# loadtest.int4_gemm_sweep's rows "gemv sub w1 ..." and "gemv sub bn1024 ..." decide it.
-GEMV_M1_TILE = (256, 4, GEMV_PROGRAMS_PER_SM)
+# The GEMV at M = 1 on wide layers (at least GEMV_WIDE_N columns: the 8B gate_up's 28672): codes as subnormals
+# and GEMV_WIDE_TILE = (block_n, num_warps, programs per SM), 8 columns per thread instead of 2 (sm_90 SASS of the
+# loop: 3.02 instructions per weight against 4.98). H200 at 5da38c4 (int4_bench --m 1, sweep row "gemv sub w1
+# pps16"): gate_up 23.5 us against the default's 28.7 (0.62 against 0.50 of the copy bandwidth); on qkv, o and
+# down (N <= 6144) that tile lost 0.3-0.7 us to the default and subnormal codes alone lost 0-0.6 us.
+GEMV_WIDE_N = 16384
+GEMV_WIDE_TILE = (256, 1, 16)
 # gemv_cols split-K target (sweep rows "cols pps1/2/4"): fewer, longer programs than the GEMV's, since each
 # split costs a reduction round trip (atomic + arrival counter) at the end of its program
 GEMV_COLS_PROGRAMS_PER_SM = 2
@@ -240,12 +243,13 @@ def _pick_gemv(
     group_pow2 = group_size & -group_size  # largest power of two dividing the group
     if not has_g_idx and group_pow2 >= PACK:
         bk = min(bk, group_pow2)  # every tile inside one group
-    bn_default, warps, pps = GEMV_M1_TILE if block_m == 1 else (256, 4, GEMV_PROGRAMS_PER_SM)
+    wide = block_m == 1 and n >= GEMV_WIDE_N
+    bn_default, warps, pps = GEMV_WIDE_TILE if wide else (256, 4, GEMV_PROGRAMS_PER_SM)
     bn = user.block_n or bn_default
     target = (user.programs_per_sm or pps) * num_sms
     split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), target, 32)
     factored = (user.factored is None or user.factored) and not has_g_idx and group_size % bk == 0
-    subnormal = factored and (GEMV_SUBNORMAL if user.subnormal is None else user.subnormal)
+    subnormal = factored and ((GEMV_SUBNORMAL or wide) if user.subnormal is None else user.subnormal)
     return Int4Launch(
         "gemv", block_m, bn, bk, split, _reduce(user, m, split), user.num_warps or warps, user.num_stages or 2,
         unpack_in_registers=False, factored=factored, subnormal=subnormal,

@@ -53,7 +53,7 @@ SUB = {"kernel": "gemv", "subnormal": True}
 # weight layout, each changed alone from its default
 VARIANTS = [
     Variant(FUSED),  # int4_gemm's default launch at M
-    Variant("gemv", {"kernel": "gemv"}, DECODE),
+    Variant("gemv", {"kernel": "gemv"}, DECODE),  # on wide layers at M = 1: the "gemv sub w1 pps16" tile
     Variant("gemv counter", {"kernel": "gemv", "split_reduce": "counter"}, (1, 8)),
     Variant("gemv atomic", {"kernel": "gemv", "split_reduce": "atomic"}, (1, 8)),
     Variant("gemv bn128", {"kernel": "gemv", "block_n": 128}, (1, 8)),
@@ -62,16 +62,20 @@ VARIANTS = [
     Variant("gemv stages3", {"kernel": "gemv", "num_stages": 3}, (1, 2)),
     Variant("gemv pps2", {"kernel": "gemv", "programs_per_sm": 2}, (1, 4)),
     Variant("gemv exact", {"kernel": "gemv", "factored": False}, (1, 1)),  # what g_idx checkpoints run
-    # codes as subnormals (kernels.int4_gemv.subnormal); at M = 1 with 8 columns per thread (int4_plan.GEMV_M1_TILE)
+    # codes as subnormals (kernels.int4_gemv.subnormal); at M = 1 on wide layers 8 columns per thread and 16 programs
+    # per SM (int4_plan.GEMV_WIDE_TILE). Removed after the H200 run at 5da38c4, where they won no shape: w1 with 4
+    # and 8 programs per SM, bn1024 with 2 and 8, bn2048 with 8 warps, w1 pps8 with mantissa codes
     Variant("gemv sub", {**SUB}, DECODE),
-    Variant("gemv sub w1", {**SUB, "num_warps": 1}, (1, 1)),
-    Variant("gemv sub w1 pps8", {**SUB, "num_warps": 1, "programs_per_sm": 8}, (1, 1)),
     Variant("gemv sub w1 pps16", {**SUB, "num_warps": 1, "programs_per_sm": 16}, (1, 1)),
-    Variant("gemv sub bn1024", {**SUB, "block_n": 1024}, (1, 1)),
-    Variant("gemv sub bn1024 pps2", {**SUB, "block_n": 1024, "programs_per_sm": 2}, (1, 1)),
-    Variant("gemv sub bn1024 pps8", {**SUB, "block_n": 1024, "programs_per_sm": 8}, (1, 1)),
-    Variant("gemv sub bn2048 w8", {**SUB, "block_n": 2048, "num_warps": 8}, (1, 1)),
-    Variant("gemv w1 pps8", {"kernel": "gemv", "num_warps": 1, "programs_per_sm": 8}, (1, 1)),  # mantissa codes
+    Variant(
+        "gemv mantissa w1 pps16", {"kernel": "gemv", "subnormal": False, "num_warps": 1, "programs_per_sm": 16}, (1, 1)
+    ),
+    Variant("gemv sub bn1024", {**SUB, "block_n": 1024}, (1, 1)),  # second on gate_up (25.2 us)
+    Variant(
+        "gemv narrow",
+        {"kernel": "gemv", "subnormal": False, "block_n": 256, "num_warps": 4, "programs_per_sm": 4},
+        (1, 1),
+    ),
     Variant("cols", COLS, (1, 8)),
     Variant("cols tiled", COLS, (1, 8), tiled=True),
     Variant("cols pps1", {**COLS, "programs_per_sm": 1}, (1, 8)),

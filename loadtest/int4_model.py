@@ -93,27 +93,27 @@ def add_floors(results: dict[str, Any], copy_tb_s: float | None) -> None:
     )
 
 
-# The int4 model again with other GEMV defaults (``--gemv-variants``): kernels.int4_plan constants set for the
+# The int4 model again with other defaults (``--gemv-variants``): module constants ("module:NAME") set for the
 # engine's life, so its CUDA graphs capture them; the same process and copy bandwidth as the default's run.
 GEMV_VARIANTS: dict[str, dict[str, Any]] = {
-    "sub": {"GEMV_SUBNORMAL": True},
-    "sub_w1_pps8": {"GEMV_SUBNORMAL": True, "GEMV_M1_TILE": (256, 1, 8)},
-    "sub_w1_pps16": {"GEMV_SUBNORMAL": True, "GEMV_M1_TILE": (256, 1, 16)},
-    "sub_bn1024": {"GEMV_SUBNORMAL": True, "GEMV_M1_TILE": (1024, 4, 4)},
+    "sub": {"kernels.int4_plan:GEMV_SUBNORMAL": True},  # subnormal codes on every layer
+    "narrow": {"kernels.int4_plan:GEMV_WIDE_N": 1 << 30},  # no wide-layer tile: the default before 2026-12-03
+    "ungated": {"kernels.gemv:GEMV_GATED": False},  # the activation, then the down projection's GEMV
 }
 
 
 def _bench_int4_variant(args: argparse.Namespace, device: torch.device, name: str) -> dict[str, Any]:
-    from kernels import int4_plan
+    import importlib
 
-    saved = {attr: getattr(int4_plan, attr) for attr in GEMV_VARIANTS[name]}
+    targets = {key: (importlib.import_module(key.split(":")[0]), key.split(":")[1]) for key in GEMV_VARIANTS[name]}
+    saved = {key: getattr(module, attr) for key, (module, attr) in targets.items()}
     try:
-        for attr, value in GEMV_VARIANTS[name].items():
-            setattr(int4_plan, attr, value)
+        for key, (module, attr) in targets.items():
+            setattr(module, attr, GEMV_VARIANTS[name][key])
         return bench_model(args, device, quantized=True)
     finally:
-        for attr, value in saved.items():
-            setattr(int4_plan, attr, value)
+        for key, (module, attr) in targets.items():
+            setattr(module, attr, saved[key])
 
 
 def bench_models(args: argparse.Namespace, device: torch.device, results: dict[str, Any]) -> None:

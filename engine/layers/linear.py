@@ -10,7 +10,7 @@ that slice and the matmul. Biases stay dense.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -29,6 +29,16 @@ class QuantMethod(Protocol):
     def load(self, layer: Any, param: nn.Parameter, source: WeightSource, sl: LinearSlice) -> None: ...
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class GatedQuantMethod(QuantMethod, Protocol):
+    """A ``QuantMethod`` whose matmul can take the gated MLP's ``x2 = gate | up`` and its activation itself
+    (``apply(layer, act(x2))``, possibly without the activation launch)."""
+
+    def apply_gated(
+        self, layer: Any, x2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor: ...
 
 
 def _new_param(*shape: int) -> nn.Parameter:
@@ -202,6 +212,8 @@ class RowParallelLinear(_ParallelLinear):
         self.input_size_per_rank = divide(input_size, parallel.world_size, "input features")
         self.output_size = output_size
         super().__init__(self.input_size_per_rank, output_size, bias, parallel, quant, is_row_parallel=True)
+        # decided once: a runtime-checkable isinstance costs microseconds, forward_gated runs per layer and step
+        self.gated_quant = quant if isinstance(quant, GatedQuantMethod) else None
 
     def slice_for(self, shard_id: Any) -> LinearSlice:
         size = self.input_size_per_rank
@@ -217,9 +229,13 @@ class RowParallelLinear(_ParallelLinear):
     def forward_gated(self, x2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``forward(act(x2))`` for the gated MLP's down projection (``act``: silu_and_mul of ``x2 = gate | up``).
         Dense weights: ``kernels.gemv.linear_gated``, whose GEMV applies the activation as it loads x (no
-        activation launch at batch 1); 4-bit weights: the activation, then their matmul."""
-        if self.quant is not None:
+        activation launch at batch 1); 4-bit weights: their ``apply_gated`` (the int4 GEMV does the same),
+        or the activation, then their matmul, for a method without one."""
+        if self.gated_quant is not None:
+            y = self.parallel.all_reduce(self.gated_quant.apply_gated(self, x2, act))
+        elif self.quant is not None:
             return self.forward(act(x2))
-        assert self.weight is not None
-        y = self.parallel.all_reduce(dense_linear_gated(x2, self.weight))
+        else:
+            assert self.weight is not None
+            y = self.parallel.all_reduce(dense_linear_gated(x2, self.weight))
         return y if self.bias is None else y + self.bias

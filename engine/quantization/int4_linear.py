@@ -1,7 +1,10 @@
 """The 4-bit weights of one linear layer: which parameters it holds, how a rank's slice of each checkpoint
 tensor lands in them, and the GEMM (Triton on CUDA, the torch reference elsewhere). On CUDA, steps of fewer
 than ``DEQUANT_MIN_M`` tokens run the fused int4 GEMM; larger ones dequantize the layer's weight into one
-scratch buffer shared by all layers and call cuBLAS (``kernels.int4_dequant`` says why)."""
+scratch buffer shared by all layers and call cuBLAS (``kernels.int4_dequant`` says why). The MLP's down
+projection takes gate_up's output itself (``apply_gated``): below ``DEQUANT_MIN_M`` tokens the GEMM applies
+the activation as it loads x (``kernels.int4_gemm.int4_gemm_gated``), with the dense layers' switch
+(``kernels.gemv.GEMV_GATED``, PAGEDSERVE_GEMV_GATED=0 turns both off)."""
 
 from __future__ import annotations
 
@@ -14,9 +17,10 @@ from torch import nn
 from engine.layers.weights import LinearSlice, WeightSource, copy_checked, set_weight_loader
 from engine.quantization.config import Int4Config
 from engine.quantization.formats import read_qweight, read_scales, read_zeros
+from kernels import gemv as dense_gemv
 from kernels._triton import HAS_TRITON
 from kernels.int4_dequant import DEQUANT_MIN_M, PACK, DequantScratch, int4_dequant_linear
-from kernels.int4_gemm import int4_gemm, int4_gemm_ref
+from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_ref
 
 SYMMETRIC_ZERO = 8  # the zero code of symmetric 4-bit weights (signed values stored with an offset of 8)
 
@@ -108,6 +112,22 @@ class Int4LinearMethod:
         if x.shape[0] >= DEQUANT_MIN_M:
             return int4_dequant_linear(x, *weights, scratch=self.scratch)
         return int4_gemm(x, *weights)
+
+    def apply_gated(self, layer: Any, x2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``apply(layer, act(x2))`` for the gated MLP's down projection (``x2 = gate | up``, ``act`` its
+        silu_and_mul): the CUDA path below ``DEQUANT_MIN_M`` rows skips the activation launch."""
+        if x2.is_cuda and HAS_TRITON:
+            return self.apply_gated_triton(layer, x2, act)
+        return self.apply(layer, act(x2))
+
+    def apply_gated_triton(
+        self, layer: Any, x2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """The CUDA path of ``apply_gated`` (tests run it on CPU under the Triton interpreter). The gated GEMM
+        computes ``silu_and_mul`` itself, rounded as ``act`` (the SiluAndMul layer) rounds it."""
+        if dense_gemv.GEMV_GATED and x2.shape[0] < DEQUANT_MIN_M:  # read per call: tests switch it
+            return int4_gemm_gated(x2, layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.g_idx)
+        return self.apply_triton(layer, act(x2))
 
     @staticmethod
     @torch.no_grad()

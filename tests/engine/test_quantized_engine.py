@@ -1,7 +1,9 @@
 """4-bit checkpoints end to end on CPU: greedy tokens equal the reference in ONE continuous batch (chunked
 prefill, mixed steps) and under preemption. The reference is transformers running the checkpoint itself where it
 can on CPU (compressed-tensors, symmetric: its own decompression), else transformers on the checkpoint
-dequantized to fp32 (``dense/``). TP=2 equals TP=1 on quantized checkpoints (gloo, one process per rank)."""
+dequantized to fp32 (``dense/``). TP=2 equals TP=1 on quantized checkpoints (gloo, one process per rank). On the
+layers' CUDA path (the Triton kernels, through the interpreter), the down projection applying the activation as
+it loads x gives the tokens of the activation launched first."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ from typing import Any
 
 import pytest
 
-from engine import LLM
+from engine import LLM, SamplingParams
+from engine.quantization import int4_linear
+from engine.quantization.int4_linear import Int4LinearMethod
+from kernels import gemv as dense_gemv
 from tests.engine.quantized_checkpoints import build_quantized_model
 from tests.engine.test_engine_parity import MAX_TOKENS, hf_greedy, make_prompts, run_engine
 from tests.engine.test_tp_engine import greedy_tokens
@@ -68,3 +73,40 @@ def test_tp2_equals_tp1(tmp_path: Path, name: str) -> None:
     got, preempted_2 = greedy_tokens(folder, 2, **kwargs)
     assert preempted_1 > 0 and preempted_2 > 0
     assert got == expected
+
+
+@pytest.mark.slow  # 15-21 s each: the interpreter runs every projection of two engines
+@pytest.mark.parametrize("name", ["ct-asym-g32", "gptq-g32-act-order"])  # the GEMV's factored and exact paths
+def test_gated_down_projection_keeps_the_greedy_tokens(
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The quantized layers on their CUDA path (``apply_triton``, ``apply_gated_triton``: the Triton kernels,
+    run here by the interpreter on CPU, where ``apply`` would take the torch reference): greedy tokens with the
+    down projection's gated GEMM (``int4_gemm_gated``) equal those with the activation launched first
+    (PAGEDSERVE_GEMV_GATED=0, read at import: its module constant is switched here). Two sequences at most, so
+    decode steps of 2 and 1 rows run the gated GEMV; prefill chunks run it up to GEMV_MAX_M rows, the activation
+    and tl.dot above."""
+    fmt, family, options = FORMATS[name]
+    folder, _ = build_quantized_model(tmp_path, fmt, family, seed=6, **options)
+    monkeypatch.setattr(Int4LinearMethod, "apply", Int4LinearMethod.apply_triton)
+    monkeypatch.setattr(Int4LinearMethod, "apply_gated", Int4LinearMethod.apply_gated_triton)
+    gated_rows: list[int] = []
+    gated_gemm = int4_linear.int4_gemm_gated
+
+    def counted(x2: Any, *weights: Any) -> Any:
+        gated_rows.append(x2.shape[0])
+        return gated_gemm(x2, *weights)
+
+    monkeypatch.setattr(int4_linear, "int4_gemm_gated", counted)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(seed=7, n=3)]
+    # by GEMV_GATED: the greedy tokens, the row counts int4_gemm_gated was called with
+    tokens: dict[bool, list[list[int]]] = {}
+    rows: dict[bool, list[int]] = {}
+    for gated in (True, False):
+        monkeypatch.setattr(dense_gemv, "GEMV_GATED", gated)
+        llm = LLM(str(folder), device="cpu", max_num_seqs=2, max_model_len=64)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+        tokens[gated], rows[gated] = [o.outputs[0].token_ids for o in outs], sorted(set(gated_rows))
+        gated_rows.clear()
+    assert tokens[True] == tokens[False]
+    assert {1, 2} <= set(rows[True]) and rows[False] == []  # (prefill chunks pass through it too)

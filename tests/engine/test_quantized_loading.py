@@ -19,8 +19,9 @@ import modelfiles
 from engine.loader import load_hf_config, load_model
 from engine.parallel import ParallelState
 from engine.quantization import parse_quantization
+from kernels.activation import silu_and_mul_ref
 from kernels.int4_dequant import DEQUANT_MIN_M, dequantize_int4, int4_dequant
-from kernels.int4_gemm import int4_gemm_ref
+from kernels.int4_gemm import int4_gemm_gated_ref, int4_gemm_ref
 from tests.engine.quantized_checkpoints import build_quantized_model, import_below_init
 
 LAYER = "model.layers.1"
@@ -125,7 +126,8 @@ def test_tp_slices_are_the_ranks_part_of_the_weights(tmp_path: Path, fmt: str, o
 def test_large_steps_dequantize_into_one_scratch_per_rank(tmp_path: Path) -> None:
     """The CUDA path of the layers (here through the Triton interpreter) on rank 1 of 2: from DEQUANT_MIN_M
     tokens each projection is dequantized into the model's one scratch, reserved at load for the rank's
-    largest sliced layer, and equals the GEMM reference bit for bit; a token fewer runs the fused GEMM."""
+    largest sliced layer, and equals the GEMM reference bit for bit; a token fewer runs the fused GEMM. So does
+    the down projection given gate_up's output (``apply_gated``: the activation first from DEQUANT_MIN_M on)."""
     folder, _ = build_quantized_model(tmp_path, "gptq", "llama", seed=2, group_size=32, act_order=True)
     layer = _load(folder, 1, 2).to(DEVICE).model.layers[0]
     projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
@@ -133,11 +135,17 @@ def test_large_steps_dequantize_into_one_scratch_per_rank(tmp_path: Path) -> Non
     assert all(p.quant is method for p in projections)
     assert method.scratch.reserved_numel == max(p.qweight.shape[0] * 8 * p.qweight.shape[1] for p in projections)
     gen = torch.Generator().manual_seed(0)
+    down = layer.mlp.down_proj
     for m in (DEQUANT_MIN_M - 1, DEQUANT_MIN_M):
+        runs = []  # (out, ref)
         for p in projections:
             x = torch.randn(m, p.qweight.shape[0] * 8, generator=gen).to(DEVICE)
-            out = method.apply_triton(p, x)
             ref = int4_gemm_ref(x, p.qweight, p.scales, p.zeros, p.group_size, p.g_idx)
+            runs.append((method.apply_triton(p, x), ref))
+        x2 = torch.randn(m, 2 * down.qweight.shape[0] * 8, generator=gen).to(DEVICE)  # gate | up
+        ref = int4_gemm_gated_ref(x2, down.qweight, down.scales, down.zeros, down.group_size, down.g_idx)
+        runs.append((method.apply_gated_triton(down, x2, silu_and_mul_ref), ref))
+        for out, ref in runs:
             if m >= DEQUANT_MIN_M:
                 assert torch.equal(out, ref)
             else:

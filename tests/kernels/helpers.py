@@ -1,8 +1,16 @@
-"""Shared builders for the kernel tests: random paged caches whose unused slots hold NaN."""
+"""Shared builders for the kernel tests: random paged caches whose unused slots hold NaN, random 4-bit weights."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
+
+from kernels.int4_dequant import pack_int4
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -45,3 +53,48 @@ def paged_cache(
         flat[:, :n] = live.to(dtype)
         cache[:, ids] = flat.reshape(2, nb, block_size, num_kv_heads, head_dim)
     return cache.to(DEVICE), table.to(DEVICE)
+
+
+def int4_weights(
+    k: int, n: int, group_size: int, act_order: bool, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """codes [K, N], qweight, scales and zeros [groups, N], g_idx [K] or None (``kernels.int4_dequant``'s layout)."""
+    codes = torch.randint(0, 16, (k, n), generator=gen)
+    num_groups = k // group_size
+    scales = (0.01 + 0.05 * torch.rand(num_groups, n, generator=gen)).to(dtype)
+    zeros = torch.randint(0, 16, (num_groups, n), generator=gen).to(torch.uint8)
+    g_idx = (torch.argsort(torch.randperm(k, generator=gen)) // group_size).to(torch.int32) if act_order else None
+    return codes, pack_int4(codes), scales, zeros, g_idx
+
+
+# Compiles a split-K kernel for sm_90 (no GPU needed) with the launcher's specialization of 16-aligned
+# pointers and sizes, and prints its TTGIR: argv = kernel ("gemv" | "gemv_cols" | "dot"), constexprs (JSON), num_warps.
+_COMPILE_SM90 = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.int4_gemm import _int4_gemm_kernel
+from kernels.int4_gemv import _int4_gemv_kernel
+from kernels.int4_gemv_cols import _int4_gemv_cols_kernel
+
+kernel = {"gemv": _int4_gemv_kernel, "gemv_cols": _int4_gemv_cols_kernel, "dot": _int4_gemm_kernel}[sys.argv[1]]
+constexprs = json.loads(sys.argv[2])
+pointers = {"qw_ptr": "*i32", "g_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+names = kernel.arg_names
+signature = {a: "constexpr" if a in constexprs else pointers.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+             for a in names}
+aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+           if a not in constexprs and a not in ("M", "one_bits", "stride_xk")}
+compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": int(sys.argv[3]), "num_stages": constexprs.get("NUM_STAGES", 3)})
+print(compiled.asm["ttgir"])
+"""
+
+
+def ttgir_sm90(kernel: str, constexprs: dict[str, object], num_warps: int) -> str:
+    """The TTGIR of ``kernel`` ("gemv" | "gemv_cols" | "dot", the int4 GEMMs) compiled for sm_90."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = Path(__file__).resolve().parents[2]
+    args = [sys.executable, "-c", _COMPILE_SM90, kernel, json.dumps(constexprs), str(num_warps)]
+    return subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, check=True).stdout

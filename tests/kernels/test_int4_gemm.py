@@ -9,12 +9,6 @@ shapes: the dequantization bit for bit, dequant + F.linear against the reference
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,21 +24,9 @@ from kernels.int4_dequant import (
 from kernels.int4_gemm import int4_gemm, int4_gemm_ref
 from kernels.int4_gemv import SPLIT_MODES, zeroed_scratch
 from kernels.int4_plan import GEMV_MAX_M, Int4GemmConfig, pick_config
-from tests.kernels.helpers import DEVICE, rel_err, tolerance
+from tests.kernels.helpers import DEVICE, int4_weights, rel_err, tolerance, ttgir_sm90
 
 K, N = 128, 48
-
-
-def _weights(
-    k: int, n: int, group_size: int, act_order: bool, dtype: torch.dtype, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """codes [K, N], qweight, scales and zeros [groups, N], g_idx [K] or None."""
-    codes = torch.randint(0, 16, (k, n), generator=gen)
-    num_groups = k // group_size
-    scales = (0.01 + 0.05 * torch.rand(num_groups, n, generator=gen)).to(dtype)
-    zeros = torch.randint(0, 16, (num_groups, n), generator=gen).to(torch.uint8)
-    g_idx = (torch.argsort(torch.randperm(k, generator=gen)) // group_size).to(torch.int32) if act_order else None
-    return codes, pack_int4(codes), scales, zeros, g_idx
 
 
 def test_pack_unpack_round_trip(gen: torch.Generator) -> None:
@@ -62,7 +44,7 @@ def test_pack_unpack_round_trip(gen: torch.Generator) -> None:
 def test_reference_equals_dequantize_then_matmul_exactly(
     group_size: int, act_order: bool, gen: torch.Generator
 ) -> None:
-    codes, qweight, scales, zeros, g_idx = _weights(K, N, group_size, act_order, torch.float32, gen)
+    codes, qweight, scales, zeros, g_idx = int4_weights(K, N, group_size, act_order, torch.float32, gen)
     groups = g_idx.long() if g_idx is not None else torch.arange(K) // group_size
     # written out element by element: w[n, k] = (code[k, n] - zero[g(k), n]) * scale[g(k), n]
     w = torch.empty(N, K)
@@ -127,7 +109,7 @@ def test_triton_matches_reference(
     config: Int4GemmConfig | None,
     gen: torch.Generator,
 ) -> None:
-    _, qweight, scales, zeros, g_idx = _weights(k, n, group_size, act_order, dtype, gen)
+    _, qweight, scales, zeros, g_idx = int4_weights(k, n, group_size, act_order, dtype, gen)
     x_wide = torch.randn(m, 2 * k, generator=gen).to(dtype)
     x = x_wide[:, ::2]  # strided along K
     x, qweight, scales, zeros = (t.to(DEVICE) for t in (x, qweight, scales, zeros))
@@ -143,7 +125,7 @@ def test_triton_matches_reference(
 def test_in_kernel_split_leaves_its_scratch_zeroed(kernel: str, split_reduce: str, gen: torch.Generator) -> None:
     """The arrival counters (and the atomic accumulator) are shared by every call and every captured graph:
     each launch must hand them back zeroed, and a second call gives the same result."""
-    _, qweight, scales, zeros, _ = _weights(K, N, 32, False, torch.float32, gen)
+    _, qweight, scales, zeros, _ = int4_weights(K, N, 32, False, torch.float32, gen)
     x = torch.randn(4, K, generator=gen)
     x, qweight, scales, zeros = (t.to(DEVICE) for t in (x, qweight, scales, zeros))
     cfg = Int4GemmConfig(kernel=kernel, split_k=4, split_reduce=split_reduce)  # type: ignore[arg-type]
@@ -156,41 +138,9 @@ def test_in_kernel_split_leaves_its_scratch_zeroed(kernel: str, split_reduce: st
     assert rel_err(first, int4_gemm_ref(x, qweight, scales, zeros, 32)) < tolerance(torch.float32)
 
 
-# Compiles a split-K kernel for sm_90 (no GPU needed) with the launcher's specialization of 16-aligned
-# pointers and sizes, and prints its TTGIR: argv = kernel ("gemv" | "gemv_cols" | "dot"), constexprs (JSON), num_warps.
-_COMPILE_SM90 = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kernels.int4_gemm import _int4_gemm_kernel
-from kernels.int4_gemv import _int4_gemv_kernel
-from kernels.int4_gemv_cols import _int4_gemv_cols_kernel
-
-kernel = {"gemv": _int4_gemv_kernel, "gemv_cols": _int4_gemv_cols_kernel, "dot": _int4_gemm_kernel}[sys.argv[1]]
-constexprs = json.loads(sys.argv[2])
-pointers = {"qw_ptr": "*i32", "g_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-names = kernel.arg_names
-signature = {a: "constexpr" if a in constexprs else pointers.get(a, "*bf16" if a.endswith("_ptr") else "i32")
-             for a in names}
-aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
-           if a not in constexprs and a not in ("M", "one_bits", "stride_xk")}
-compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": int(sys.argv[3]), "num_stages": constexprs.get("NUM_STAGES", 3)})
-print(compiled.asm["ttgir"])
-"""
-
-
-def _ttgir_sm90(kernel: str, constexprs: dict[str, object], num_warps: int) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    root = Path(__file__).resolve().parents[2]
-    args = [sys.executable, "-c", _COMPILE_SM90, kernel, json.dumps(constexprs), str(num_warps)]
-    return subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, check=True).stdout
-
-
 _GEMV_ATOMIC = {
     "GROUP_SIZE": 128, "HAS_G_IDX": False, "FACTORED": True, "ONE_GROUP_PER_TILE": True, "SUBNORMAL": False, "BLOCK_M": 4,
-    "BLOCK_N": 256, "BLOCK_K": 32, "NUM_STAGES": 2, "SPLIT_MODE": 2, "SPLIT_CHUNK": 1, "EVEN": True,
+    "BLOCK_N": 256, "BLOCK_K": 32, "NUM_STAGES": 2, "SPLIT_MODE": 2, "SPLIT_CHUNK": 1, "EVEN": True, "GATED": False,
 }  # fmt: skip
 _COLS_ATOMIC = {
     "GROUP_SIZE": 128, "BLOCK_M": 8, "BLOCK_N": 256, "ROWS": 4, "NUM_STAGES": 2, "SPLIT_MODE": 2,
@@ -217,7 +167,7 @@ def test_atomic_split_reads_every_sum_before_zeroing_it(
     another has yet to read. The interpreter cannot show it (programs run one by one, each op on the
     whole tile); the compiled code must have the barrier."""
     assert SPLIT_MODES["atomic"] == constexprs["SPLIT_MODE"]
-    ir = _ttgir_sm90(kernel, constexprs, num_warps).splitlines()
+    ir = ttgir_sm90(kernel, constexprs, num_warps).splitlines()
     load = next(i for i, line in enumerate(ir) if "tt.load" in line and "cacheModifier = cg" in line)
     zeroing = next(i for i in range(load, len(ir)) if "tt.store" in ir[i])
     assert any("barrier" in line for line in ir[load:zeroing]), "\n".join(ir[load : zeroing + 1])
@@ -258,6 +208,21 @@ def test_pick_config_defaults_are_the_h200_winners() -> None:
     assert pick_config(1, 6144, 4096, 128, 132, Int4GemmConfig(split_k=1)).split_reduce == "counter"
 
 
+def test_pick_config_wide_layers_at_m1_take_the_subnormal_one_warp_tile() -> None:
+    """H200 at 5da38c4: gate_up (28672 columns) at M = 1 ran 23.5 us with subnormal codes, 1 warp and 16
+    programs per SM against 28.7 with the default tile, which stays on the narrower layers and at M > 1."""
+    auto = Int4GemmConfig()
+    wide = pick_config(1, 28672, 4096, 128, 132, auto)
+    assert (wide.kernel, wide.subnormal, wide.block_n, wide.num_warps, wide.split_k) == ("gemv", True, 256, 1, 32)
+    for m, n, k in [(1, 6144, 4096), (1, 4096, 4096), (1, 4096, 14336), (2, 28672, 4096)]:
+        narrow = pick_config(m, n, k, 128, 132, auto)
+        assert (narrow.subnormal, narrow.block_n, narrow.num_warps) == (False, 256, 4), (m, n, k)
+    # the user's choices win over the wide-layer defaults; g_idx (no factored path) has no subnormal codes
+    user = pick_config(1, 28672, 4096, 128, 132, Int4GemmConfig(subnormal=False, num_warps=4))
+    assert (user.subnormal, user.num_warps) == (False, 4)
+    assert not pick_config(1, 28672, 4096, 128, 132, auto, has_g_idx=True).subnormal
+
+
 def test_config_rejects_bad_choices() -> None:
     with pytest.raises(ValueError, match="kernel must be"):
         Int4GemmConfig(kernel="gemm")  # type: ignore[arg-type]
@@ -272,7 +237,7 @@ def test_config_rejects_bad_choices() -> None:
 
 
 def test_wrapper_rejects_bad_inputs(gen: torch.Generator) -> None:
-    _, qweight, scales, zeros, _ = _weights(K, N, 32, False, torch.float32, gen)
+    _, qweight, scales, zeros, _ = int4_weights(K, N, 32, False, torch.float32, gen)
     x = torch.randn(2, K)
     with pytest.raises(ValueError, match="qweight must be int32"):
         int4_gemm(x, qweight.to(torch.int64), scales, zeros, 32)
@@ -299,7 +264,7 @@ def test_wrapper_rejects_bad_inputs(gen: torch.Generator) -> None:
 def test_atomic_split_at_the_shapes_it_failed(kernel: str, m: int, n: int, k: int, gen: torch.Generator) -> None:
     """gate_up M = 4, 8 (GEMV) and qkv, down_proj M = 256 (tl.dot): wrong with the atomic reduction at
     7f8955d (a race inside the last program of a tile, so run each a few times)."""
-    _, qweight, scales, zeros, _ = _weights(k, n, 128, False, torch.bfloat16, gen)
+    _, qweight, scales, zeros, _ = int4_weights(k, n, 128, False, torch.bfloat16, gen)
     qweight, scales, zeros = qweight.cuda(), scales.cuda(), zeros.cuda()
     cfg = Int4GemmConfig(kernel=kernel, split_reduce="atomic")  # type: ignore[arg-type]
     assert pick_config(m, n, k, 128, torch.cuda.get_device_properties(0).multi_processor_count, cfg).split_k > 1
@@ -328,7 +293,7 @@ def test_subnormal_codes_at_the_8b_shapes(
 ) -> None:
     """The GEMV reading its codes as fp32 subnormals equals the reference on the GPU (which must keep
     subnormals: flushed, every nibble but the top three would read as zero), for activations far from 1."""
-    _, qweight, scales, zeros, _ = _weights(k, n, 128, False, torch.bfloat16, gen)
+    _, qweight, scales, zeros, _ = int4_weights(k, n, 128, False, torch.bfloat16, gen)
     qweight, scales, zeros = qweight.cuda(), scales.cuda(), zeros.cuda()
     x = (torch.randn(m, k, generator=gen) * x_scale).to(torch.bfloat16).cuda()
     out = int4_gemm(x, qweight, scales, zeros, 128, config=config)
@@ -347,7 +312,7 @@ def test_real_size_replayed_from_a_cuda_graph(
 ) -> None:
     """8B down_proj (K = 14336, split-K) captured in a CUDA graph after one eager call and replayed with new
     activations: the in-kernel reductions must hand their counters back zeroed for every replay."""
-    _, qweight, scales, zeros, _ = _weights(14336, 4096, 128, False, torch.bfloat16, gen)
+    _, qweight, scales, zeros, _ = int4_weights(14336, 4096, 128, False, torch.bfloat16, gen)
     qweight, scales, zeros = qweight.cuda(), scales.cuda(), zeros.cuda()
     cfg = Int4GemmConfig(split_reduce=split_reduce, subnormal=subnormal)  # type: ignore[arg-type]
     x = torch.zeros(m, 14336, dtype=torch.bfloat16, device="cuda")
@@ -378,7 +343,7 @@ def test_dequant_path_at_the_8b_shapes(
 ) -> None:
     """The compiled dequantization equals ``dequantize_int4`` bit for bit at the 8B projection shapes, and
     dequant + F.linear at M = 128 (DEQUANT_MIN_M), 256 and 4096 the GEMM reference."""
-    _, qweight, scales, zeros, g_idx = _weights(k, n, group_size, act_order, dtype, gen)
+    _, qweight, scales, zeros, g_idx = int4_weights(k, n, group_size, act_order, dtype, gen)
     qweight, scales, zeros = qweight.cuda(), scales.cuda(), zeros.cuda()
     g = g_idx.cuda() if g_idx is not None else None
     assert torch.equal(
@@ -398,7 +363,7 @@ def test_dequant_path_at_the_8b_shapes(
 def test_dequant_path_replayed_from_a_cuda_graph(gen: torch.Generator) -> None:
     """down_proj at M = 256 captured after one eager call (which allocates the scratch) and replayed with new
     activations; capturing before the scratch exists is an error, not an allocation from the graph's pool."""
-    _, qweight, scales, zeros, _ = _weights(14336, 4096, 128, False, torch.bfloat16, gen)
+    _, qweight, scales, zeros, _ = int4_weights(14336, 4096, 128, False, torch.bfloat16, gen)
     weights = (qweight.cuda(), scales.cuda(), zeros.cuda(), 128)
     scratch = DequantScratch()
     x = torch.zeros(256, 14336, dtype=torch.bfloat16, device="cuda")

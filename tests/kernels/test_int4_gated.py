@@ -136,8 +136,14 @@ def test_gated_gemv_compiles_for_sm90(factored: bool, subnormal: bool, has_g_idx
 @pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize(
     "config",
-    [None, Cfg(split_reduce="counter"), Cfg(subnormal=True, split_reduce="counter"), Cfg(kernel="dot")],
-    ids=["default", "counter", "sub-counter", "dot"],
+    [
+        None,
+        Cfg(split_reduce="counter"),
+        Cfg(subnormal=True, split_reduce="counter"),
+        Cfg(kernel="dot"),
+        Cfg(kernel="dot", split_reduce="counter"),
+    ],
+    ids=["default", "counter", "sub-counter", "dot", "dot-counter"],
 )
 def test_gated_at_the_8b_down_shape(m: int, config: Int4GemmConfig | None, gen: torch.Generator) -> None:
     """down_proj (K = 14336, N = 4096, group 128, bf16) of gate_up's output ``x2 [M, 2 * 14336]``: the gated
@@ -149,7 +155,8 @@ def test_gated_at_the_8b_down_shape(m: int, config: Int4GemmConfig | None, gen: 
         x2 = (2 * torch.randn(m, 2 * 14336, generator=gen)).to(torch.bfloat16).cuda()
         out = int4_gemm_gated(x2, *weights, config=config)
         two_launches = int4_gemm(silu_and_mul(x2), *weights, config=config)
-        if config is None:  # atomic split-K: the summation order varies from run to run
+        if config is None or config.split_reduce is None:  # atomic split-K: the order varies from run to run
+            # (tl.dot at M = 1 and 4 splits with atomics too: unequal in the last bits on an H200 at b8da056)
             assert rel_err(out, two_launches) < 1e-3, f"seed {gen.initial_seed()}"
         else:
             assert torch.equal(out, two_launches), f"seed {gen.initial_seed()}"

@@ -30,8 +30,8 @@
 #   stage i (~6 min): int4 at batch 1: the M = 1 GEMMs against a copy moving the same bytes, the int4 and bf16
 #                     models' TPOT against the bytes floor and that practical floor; then the concurrency sweep
 #                     (plot it here: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png)
-#   stage n (~7 min): the int4 GEMV's subnormal codes: their GPU tests (8B shapes, graph replays), then stage i's
-#                     M = 1 GEMMs with the new sweep rows and the int4 model once per N_VARIANTS GEMV default
+#   stage n (~7 min): the int4 GEMM's GPU tests (subnormal codes and the gated GEMV at the 8B shapes, graph replays),
+#                     then stage i's M = 1 GEMMs and the int4 model once per N_VARIANTS (loadtest.int4_model)
 #   stage m (~9 min): the norm / SiLU / argmax GPU tests, the suite (stage 2), prefill attention at the defaults
 #                     (the engine's new_kv kernel against SDPA), the batch-1 decode step's kernels (step_profile)
 #   stage f (~7 min): the GPU tests of the GEMV, decode, graphs, bf16 and HF (F_TESTS), the decode sweep at batch 1
@@ -100,10 +100,10 @@ elif [ "$stage" = i ]; then
   python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \
     --concurrency 1 2 4 8 16 32 64 128 256 512 --commit "$commit" --out "$out/sweep.json" 2>&1 | tail -5
 elif [ "$stage" = n ]; then
-  python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_gemm.py -k "subnormal or real_size or atomic_split_at" \
+  python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gated.py -m gpu \
     > "$out/int4_tests.txt" 2>&1 && echo "INT4 GPU TESTS PASSED" || echo "INT4 GPU TESTS FAILED (see int4_tests.txt)"
   { grep -E "^(FAILED|ERROR)" "$out/int4_tests.txt" || true; } | head -10; tail -2 "$out/int4_tests.txt"
-  python -m loadtest.int4_bench --m 1 --skip-dequant --gemv-variants ${N_VARIANTS:-sub sub_w1_pps8 sub_bn1024} \
+  python -m loadtest.int4_bench --m 1 --skip-dequant --gemv-variants ${N_VARIANTS:-narrow ungated sub} \
     --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -40
 elif [ "$stage" = m ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py -k "rms_norm or silu or argmax" \

@@ -24,6 +24,20 @@ pytestmark = [
 ]
 
 
+def _step_inputs(
+    rows: list[tuple[int, int]], gen: torch.Generator, device: str = "cuda"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step at the 8B heads (32 query, 8 KV, head_dim 128), bf16, from its ``(cached prefix, new tokens)``
+    rows: the paged cache and its tables (16-token blocks), query_start_loc, seq_lens and a random query."""
+    lens = [c + q for c, q in rows]
+    cache, tables = paged_cache(lens, 16, 8, 128, torch.bfloat16, gen)
+    q_lens = torch.tensor([q for _, q in rows])
+    query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    query = torch.randn(int(q_lens.sum()), 32, 128, generator=gen).to(torch.bfloat16).to(device)
+    return cache, tables, query_start_loc, seq_lens, query
+
+
 @pytest.mark.parametrize("lens", [[1, 1000, 4097, 8192], [131072]])
 @pytest.mark.parametrize("sliding_window", [None, 4096])
 @pytest.mark.parametrize("fused_reduce", [False, True, None])  # None: the default's choice
@@ -84,12 +98,7 @@ def test_decode_batch1_in_cuda_graph(
 @pytest.mark.parametrize("sliding_window", [None, 700])
 def test_prefill_real_sizes(sliding_window: int | None, gen: torch.Generator) -> None:
     rows = [(0, 2048), (1000, 517), (3000, 1), (0, 1)]  # (cached prefix, new tokens)
-    lens = [c + q for c, q in rows]
-    cache, tables = paged_cache(lens, 16, 8, 128, torch.bfloat16, gen)
-    q_lens = torch.tensor([q for _, q in rows])
-    query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).cuda()
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    query = torch.randn(int(q_lens.sum()), 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    cache, tables, query_start_loc, seq_lens, query = _step_inputs(rows, gen)
     out = paged_prefill_attention(query, cache, tables, query_start_loc, seq_lens, 128**-0.5, sliding_window)
     ref = paged_prefill_attention_ref(query, cache, tables, query_start_loc, seq_lens, 128**-0.5, sliding_window)
     assert rel_err(out, ref) < 1e-2, f"seed {gen.initial_seed()}"
@@ -137,12 +146,7 @@ def test_mixed_step_split_real_sizes(gen: torch.Generator) -> None:
 
     lens_rng = torch.randint(1, 4000, (300,), generator=gen).tolist()
     rows = [(n - 1, 1) for n in lens_rng[:150]] + [(1000, 517)] + [(n - 1, 1) for n in lens_rng[150:]] + [(0, 700)]
-    lens = [c + q for c, q in rows]
-    cache, tables = paged_cache(lens, 16, 8, 128, torch.bfloat16, gen)
-    q_lens = torch.tensor([q for _, q in rows])
-    qsl = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).cuda()
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    query = torch.randn(int(q_lens.sum()), 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    cache, tables, qsl, seq_lens, query = _step_inputs(rows, gen)
     key, value = new_kv_from_cache(cache, tables, rows)
     out = prefill_attention_new_kv(query, key, value, cache, tables, qsl, seq_lens, 0.088, skip_decode_rows=True)
     paged_decode_rows(query, cache, tables, seq_lens, qsl, 0.088, None, out)
@@ -185,12 +189,7 @@ def test_prefill_paged_largest_first_real_sizes(gen: torch.Generator) -> None:
     from kernels.prefill_attention import _paged_prefill_attention
 
     rows = [(0, 2048), (1000, 517), (3000, 1), (0, 1)]
-    lens = [c + q for c, q in rows]
-    cache, tables = paged_cache(lens, 16, 8, 128, torch.bfloat16, gen)
-    q_lens = torch.tensor([q for _, q in rows])
-    query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32).cuda()
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    query = torch.randn(int(q_lens.sum()), 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    cache, tables, query_start_loc, seq_lens, query = _step_inputs(rows, gen)
     ref = paged_prefill_attention_ref(query, cache, tables, query_start_loc, seq_lens, 128**-0.5)
     knob_sets: list[dict[str, Any]] = [
         {"largest_first": True, "fma_softmax": True},

@@ -32,14 +32,14 @@ from kernels._triton import check_float, require_triton, tl, triton
 PACK = 8  # 4-bit codes per int32
 _SHIFTS = tuple(range(0, 32, 4))
 
-# Rows from which the linear layer dequantizes + calls cuBLAS instead of the fused GEMM. Estimate from the
-# H200 runs of docs/benchmarks.md (#13): dequantizing an 8B layer (its 4 projections: 218 M weights) costs
-# ~its 436 MB bf16 write at ~3 TB/s = ~145 us at any M; cuBLAS takes ~125 us a layer at M <= 64 and ~160 us
-# at M = 256, the fused GEMM ~200 us at M = 64 (0.51-0.8x cuBLAS) and ~550 us at M = 256 (0.27-0.32x). So
-# dequant + cuBLAS ~270 us loses at M = 64 and ~305 us wins 1.8x at 256; linear in between they cross near
-# M = 107: 128, a decode-graph batch size. ``python -m loadtest.int4_bench`` times both paths at every M:
+# Rows from which the linear layer dequantizes + calls cuBLAS instead of the fused GEMM. H200, same device
+# session (2026-12-03, after the dequantization lost its per-weight int->float conversion and hand rounding,
+# 3.1-3.7 TB/s of bf16 written): an 8B layer's four projections take 183 us fused against 278 us dequant +
+# cuBLAS at M = 64, and 345-352 us fused against 294 us (154 us dequantization + 140 us cuBLAS, timed apart)
+# at M = 96, where the fused GEMM's 64-row tiles dequantize every weight twice; so every M above 64. Was 128
+# (the estimate of the slower dequantization). ``python -m loadtest.int4_bench`` times both paths at every M:
 # its "crossover" line says where dequant+matmul starts to win.
-DEQUANT_MIN_M = 128
+DEQUANT_MIN_M = 65
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -110,9 +110,13 @@ def check_int4_weights(
 
 @triton.jit
 def codes_tile(qw_ptr, k0, k_end, offs_k, offs_n, mask_n, stride_qk, stride_qn, UNPACK_IN_REGISTERS: tl.constexpr):
-    """The codes ``[BK, BN]`` int32 of input features ``offs_k`` (``k0 + arange(BK)``), columns ``offs_n``."""
+    """The codes ``[BK, BN]`` int32 of input features ``offs_k`` (``k0 + arange(BK)``, ``k0`` a multiple of 8),
+    columns ``offs_n``. Nibble and word row come from ``arange(BK)``, not ``offs_k``: a loop-invariant shift
+    per element (from ``offs_k``, a signed ``% 8`` and ``* 4`` per element and tile: ~5 of the dot loop's ~20
+    sm_90 instructions per weight)."""
     BLOCK_K: tl.constexpr = offs_k.shape[0]
     BLOCK_N: tl.constexpr = offs_n.shape[0]
+    lane = tl.arange(0, BLOCK_K)
     if UNPACK_IN_REGISTERS:  # load each int32 once, replicate it to its 8 rows in registers
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         mask_words = (offs_w * 8 < k_end)[:, None] & mask_n[None, :]
@@ -121,16 +125,30 @@ def codes_tile(qw_ptr, k0, k_end, offs_k, offs_n, mask_n, stride_qk, stride_qn, 
     else:  # each int32 is read by its 8 rows of the tile (cache hits)
         mask_w = (offs_k < k_end)[:, None] & mask_n[None, :]
         packed = tl.load(
-            qw_ptr + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask_w, other=0
+            qw_ptr + (k0 // 8 + lane // 8)[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask_w, other=0
         )
-    return (packed >> ((offs_k % 8) * 4)[:, None]) & 0xF  # nibble k % 8 is row k's code
+    return (packed >> ((lane % 8) * 4)[:, None]) & 0xF  # nibble k % 8 is row k's code
+
+
+# 2**23's fp32 bits: a code (0..15) or-ed into its mantissa reads as 2**23 + code (code_minus_zero). Passed to the
+# kernels as an argument: with the literal, ptxas emits the code's and and this or as two LOP3s, not one.
+MAGIC_BITS = 0x4B000000
 
 
 @triton.jit
-def _round(x, dtype: tl.constexpr):
-    """fp32 ``x`` rounded to ``dtype``, to nearest even as torch rounds. bf16 by hand: the interpreter's
-    cast truncates (compiled it is ``cvt.rn``); a few integer operations in a kernel that waits on memory."""
-    if dtype == tl.bfloat16:
+def code_minus_zero(codes, z, magic):
+    """``codes - z`` as fp32, exact, without an int->float conversion per weight: ``codes | magic`` (the
+    :data:`MAGIC_BITS` argument) reads as ``2**23 + code``, from which ``2**23 + z`` (z converted once per
+    column and group) is subtracted; ptxas merges the code's ``& 0xF`` and the or into one LOP3."""
+    return (codes | magic).to(tl.float32, bitcast=True) - (z.to(tl.float32) + 8388608.0)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr, BY_HAND: tl.constexpr):
+    """fp32 ``x`` rounded to ``dtype``, to nearest even as torch rounds. BY_HAND (the CPU interpreter, whose
+    bf16 cast truncates): bf16 by integer operations; compiled, the cast is ``cvt.rn`` (two values per F2FP:
+    by hand it was ~6 of the kernel's 16 sm_90 instructions per weight, and the kernel is issue-bound)."""
+    if BY_HAND and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits += 0x7FFF + ((bits >> 16) & 1)  # finite values only: no NaN in dequantized weights
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -141,10 +159,10 @@ def _round(x, dtype: tl.constexpr):
 @triton.jit
 def _int4_dequant_kernel(
     qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr,
-    N, K,
+    N, K, magic,
     stride_qk, stride_qn, stride_sg, stride_zg, stride_on, stride_ok,
     GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNPACK_IN_REGISTERS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNPACK_IN_REGISTERS: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
 ):  # fmt: skip
     """One program: the weights ``[BLOCK_K, BLOCK_N]`` of one K tile and one N tile, stored through the
     output's strides (``[N, K]`` contiguous along K, or a ``[K, N]`` buffer's transpose)."""
@@ -164,8 +182,9 @@ def _int4_dequant_kernel(
         z = tl.load(z_ptr + g[:, None] * stride_zg + offs_n[None, :], mask=mask, other=0)
     # (code - zero) * scale rounded once to the scales' dtype, as the reference: exact in fp32 for half
     # scales (5-bit int times an 8/11-bit mantissa), fp32's own rounding for fp32 scales; then to out's dtype
-    w = _round((codes - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32), s_ptr.dtype.element_ty)
-    w = _round(w.to(tl.float32), out_ptr.dtype.element_ty)
+    w = _round(code_minus_zero(codes, z, magic) * s.to(tl.float32), s_ptr.dtype.element_ty, ROUND_BY_HAND)
+    if out_ptr.dtype.element_ty != s_ptr.dtype.element_ty:
+        w = _round(w.to(tl.float32), out_ptr.dtype.element_ty, ROUND_BY_HAND)
     out_ptrs = out_ptr + offs_n[None, :] * stride_on + offs_k[:, None] * stride_ok
     tl.store(out_ptrs, w, mask=mask)
 
@@ -209,12 +228,12 @@ def int4_dequant(
     grid = (triton.cdiv(k, cfg.block_k), triton.cdiv(n, cfg.block_n))
     _int4_dequant_kernel[grid](
         qweight, scales, zeros, g_idx if g_idx is not None else qweight, out,
-        n, k,
+        n, k, MAGIC_BITS,
         qweight.stride(0), qweight.stride(1), scales.stride(0), zeros.stride(0), out.stride(0), out.stride(1),
         GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None,
         ONE_GROUP_PER_TILE=g_idx is None and group_size % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNPACK_IN_REGISTERS=cfg.unpack_in_registers,
-        num_warps=cfg.num_warps,
+        ROUND_BY_HAND=not qweight.is_cuda, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out
 

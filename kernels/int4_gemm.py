@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from kernels._triton import check_float, require_triton, tl, triton
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.int4_dequant import PACK, check_int4_weights, codes_tile, dequantize_int4
+from kernels.int4_dequant import MAGIC_BITS, PACK, check_int4_weights, code_minus_zero, codes_tile, dequantize_int4
 from kernels.int4_gemv import finish_tile, int4_gemv_launch, split_target
 from kernels.int4_gemv_cols import int4_gemv_cols_launch
 from kernels.int4_plan import GEMV_COLS_LIMIT_M, Int4GemmConfig, Int4Launch, num_sms, pick_config
@@ -55,7 +55,7 @@ def int4_gemm_gated_ref(
 @triton.jit(do_not_specialize=["M"])  # one compile per tile for every M (M = 1 would be its own)
 def _int4_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, K_PER_SPLIT,
+    M, N, K, K_PER_SPLIT, magic,
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_om,
     GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -95,7 +95,7 @@ def _int4_gemm_kernel(
             z = tl.load(z_ptr + g[:, None] * stride_zg + offs_n[None, :] * stride_zn, mask=mask_w, other=0)
         # (code - zero) * scale rounded once to the scales' dtype, as the reference computes it: exact in
         # fp32 for half scales (5-bit int times 8/11-bit mantissa), fp32's own rounding for fp32 scales
-        w = ((codes - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)).to(s.dtype)
+        w = (code_minus_zero(codes, z, magic) * s.to(tl.float32)).to(s.dtype)
         if UPCAST:
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision=DOT_PRECISION)
         else:
@@ -273,7 +273,7 @@ def _launch_dot(
     one_group = g_idx is None and group_size % cfg.block_k == 0  # tiles start at multiples of block_k
     _int4_gemm_kernel[grid](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, target.workspace, target.counters,
-        m, n, k, k_per_split,
+        m, n, k, k_per_split, MAGIC_BITS,
         x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
         zeros.stride(0), zeros.stride(1), out.stride(0),
         GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None, ONE_GROUP_PER_TILE=one_group,

@@ -33,7 +33,7 @@ GEMV_KERNEL: Kernel = "gemv"
 # vs 28.7; the int4 model 2.720 vs 2.712 ms. PAGEDSERVE_INT4_SUBNORMAL=1 turns it on (for a same-run A/B).
 GEMV_SUBNORMAL = os.environ.get("PAGEDSERVE_INT4_SUBNORMAL", "0") == "1"
 ATOMIC_MAX_M = 64  # the default split-K reduction is "atomic" up to this many rows, "counter" above
-UNPACK_M = (17, 64)  # tl.dot with unpack_in_registers by default only at these M (_pick_dot says why)
+UNPACK_M = (GEMV_MAX_M + 1, 127)  # tl.dot with unpack_in_registers by default at these M (_pick_dot says why)
 PREFILL_M = 1024  # tl.dot tiles of 256 rows from this M on
 GEMV_LIMIT_M = 16  # the GEMV holds a tile's [M, BLOCK_K / 8, BLOCK_N] fp32 products in registers
 GEMV_PROGRAMS_PER_SM = 4  # GEMV split-K target: enough programs per SM to keep loads in flight
@@ -267,7 +267,12 @@ def _pick_dot(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     3 of 4 shapes at M = 256 (down_proj 72.5 vs 80.8 us; 1.05 vs 1.08 of the best over the shapes). The
     second H200 run (b066a95, block_m 256 at M >= 1024) turned M = 8-16 and 4096 to per-row loads (time /
     best 1.01 vs 1.04 at M = 8 and 16, 1.00 vs 1.13 at M = 4096; 1.07 each at M = 256) and kept unpacking at
-    M = 64 (per-row 1.46x): UNPACK_M."""
+    M = 64 (per-row 1.46x). Third (same-run A/B against e92056a): with each nibble's shift from the tile's
+    row index, not from k (loop-invariant) and codes made floats without a conversion
+    (``kernels.int4_dequant.code_minus_zero``), the sm_90 loop lost 13-35 % of its instructions and unpacking
+    won every shape at M = 8 and 16 too (qkv 21.1 vs 21.7 us, o 14.8 vs 18.1, gate_up 82.9 vs 96.5, down 41.0
+    vs 47.3 at M = 8; per-row loads took 1.82x its time at M = 64, 1.47x before): UNPACK_M, up to the rows
+    where the linear layer dequantizes instead (DEQUANT_MIN_M)."""
     if m <= 16:
         bm, bn, bk, warps, stages = 16, 64, 64, 4, 4
     elif m <= 64:

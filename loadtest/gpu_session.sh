@@ -32,6 +32,8 @@
 #                     (plot it here: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png)
 #   stage n (~7 min): the int4 GEMM's GPU tests (subnormal codes and the gated GEMV at the 8B shapes, graph replays),
 #                     then stage i's M = 1 GEMMs and the int4 model once per N_VARIANTS (loadtest.int4_model)
+#   stage q (~6 min): the int4 dequant and GEMM GPU tests, then the int4 GEMMs at M = Q_M (default 8 16 64 256)
+#                     in AB_TREE (an older tree, e.g. `git archive COMMIT | tar -x -C .abtree`, carried) and here
 #   stage m (~9 min): the norm / SiLU / argmax GPU tests, the suite (stage 2), prefill attention at the defaults
 #                     (the engine's new_kv kernel against SDPA), the batch-1 decode step's kernels (step_profile)
 #   stage f (~7 min): the GPU tests of the GEMV, decode, graphs, bf16 and HF (F_TESTS), the decode sweep at batch 1
@@ -50,7 +52,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, m, f, sd, sa, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, sd, sa, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -105,6 +107,16 @@ elif [ "$stage" = n ]; then
   { grep -E "^(FAILED|ERROR)" "$out/int4_tests.txt" || true; } | head -10; tail -2 "$out/int4_tests.txt"
   python -m loadtest.int4_bench --m 1 --skip-dequant --gemv-variants ${N_VARIANTS:-narrow ungated sub} \
     --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -40
+elif [ "$stage" = q ]; then
+  python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_dequant.py tests/kernels/test_int4_gemm.py -m gpu \
+    > "$out/int4_tests.txt" 2>&1 && echo "INT4 GPU TESTS PASSED" || echo "INT4 GPU TESTS FAILED (see int4_tests.txt)"
+  { grep -E "^(FAILED|ERROR)" "$out/int4_tests.txt" || true; } | head -10; tail -2 "$out/int4_tests.txt"
+  for tree in ${AB_TREE:+"$AB_TREE"} "$PWD"; do  # AB_TREE first: an older tree (git archive) as the reference
+    echo "== int4 GEMMs at M > 4 in $tree"
+    # shellcheck disable=SC2086  # Q_M is a list of row counts
+    (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH python -m loadtest.int4_bench --only gemm --m ${Q_M:-8 16 64 256} \
+      --out "$out/int4-$(basename "$tree").json" 2>&1 | grep -v '^{"layer"' | tail -${Q_TAIL:-40})
+  done
 elif [ "$stage" = m ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py -k "rms_norm or silu or argmax" \
     > "$out/gpu_tests.txt" 2>&1 && echo "NORM GPU TESTS PASSED" || echo "NORM GPU TESTS FAILED (see gpu_tests.txt)"

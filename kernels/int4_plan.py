@@ -32,6 +32,12 @@ GEMV_KERNEL: Kernel = "gemv"
 # M = 1, sweep row "gemv sub" against "gemv": qkv 9.5 vs 8.9 us, o 7.6 vs 7.3, down 16.5 vs 16.5, gate_up 28.0
 # vs 28.7; the int4 model 2.720 vs 2.712 ms. PAGEDSERVE_INT4_SUBNORMAL=1 turns it on (for a same-run A/B).
 GEMV_SUBNORMAL = os.environ.get("PAGEDSERVE_INT4_SUBNORMAL", "0") == "1"
+# tl.dot up to 64 rows: split-K at least this much, even where the column tiles alone fill the SMs (gate_up's 224
+# at 128 columns: split 2, 32 K tiles a program). H200, Session 14 (int4_bench rows "fused" and "dot split8", the 8B
+# shapes): gate_up 75.0 -> 64.0 us at M = 8, 91.0 -> 83.0 at M = 64; qkv is split 8 already, o and down 16
+# (splitting down 8 instead lost: 35.5 -> 38.9 us at M = 8). A layer's four projections: 142.6 -> 131.6 us at M = 8,
+# 178.1 -> 170.0 at M = 64 (bf16 cuBLAS 122.1 / 130.9).
+DOT_MIN_SPLIT = 8
 ATOMIC_MAX_M = 64  # the default split-K reduction is "atomic" up to this many rows, "counter" above
 UNPACK_M = (GEMV_MAX_M + 1, 127)  # tl.dot with unpack_in_registers by default at these M (_pick_dot says why)
 PREFILL_M = 1024  # tl.dot tiles of 256 rows from this M on
@@ -272,11 +278,16 @@ def _pick_dot(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     (``kernels.int4_dequant.code_minus_zero``), the sm_90 loop lost 13-35 % of its instructions and unpacking
     won every shape at M = 8 and 16 too (qkv 21.1 vs 21.7 us, o 14.8 vs 18.1, gate_up 82.9 vs 96.5, down 41.0
     vs 47.3 at M = 8; per-row loads took 1.82x its time at M = 64, 1.47x before): UNPACK_M, up to the rows
-    where the linear layer dequantizes instead (DEQUANT_MIN_M)."""
+    where the linear layer dequantizes instead (DEQUANT_MIN_M). With that loop, block_n 128 (and split-K filled to
+    2 programs per SM again) beat 64 (the sweep's "dot bn128", same session): the four projections of a layer
+    143.8 vs 161.2 us at M = 16 (o 13.9 vs 15.0), 178.7 vs 183.9 at M = 64 (o lost there: 21.1 vs 17.3); M = 5-15
+    run M = 16's launch. Applying scale and zero per tile to the sums instead of per weight (codes as half floats
+    with one or: 13 % fewer instructions at M = 16) took 1.3-1.95x as long (each tile's MMA then starts from zero
+    and is waited for): deleted."""
     if m <= 16:
-        bm, bn, bk, warps, stages = 16, 64, 64, 4, 4
+        bm, bn, bk, warps, stages = 16, 128, 64, 4, 4
     elif m <= 64:
-        bm, bn, bk, warps, stages = 32 if m <= 32 else 64, 64, 64, 4, 4
+        bm, bn, bk, warps, stages = 32 if m <= 32 else 64, 128, 64, 4, 4
     else:
         bm, bn, bk, warps, stages = 256 if m >= PREFILL_M else 128 if m >= 128 else 64, 128, 64, 8, 3
     bm, bn, bk = user.block_m or bm, user.block_n or bn, user.block_k or bk
@@ -287,6 +298,8 @@ def _pick_dot(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     split = user.split_k
     if split is None:
         split = _fill_split(-(-m // bm) * -(-n // bn), -(-k // bk), 2 * num_sms, 16) if m <= 256 else 1
+        if m <= 64:
+            split = max(split, min(DOT_MIN_SPLIT, -(-k // bk)))
     unpack = user.unpack_in_registers
     if unpack is None:
         unpack = UNPACK_M[0] <= m <= UNPACK_M[1]

@@ -104,6 +104,13 @@ VARIANTS = [
     Variant("dot rows", {"kernel": "dot", "unpack_in_registers": False}, (8, 1 << 30)),  # no unpack_in_registers
     Variant("dot unpack", {"kernel": "dot", "unpack_in_registers": True}, (8, 1 << 30)),
     Variant("dot bn128", {"kernel": "dot", "block_n": 128}, (16, 64)),
+    # the tl.dot tile at M = 5..64 after its loop lost its per-weight waste (Session 14): the rows that won a shape
+    # at M = 8 or 16 against the old 64-column default; split 2 and 16, 32 columns, 8 warps, 2 and 6 stages and
+    # the scale applied per tile to the sums won none and were removed
+    Variant("dot bn64", {"kernel": "dot", "block_n": 64}, (8, 64)),  # the default before
+    Variant("dot split8", {"kernel": "dot", "split_k": 8}, (8, 64)),  # gate_up at M = 8 and 16
+    Variant("dot bk128", {"kernel": "dot", "block_k": 128}, (8, 16)),  # qkv at M = 8
+    Variant("dot w2", {"kernel": "dot", "num_warps": 2}, (8, 16)),  # o and down at M = 8
     Variant("dot stages4", {"kernel": "dot", "num_stages": 4}, PREFILL),
     Variant("dot bm128", {"kernel": "dot", "block_m": 128}, PREFILL),
 ]

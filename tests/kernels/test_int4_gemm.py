@@ -187,7 +187,8 @@ def test_pick_config_routes_small_m_to_the_gemv() -> None:
 
 
 def test_pick_config_defaults_are_the_h200_winners() -> None:
-    """The winners of the H200 runs at 7f8955d and b066a95 on the 8B shapes (pick_config's docstrings)."""
+    """The winners of the H200 runs at 7f8955d, b066a95 and Session 14's on the 8B shapes (pick_config's
+    docstrings): from M = 5 the unpacked 128-column tl.dot tile."""
     auto = Int4GemmConfig()
 
     def pick(m: int, n: int = 6144, k: int = 4096) -> tuple[object, ...]:
@@ -197,7 +198,10 @@ def test_pick_config_defaults_are_the_h200_winners() -> None:
     assert pick(1) == ("gemv", 1, 64, "atomic", False, True)
     assert pick(2) == ("gemv", 2, 64, "atomic", False, True)
     assert pick(4) == ("gemv", 4, 32, "atomic", False, True)
-    assert pick(8) == ("dot", 16, 64, "atomic", False, True) and pick(64, 4096)[3:] == ("atomic", True, True)
+    assert pick(8) == ("dot", 16, 64, "atomic", True, True) and pick(64, 4096)[3:] == ("atomic", True, True)
+    assert (
+        pick_config(5, 6144, 4096, 128, 132, auto).block_n == pick_config(64, 6144, 4096, 128, 132, auto).block_n == 128
+    )
     assert pick(256) == ("dot", 128, 64, "counter", False, True)
     assert pick(512) == ("dot", 128, 64, "counter", False, False)
     assert pick(4096) == ("dot", 256, 64, "counter", False, False)

@@ -32,12 +32,13 @@ GEMV_KERNEL: Kernel = "gemv"
 # M = 1, sweep row "gemv sub" against "gemv": qkv 9.5 vs 8.9 us, o 7.6 vs 7.3, down 16.5 vs 16.5, gate_up 28.0
 # vs 28.7; the int4 model 2.720 vs 2.712 ms. PAGEDSERVE_INT4_SUBNORMAL=1 turns it on (for a same-run A/B).
 GEMV_SUBNORMAL = os.environ.get("PAGEDSERVE_INT4_SUBNORMAL", "0") == "1"
-# tl.dot up to 64 rows: split-K at least this much, even where the column tiles alone fill the SMs (gate_up's 224
-# at 128 columns: split 2, 32 K tiles a program). H200, Session 14 (int4_bench rows "fused" and "dot split8", the 8B
-# shapes): gate_up 75.0 -> 64.0 us at M = 8, 91.0 -> 83.0 at M = 64; qkv is split 8 already, o and down 16
-# (splitting down 8 instead lost: 35.5 -> 38.9 us at M = 8). A layer's four projections: 142.6 -> 131.6 us at M = 8,
-# 178.1 -> 170.0 at M = 64 (bf16 cuBLAS 122.1 / 130.9).
-DOT_MIN_SPLIT = 8
+# tl.dot split-K up to 64 rows: at least this much up to 16 rows (one 16-row tile), even where the column tiles alone
+# fill the SMs (gate_up's 224 at 128 columns: split 2, 32 K tiles a program), and exactly this much from 17 to 64.
+# H200, Session 14 (int4_bench rows "fused" and "dot split8", the 8B shapes, same run): gate_up 75.0 -> 64.0 us at
+# M = 8; at M = 8 o and down keep the 16 that filling the SMs gives them (split 8: 13.6 -> 14.1 and 36.2 -> 39.1 us),
+# at M = 64 they take 8 (21.0 -> 16.8 and 43.8 -> 43.0 us). A layer's four projections: 142.6 -> 132.3 us at M = 8,
+# 178.1 -> 166.2 at M = 64 (bf16 cuBLAS 122.1 / 130.9). M = 17-32 (32-row tiles) was not measured.
+DOT_SPLIT = 8
 ATOMIC_MAX_M = 64  # the default split-K reduction is "atomic" up to this many rows, "counter" above
 UNPACK_M = (GEMV_MAX_M + 1, 127)  # tl.dot with unpack_in_registers by default at these M (_pick_dot says why)
 PREFILL_M = 1024  # tl.dot tiles of 256 rows from this M on
@@ -298,8 +299,10 @@ def _pick_dot(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     split = user.split_k
     if split is None:
         split = _fill_split(-(-m // bm) * -(-n // bn), -(-k // bk), 2 * num_sms, 16) if m <= 256 else 1
-        if m <= 64:
-            split = max(split, min(DOT_MIN_SPLIT, -(-k // bk)))
+        if m <= 16:
+            split = max(split, min(DOT_SPLIT, -(-k // bk)))
+        elif m <= 64:
+            split = min(DOT_SPLIT, -(-k // bk))
     unpack = user.unpack_in_registers
     if unpack is None:
         unpack = UNPACK_M[0] <= m <= UNPACK_M[1]

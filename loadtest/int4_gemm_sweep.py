@@ -103,7 +103,6 @@ VARIANTS = [
     Variant("dot atomic", {"kernel": "dot", "split_reduce": "atomic"}, (8, 256)),
     Variant("dot rows", {"kernel": "dot", "unpack_in_registers": False}, (8, 1 << 30)),  # no unpack_in_registers
     Variant("dot unpack", {"kernel": "dot", "unpack_in_registers": True}, (8, 1 << 30)),
-    Variant("dot bn128", {"kernel": "dot", "block_n": 128}, (16, 64)),
     # the tl.dot tile at M = 5..64 after its loop lost its per-weight waste (Session 14): the rows that won a shape
     # at M = 8 or 16 against the old 64-column default; split 2 and 16, 32 columns, 8 warps, 2 and 6 stages and
     # the scale applied per tile to the sums won none and were removed

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from kernels._triton import check_float, require_triton, tl, triton
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.int4_dequant import MAGIC_BITS, PACK, check_int4_weights, code_minus_zero, codes_tile, dequantize_int4
+from kernels.int4_dequant import MAGIC_BITS, PACK, check_int4_weights, codes_tile, dequant_tile, dequantize_int4
 from kernels.int4_gemv import finish_tile, int4_gemv_launch, split_target
 from kernels.int4_gemv_cols import int4_gemv_cols_launch
 from kernels.int4_plan import GEMV_COLS_LIMIT_M, Int4GemmConfig, Int4Launch, num_sms, pick_config
@@ -79,7 +79,9 @@ def _int4_gemm_kernel(
             x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
             mask=mask_m[:, None] & mask_k[None, :], other=0.0,
         )  # [BM, BK]  # fmt: skip
-        codes = codes_tile(qw_ptr, k0, k_end, offs_k, offs_n, mask_n, stride_qk, stride_qn, UNPACK_IN_REGISTERS)
+        fields, p = codes_tile(
+            qw_ptr, k0, k_end, offs_k, offs_n, mask_n, stride_qk, stride_qn, UNPACK_IN_REGISTERS, True
+        )  # fmt: skip
         mask_w = mask_k[:, None] & mask_n[None, :]
         if HAS_G_IDX:
             g = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
@@ -95,7 +97,7 @@ def _int4_gemm_kernel(
             z = tl.load(z_ptr + g[:, None] * stride_zg + offs_n[None, :] * stride_zn, mask=mask_w, other=0)
         # (code - zero) * scale rounded once to the scales' dtype, as the reference computes it: exact in
         # fp32 for half scales (5-bit int times 8/11-bit mantissa), fp32's own rounding for fp32 scales
-        w = (code_minus_zero(codes, z, magic) * s.to(tl.float32)).to(s.dtype)
+        w = dequant_tile(fields, p, z, s, magic).to(s.dtype)
         if UPCAST:
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision=DOT_PRECISION)
         else:

@@ -33,7 +33,8 @@
 #   stage n (~7 min): the int4 GEMM's GPU tests (subnormal codes and the gated GEMV at the 8B shapes, graph replays),
 #                     then stage i's M = 1 GEMMs and the int4 model once per N_VARIANTS (loadtest.int4_model)
 #   stage q (~6 min): the int4 dequant and GEMM GPU tests, then the int4 GEMMs at M = Q_M (default 8 16 64 256)
-#                     in AB_TREE (an older tree, e.g. `git archive COMMIT | tar -x -C .abtree`, carried) and here
+#                     in AB_TREE (an older tree, e.g. `git archive COMMIT | tar -x -C .abtree`, carried) and here;
+#                     Q_MODEL=1 then runs the int4 model here (batch-1 TPOT, `mixed` int4 against bf16: ~3 min)
 #   stage m (~9 min): the norm / SiLU / argmax GPU tests, the suite (stage 2), prefill attention at the defaults
 #                     (the engine's new_kv kernel against SDPA), the batch-1 decode step's kernels (step_profile)
 #   stage f (~7 min): the GPU tests of the GEMV, decode, graphs, bf16 and HF (F_TESTS), the decode sweep at batch 1
@@ -117,6 +118,9 @@ elif [ "$stage" = q ]; then
     (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH python -m loadtest.int4_bench --only gemm --m ${Q_M:-8 16 64 256} \
       --out "$out/int4-$(basename "$tree").json" 2>&1 | grep -v '^{"layer"' | tail -${Q_TAIL:-40})
   done
+  if [ -n "${Q_MODEL:-}" ]; then  # the int4 model here: batch-1 TPOT and `mixed` against bf16, same process
+    python -m loadtest.int4_bench --only model --mixed --out "$out/int4-model.json" 2>&1 | grep -v '^{"layer"' | tail -12
+  fi
 elif [ "$stage" = m ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py -k "rms_norm or silu or argmax" \
     > "$out/gpu_tests.txt" 2>&1 && echo "NORM GPU TESTS PASSED" || echo "NORM GPU TESTS FAILED (see gpu_tests.txt)"

@@ -109,22 +109,7 @@ def check_int4_weights(
 
 
 @triton.jit
-def _rows_of(words, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``[BK // 8, BN]`` words -> ``[BK, BN]``, word row ``i`` repeated as rows ``8 i .. 8 i + 7``. Repeated by
-    joins, so every thread keeps the load's adjacent columns and the dequantized tile reaches shared memory
-    (the tl.dot's operand) in 16-byte stores: a broadcast gave each thread one column and 2-byte stores
-    (sm_90 SASS of the tl.dot loop, 64 rows: 458 -> 418 instructions, 16 rows: 516 -> 505)."""
-    w2 = tl.join(words, words)
-    w4 = tl.join(w2, w2)
-    w8 = tl.reshape(tl.join(w4, w4), (BLOCK_K // 8, BLOCK_N, 8))  # every copy the same word: any order
-    return tl.reshape(tl.permute(w8, (0, 2, 1)), (BLOCK_K, BLOCK_N))
-
-
-@triton.jit
-def codes_tile(
-    qw_ptr, k0, k_end, offs_k, offs_n, mask_n, stride_qk, stride_qn,
-    UNPACK_IN_REGISTERS: tl.constexpr, FOR_DOT: tl.constexpr,
-):  # fmt: skip
+def codes_tile(qw_ptr, k0, k_end, offs_k, offs_n, mask_n, stride_qk, stride_qn, UNPACK_IN_REGISTERS: tl.constexpr):
     """The codes ``[BK, BN]`` of input features ``offs_k`` (``k0 + arange(BK)``, ``k0`` a multiple of 8),
     columns ``offs_n``, as ``(fields, p)``: row ``k``'s code is ``(fields >> p[k]) & 15``.
 
@@ -143,10 +128,10 @@ def codes_tile(
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         mask_words = (offs_w * 8 < k_end)[:, None] & mask_n[None, :]
         words = tl.load(qw_ptr + offs_w[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask_words, other=0)
-        if FOR_DOT:  # columns side by side in a thread (_rows_of)
-            packed = _rows_of(words, BLOCK_K, BLOCK_N)
-        else:  # a column's run along K per thread, as the dequantization stores [N, K]: 464 instructions, 520 joined
-            packed = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)), (BLOCK_K, BLOCK_N))
+        # A broadcast gives each thread one column's run along K, so the tl.dot operand reaches shared memory
+        # in 2-byte stores; repeating the words by joins kept adjacent columns per thread (16-byte stores, 458
+        # -> 418 loop instructions at M = 64) but took 1.3-1.8x the time on the H200 (Session 15): not that.
+        packed = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)), (BLOCK_K, BLOCK_N))
         top = j >= 5
         p = tl.where(top, 4 * j - 12, 4 * j)
         # >> is arithmetic: the sign's copies land in bits 20-31, above every field
@@ -219,7 +204,7 @@ def _int4_dequant_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     mask = (offs_k < K)[:, None] & mask_n[None, :]
-    fields, p = codes_tile(qw_ptr, k0, K, offs_k, offs_n, mask_n, stride_qk, stride_qn, UNPACK_IN_REGISTERS, False)
+    fields, p = codes_tile(qw_ptr, k0, K, offs_k, offs_n, mask_n, stride_qk, stride_qn, UNPACK_IN_REGISTERS)
     if ONE_GROUP_PER_TILE:  # one scale and zero per column
         g0 = k0 // GROUP_SIZE
         s = tl.load(s_ptr + g0 * stride_sg + offs_n, mask=mask_n, other=0.0)[None, :]

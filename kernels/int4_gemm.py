@@ -79,9 +79,7 @@ def _int4_gemm_kernel(
             x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
             mask=mask_m[:, None] & mask_k[None, :], other=0.0,
         )  # [BM, BK]  # fmt: skip
-        fields, p = codes_tile(
-            qw_ptr, k0, k_end, offs_k, offs_n, mask_n, stride_qk, stride_qn, UNPACK_IN_REGISTERS, True
-        )  # fmt: skip
+        fields, p = codes_tile(qw_ptr, k0, k_end, offs_k, offs_n, mask_n, stride_qk, stride_qn, UNPACK_IN_REGISTERS)
         mask_w = mask_k[:, None] & mask_n[None, :]
         if HAS_G_IDX:
             g = tl.load(g_ptr + offs_k, mask=mask_k, other=0)

@@ -37,7 +37,8 @@ GEMV_SUBNORMAL = os.environ.get("PAGEDSERVE_INT4_SUBNORMAL", "0") == "1"
 # H200, Session 14 (int4_bench rows "fused" and "dot split8", the 8B shapes, same run): gate_up 75.0 -> 64.0 us at
 # M = 8; at M = 8 o and down keep the 16 that filling the SMs gives them (split 8: 13.6 -> 14.1 and 36.2 -> 39.1 us),
 # at M = 64 they take 8 (21.0 -> 16.8 and 43.8 -> 43.0 us). A layer's four projections: 142.6 -> 132.3 us at M = 8,
-# 178.1 -> 166.2 at M = 64 (bf16 cuBLAS 122.1 / 130.9). M = 17-32 (32-row tiles) was not measured.
+# 178.1 -> 166.2 at M = 64 (bf16 cuBLAS 122.1 / 130.9). M = 32 (32-row tiles, Session 15, before the codes were masked
+# in place): 168.4 us a layer, 0.73x cuBLAS; not swept.
 DOT_SPLIT = 8
 ATOMIC_MAX_M = 64  # the default split-K reduction is "atomic" up to this many rows, "counter" above
 UNPACK_M = (GEMV_MAX_M + 1, 127)  # tl.dot with unpack_in_registers by default at these M (_pick_dot says why)
@@ -284,7 +285,8 @@ def _pick_dot(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     143.8 vs 161.2 us at M = 16 (o 13.9 vs 15.0), 178.7 vs 183.9 at M = 64 (o lost there: 21.1 vs 17.3); M = 5-15
     run M = 16's launch. Applying scale and zero per tile to the sums instead of per weight (codes as half floats
     with one or: 13 % fewer instructions at M = 16) took 1.3-1.95x as long (each tile's MMA then starts from zero
-    and is waited for): deleted."""
+    and is waited for): deleted. Fourth (Session 15): codes masked in place (``kernels.int4_dequant.codes_tile``),
+    same tiles: a layer's four projections 132.3 -> 119.6 us at M = 8 (1.06x bf16 cuBLAS), 165.5 -> 157.7 at M = 64."""
     if m <= 16:
         bm, bn, bk, warps, stages = 16, 128, 64, 4, 4
     elif m <= 64:

@@ -147,8 +147,8 @@ def codes_tile(qw_ptr, k0, k_end, offs_k, offs_n, mask_n, stride_qk, stride_qn, 
 
 
 # 2**23's fp32 bits: a code masked in place (code << p, p <= 16) and or-ed into its mantissa reads as
-# 2**23 + code * 2**p (code_minus_zero). Passed to the kernels as an argument: with the literal, ptxas emits the field's and and
-# this or as two LOP3s, not one.
+# 2**23 + code * 2**p (code_minus_zero). Passed to the kernels as an argument: with the literal, ptxas emits the
+# mask's and and this or as two LOP3s, not one.
 MAGIC_BITS = 0x4B000000
 
 

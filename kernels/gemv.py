@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from kernels._triton import HAS_TRITON, next_pow2, require_triton, tl, triton
 from kernels.activation import silu_and_mul, silu_and_mul_ref, silu_mul
 from kernels.decode_plan import num_sms
+from kernels.fused_norm import NormIn, materialize, new_sumsq, normalize, residual_sum_ref, row_inv_rms, store_tile
 from kernels.gemv_launch import check_gemv_inputs, zeroed_buffer
 from kernels.gemv_launch import scratch_is_zero as scratch_is_zero  # re-exported: tests and the benchmark check it
 
@@ -216,24 +217,33 @@ def _load_x(x_ptrs, mask, K, GATED: tl.constexpr):
 
 
 @triton.jit
-def _store_out(total, out_ptr, b_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS: tl.constexpr):
-    """``total [BM, BN]`` fp32 (+ bias) cast once to the output's dtype."""
+def _store_out(
+    total, out_ptr, b_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n,
+    HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """``total [BM, BN]`` fp32 (+ bias) cast once to the output's dtype (ADD_RESIDUAL: plus the residual, and
+    the tile's sums of squares, ``kernels.fused_norm.store_tile``)."""
     if HAS_BIAS:
         total += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+    store_tile(
+        total, out_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n, tl.num_programs(0),
+        ADD_RESIDUAL,
+    )  # fmt: skip
 
 
 @triton.jit
 def _finish(
-    acc, out_ptr, b_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k, num_splits,
-    HAS_BIAS: tl.constexpr, SPLIT_MODE: tl.constexpr,
+    acc, out_ptr, b_ptr, ws_ptr, cnt_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n, pid_k,
+    num_splits, HAS_BIAS: tl.constexpr, SPLIT_MODE: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     """Writes one program's fp32 ``acc [BM, BN]`` as the module docstring's split modes say."""
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     mn = offs_m[:, None] * N + offs_n[None, :]  # [BM, BN] offsets in a contiguous fp32 [M, N] plane
     if SPLIT_MODE == 0:  # none
-        _store_out(acc, out_ptr, b_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+        _store_out(
+            acc, out_ptr, b_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n, HAS_BIAS,
+            ADD_RESIDUAL,
+        )  # fmt: skip
     elif SPLIT_MODE == 3:  # two_pass: _gemv_reduce_kernel sums the partials
         tl.store(ws_ptr + pid_k * M * N + mn, acc, mask=mask)
     else:
@@ -258,18 +268,24 @@ def _finish(
                 # warp could zero sums another warp has yet to read (the int4 GEMV's race at 7f8955d)
                 tl.debug_barrier()
                 tl.store(ws_ptr + mn, tl.zeros_like(acc), mask=mask)
-            _store_out(total, out_ptr, b_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+            _store_out(
+                total, out_ptr, b_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n, HAS_BIAS,
+                ADD_RESIDUAL,
+            )  # fmt: skip
             tl.store(cnt_ptr + pid_n, 0)  # ready for the next launch
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every M of a block_m
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, ssi_ptr, res_ptr, sso_ptr,
+    M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om, stride_rm, num_parts, eps,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT_MODE: tl.constexpr, EVEN: tl.constexpr,
-    PDL: tl.constexpr, GATED: tl.constexpr,
+    PDL: tl.constexpr, GATED: tl.constexpr, NORMED: tl.constexpr, PARTS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
+    """NORMED: x is ``h`` and every tile loaded is normalized (weight ``nw``, partial sums of squares ``ssi
+    [M, num_parts]``); ADD_RESIDUAL: the output is ``out + res`` and its sums of squares go to ``sso``
+    (``kernels.fused_norm``)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -286,6 +302,8 @@ def _gemv_kernel(
         tl.inline_asm_elementwise(
             "griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
         )
+    nw_ptrs = nw_ptr + (k_start + offs_k)[None, :]  # [1, BK] (NORMED)
+    inv = row_inv_rms(ssi_ptr, offs_m, M, num_parts, K, eps, PARTS)[:, None] if NORMED else 1.0  # [BM, 1]
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     elif BLOCK_M == 1:
@@ -297,10 +315,14 @@ def _gemv_kernel(
         if EVEN:  # masks along N and K only where there are tails: they would cut the 16-byte loads
             w = tl.load(w_ptrs, eviction_policy="evict_first")
             x = _load_x(x_ptrs, mask_m[:, None], K, GATED)
+            if NORMED:
+                x = normalize(x, tl.load(nw_ptrs, eviction_policy="evict_last"), inv)
         else:
             mask_k = (k0 + offs_k) < k_end
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
             x = _load_x(x_ptrs, mask_m[:, None] & mask_k[None, :], K, GATED)
+            if NORMED:
+                x = normalize(x, tl.load(nw_ptrs, mask=mask_k[None, :], other=0.0, eviction_policy="evict_last"), inv)
         if USE_DOT:
             acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
         elif BLOCK_M == 1:
@@ -309,6 +331,7 @@ def _gemv_kernel(
             acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]  # [BM, BN, BK]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+        nw_ptrs += BLOCK_K
     if USE_DOT:
         total = tl.trans(acc)  # [BM, BN]
     elif BLOCK_M == 1:
@@ -316,8 +339,8 @@ def _gemv_kernel(
     else:
         total = tl.sum(acc, axis=2)  # [BM, BN]
     _finish(
-        total, out_ptr, b_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k, tl.num_programs(1),
-        HAS_BIAS, SPLIT_MODE,
+        total, out_ptr, b_ptr, ws_ptr, cnt_ptr, res_ptr, sso_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n,
+        pid_k, tl.num_programs(1), HAS_BIAS, SPLIT_MODE, ADD_RESIDUAL,
     )  # fmt: skip
 
 
@@ -352,7 +375,7 @@ def gemv(
     ``config`` forcing some); CUDA-graph capturable once the shape has run eagerly (split-K counters)."""
     require_triton("gemv")
     check_gemv_inputs(x, weight, bias)
-    return _launch(x, weight, bias, config, plan, gated=False)
+    return _launch(x, weight, bias, config, plan, gated=False)[0]
 
 
 def gemv_gated(
@@ -367,14 +390,50 @@ def gemv_gated(
     tiles it loads (rounded as ``silu_and_mul_ref``), so the ``[M, K]`` activation is never written."""
     require_triton("gemv_gated")
     check_gemv_inputs(x2, weight, bias, gated=True)
-    return _launch(x2, weight, bias, config, plan, gated=True)
+    return _launch(x2, weight, bias, config, plan, gated=True)[0]
+
+
+def gemv_normed(
+    norm: NormIn,  # x = rms_norm(norm.h) * norm.weight, [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    *,
+    plan: GemvPlan | None = None,
+) -> torch.Tensor:
+    """``gemv(rms_norm(h) * norm_weight, weight, bias)`` in one launch: the GEMV normalizes every x tile it
+    loads, from the partial sums of squares of the GEMV that wrote ``h`` (``kernels.fused_norm``)."""
+    require_triton("gemv_normed")
+    check_gemv_inputs(norm.h, weight, bias)
+    norm.check(weight.shape[1])
+    return _launch(norm.h, weight, bias, config, plan, gated=False, norm=norm)[0]
+
+
+def gemv_residual(
+    x: torch.Tensor,  # [M, K], or [M, 2K] (gate | up) when gated
+    weight: torch.Tensor,  # [N, K]
+    residual: torch.Tensor,  # [M, N], x's dtype
+    config: GemvConfig | None = None,
+    *,
+    plan: GemvPlan | None = None,
+    gated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = gemv(x, weight) + residual`` (``gemv_gated`` when ``gated``) and ``h``'s sums of squares over each
+    output tile's columns ``[M, tiles]`` fp32: the next RMSNorm's statistics (``kernels.fused_norm``)."""
+    require_triton("gemv_residual")
+    check_gemv_inputs(x, weight, None, gated=gated)
+    if residual.shape != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype or residual.stride(-1) != 1:
+        raise ValueError(f"gemv_residual: residual must be [M, N] of x's dtype, got {residual.dtype} {residual.shape}")
+    out, sumsq = _launch(x, weight, None, config, plan, gated=gated, residual=residual)
+    assert sumsq is not None
+    return out, sumsq
 
 
 def _launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
-    plan: GemvPlan | None, gated: bool,
-) -> torch.Tensor:  # fmt: skip
-    """``gemv`` / ``gemv_gated`` after their checks (K is weight's)."""
+    plan: GemvPlan | None, gated: bool, norm: NormIn | None = None, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The launch after the checks (K is weight's): the output, and its sums of squares with ``residual``."""
     m, (n, k) = x.shape[0], weight.shape
     sms = num_sms(x.device.index or 0) if x.is_cuda else 8
     plan = plan or plan_gemv(m, n, k, sms, config)
@@ -390,20 +449,28 @@ def _launch(
         ws = zeroed_buffer(x.device, torch.float32, m * n)
     if mode in (1, 2):
         cnt = zeroed_buffer(x.device, torch.int32, num_tiles)
+    if residual is not None and mode == 3:
+        raise ValueError("gemv_residual: the two_pass reduction does not add a residual (counter or atomic do)")
+    sumsq = new_sumsq(m, num_tiles, x.device) if residual is not None else None
     b = bias if bias is not None else out
     pdl = plan.pdl and x.is_cuda and not _INTERPRET  # inline PTX: not under the interpreter
     _gemv_kernel[(num_tiles, plan.split_k)](
-        x, weight, b, out, ws, cnt, m, n, k, plan.k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, b, out, ws, cnt, out if norm is None else norm.weight, out if norm is None else norm.sumsq,
+        out if residual is None else residual, out if sumsq is None else sumsq,
+        m, n, k, plan.k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        0 if residual is None else residual.stride(0), 1 if norm is None else norm.sumsq.shape[1],
+        0.0 if norm is None else norm.eps,
         HAS_BIAS=bias is not None, USE_DOT=plan.kernel == "dot", BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         BLOCK_K=plan.block_k, NUM_STAGES=plan.num_stages, SPLIT_MODE=mode,
         EVEN=n % plan.block_n == 0 and k % plan.k_per_split == 0, PDL=pdl, GATED=gated,
+        NORMED=norm is not None, PARTS=1 if norm is None else norm.parts_block, ADD_RESIDUAL=residual is not None,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     if mode == 3:
         _gemv_reduce_kernel[(m, -(-n // 1024))](
             ws, b, out, m, n, plan.split_k, out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=1024, num_warps=4
         )
-    return out
+    return out, sumsq
 
 
 @lru_cache(maxsize=1024)
@@ -413,17 +480,19 @@ def _layer_plan(m: int, n: int, k: int, sms: int, max_m: int, max_elems: int) ->
     return plan_gemv(m, n, k, sms)
 
 
-def _layer_gemv_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> GemvPlan | None:
+def _layer_gemv_plan(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool, any_size: bool = False
+) -> GemvPlan | None:
     """The plan where the dense layers take the GEMV (CUDA, fp16/bf16, 2-D x, contiguous along the last dim,
     ``plan_gemv`` picks it for the shape), else None. The first test is on M alone, so prefill pays nothing
-    for the check. ``gated``: x is ``x2 [M, 2K]``."""
+    for the check. ``gated``: x is ``x2 [M, 2K]``; ``any_size``: whatever the weight's size (a fused norm)."""
     if x.dim() != 2 or x.shape[0] > GEMV_MAX_M or not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
         return None
     (m, k), n = x.shape, weight.shape[0]
     k = k // 2 if gated else k
     plan = _layer_plan(m, n, k, num_sms(x.device.index or 0), GEMV_MAX_M, GEMV_MAX_WEIGHT_ELEMS) if m else None
     contiguous = x.stride(-1) == 1 and weight.stride(-1) == 1 and (bias is None or bias.stride(-1) == 1)
-    if plan is None or not plan.use_gemv or weight.dtype != x.dtype or not contiguous:
+    if plan is None or not (plan.use_gemv or any_size) or weight.dtype != x.dtype or not contiguous:
         return None
     return plan
 
@@ -443,3 +512,25 @@ def linear_gated(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return gemv_gated(x2, weight, bias, plan=plan)
     act = silu_and_mul(x2) if x2.is_cuda and HAS_TRITON else silu_and_mul_ref(x2)
     return linear(act, weight, bias)
+
+
+def linear_normed(norm: NormIn, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(rms_norm(h) * norm_weight, weight, bias)``: by ``gemv_normed`` wherever the GEMV takes this
+    M (whatever the weight's size: the norm's launch saved outweighs cuBLAS's edge on the largest layers),
+    else the norm (Triton on CUDA) and ``linear``."""
+    plan = _layer_gemv_plan(norm.h, weight, bias, gated=False, any_size=True)
+    if plan is not None:
+        return gemv_normed(norm, weight, bias, plan=plan)
+    return linear(materialize(norm), weight, bias)
+
+
+def linear_residual(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, gated: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = F.linear(x, weight) + residual`` (of ``silu_and_mul(x)`` when ``gated``) and ``h``'s sums of
+    squares ``[M, P]``: by ``gemv_residual`` where ``linear`` (``linear_gated``) takes the GEMV, else
+    ``linear`` and ``kernels.fused_norm.residual_sum_ref`` (one partial a row)."""
+    plan = _layer_gemv_plan(x, weight, None, gated=gated) if GEMV_GATED or not gated else None
+    if plan is not None:
+        return gemv_residual(x, weight, residual, plan=plan, gated=gated)
+    return residual_sum_ref(linear_gated(x, weight) if gated else linear(x, weight), residual, 1)

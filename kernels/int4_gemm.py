@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from kernels._triton import check_float, require_triton, tl, triton
 from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.fused_norm import NormIn, materialize, residual_sum_ref
 from kernels.int4_dequant import MAGIC_BITS, PACK, check_int4_weights, codes_tile, dequant_tile, dequantize_int4
 from kernels.int4_gemv import finish_tile, int4_gemv_launch, split_target
 from kernels.int4_gemv_cols import int4_gemv_cols_launch
@@ -102,8 +103,8 @@ def _int4_gemm_kernel(
             acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
     tile = pid_m * tl.num_programs(1) + pid_n
     finish_tile(
-        acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, tile, pid_k, tl.num_programs(2),
-        SPLIT_MODE, SPLIT_CHUNK,
+        acc, out_ptr, ws_ptr, cnt_ptr, out_ptr, ws_ptr, offs_m, offs_n, M, N, stride_om, 0, tile, 0, pid_k,
+        tl.num_programs(2), SPLIT_MODE, SPLIT_CHUNK, False,
     )  # fmt: skip
 
 
@@ -217,6 +218,62 @@ def int4_gemm_gated(
     return out
 
 
+def int4_gemm_normed(
+    norm: NormIn,  # x = rms_norm(norm.h) * norm.weight, [M, K]
+    qweight: torch.Tensor,  # [K // 8, N] int32
+    scales: torch.Tensor,  # [num_groups, N]
+    zeros: torch.Tensor,  # [num_groups, N] uint8
+    group_size: int,
+    g_idx: torch.Tensor | None = None,  # [K] int32
+    config: Int4GemmConfig | None = None,
+) -> torch.Tensor:
+    """``int4_gemm(rms_norm(h) * norm_weight, ...)``: where the launch is the GEMV its programs normalize the x
+    they load, from the partial sums of squares of the GEMV that wrote ``h`` (``kernels.fused_norm``); another
+    kernel gets the norm's own launch first."""
+    require_triton("int4_gemm_normed")
+    _check_inputs(norm.h, qweight, scales, zeros, group_size, g_idx)
+    norm.check(norm.h.shape[1])
+    m, n = norm.h.shape[0], scales.shape[1]
+    cfg = _pick(norm.h, qweight, scales, group_size, g_idx, config) if m and n else None
+    if cfg is not None and cfg.kernel != "gemv":
+        return int4_gemm(materialize(norm), qweight, scales, zeros, group_size, g_idx, config)
+    out = torch.empty((m, n), dtype=norm.h.dtype, device=norm.h.device)
+    if cfg is not None:
+        _launch_gemv(norm.h, qweight, scales, zeros, group_size, g_idx, out, cfg, gated=False, norm=norm)
+    return out
+
+
+def int4_gemm_residual(
+    x: torch.Tensor,  # [M, K], or [M, 2K] (gate | up) when gated
+    qweight: torch.Tensor,  # [K // 8, N] int32
+    scales: torch.Tensor,  # [num_groups, N]
+    zeros: torch.Tensor,  # [num_groups, N] uint8
+    group_size: int,
+    g_idx: torch.Tensor | None,  # [K] int32
+    residual: torch.Tensor,  # [M, N], x's dtype
+    gated: bool = False,
+    config: Int4GemmConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = int4_gemm(x, ...) + residual`` (``int4_gemm_gated`` when ``gated``) and ``h``'s sums of squares
+    ``[M, P]`` fp32, the next RMSNorm's statistics: the GEMV adds and sums as it writes each output tile;
+    another kernel is followed by ``kernels.fused_norm.residual_sum_ref`` (one partial a row)."""
+    require_triton("int4_gemm_residual")
+    k = qweight.shape[-2] * PACK
+    gate = x[:, :k] if gated else x
+    _check_inputs(gate, qweight, scales, zeros, group_size, g_idx)
+    m, n = x.shape[0], scales.shape[1]
+    if residual.shape != (m, n) or residual.dtype != x.dtype or (n > 1 and residual.stride(1) != 1):
+        raise ValueError(f"residual must be [{m}, {n}] of x's dtype, got {residual.dtype} {tuple(residual.shape)}")
+    cfg = _pick(gate, qweight, scales, group_size, g_idx, config) if m and n else None
+    if cfg is None or cfg.kernel != "gemv" or (gated and x.shape[1] != 2 * k):
+        gemm = int4_gemm_gated if gated else int4_gemm
+        return residual_sum_ref(gemm(x, qweight, scales, zeros, group_size, g_idx, config), residual, 1)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    sumsq = _launch_gemv(x, qweight, scales, zeros, group_size, g_idx, out, cfg, gated=gated, residual=residual)
+    assert sumsq is not None
+    return out, sumsq
+
+
 def _pick(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -244,12 +301,14 @@ def _launch_gemv(
     out: torch.Tensor,
     cfg: Int4Launch,
     gated: bool,
-) -> None:
-    int4_gemv_launch(
+    norm: NormIn | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    return int4_gemv_launch(
         x, qweight, scales, zeros, group_size, g_idx, out,
         block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, split_reduce=cfg.split_reduce,
         factored=cfg.factored, num_warps=cfg.num_warps, num_stages=cfg.num_stages, subnormal=cfg.subnormal,
-        gated=gated,
+        gated=gated, norm=norm, residual=residual,
     )  # fmt: skip
 
 

@@ -43,6 +43,7 @@ import torch
 
 from kernels._triton import next_pow2, tl, triton
 from kernels.activation import silu_mul
+from kernels.fused_norm import NormIn, new_sumsq, normalize, row_inv_rms, store_tile
 
 SPLIT_MODES = {"none": 0, "counter": 1, "atomic": 2}
 SPLIT_CHUNK_ELEMS = 4096  # fp32 partials the last program of a tile loads at once: [chunk, BM, BN]
@@ -67,16 +68,18 @@ def _sum_partials(total, ws_ptr, mn, mask, plane, num_splits, SPLIT_CHUNK: tl.co
 
 @triton.jit
 def finish_tile(
-    acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, tile, pid_k, num_splits,
-    SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    acc, out_ptr, ws_ptr, cnt_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, tile, num_tiles,
+    pid_k, num_splits, SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     """Writes a program's fp32 ``acc [BM, BN]`` (rows ``offs_m``, columns ``offs_n``, unit stride along N)
-    as the module docstring's split modes say; ``tile`` numbers the output tile for its counter."""
+    as the module docstring's split modes say; ``tile`` numbers the output tile (of ``num_tiles``) for its
+    counter. ADD_RESIDUAL: ``kernels.fused_norm.store_tile`` adds ``res`` and writes ``ss[:, tile]``."""
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mn = offs_m[:, None] * N + offs_n[None, :]  # [BM, BN] offsets in a contiguous fp32 [M, N] plane
     if SPLIT_MODE == 0:  # none
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        store_tile(
+            acc, out_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, tile, num_tiles, ADD_RESIDUAL
+        )
     else:
         if SPLIT_MODE == 1:  # counter
             tl.store(ws_ptr + pid_k * M * N + mn, acc, mask=mask)
@@ -98,7 +101,10 @@ def finish_tile(
                 # zeroes sums that another warp has yet to read (wrong outputs on an H200 at 7f8955d)
                 tl.debug_barrier()
                 tl.store(ws_ptr + mn, tl.zeros_like(acc), mask=mask)
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            store_tile(
+                total, out_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, tile, num_tiles,
+                ADD_RESIDUAL,
+            )  # fmt: skip
             tl.store(cnt_ptr + tile, 0)  # ready for the next launch
 
 
@@ -251,11 +257,13 @@ def _subnormal_tile(
 
 @triton.jit
 def _exact_tile(
-    words, x_ptr, s_ptr, z_ptr, g_ptr, k0, k_end, offs_m, offs_n, M, N,
+    words, x_ptr, s_ptr, z_ptr, g_ptr, nw_ptr, inv, k0, k_end, offs_m, offs_n, M, N,
     stride_xm, stride_xk, stride_sg, stride_zg, up_offset,
     GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr, GATED: tl.constexpr,
+    NORMED: tl.constexpr,
 ):  # fmt: skip
-    """One tile's ``sum_k w_k x_k`` ``[BM, BN]``, every weight dequantized and rounded as the reference does."""
+    """One tile's ``sum_k w_k x_k`` ``[BM, BN]``, every weight dequantized and rounded as the reference does
+    (NORMED: x normalized with weight ``nw`` and ``inv [BM, 1]``, ``kernels.fused_norm``)."""
     ROWS: tl.constexpr = words.shape[0]
     offs_i = tl.arange(0, ROWS)
     t = tl.zeros((offs_m.shape[0], ROWS, offs_n.shape[0]), dtype=tl.float32)
@@ -271,6 +279,8 @@ def _exact_tile(
             x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
             (offs_m < M)[:, None] & mask_k[None, :], up_offset, GATED,
         )  # [BM, R]  # fmt: skip
+        if NORMED:
+            xj = normalize(xj, tl.load(nw_ptr + k, mask=mask_k, other=0.0)[None, :], inv)
         if not ONE_GROUP_PER_TILE:
             g = tl.load(g_ptr + k, mask=mask_k, other=0) if HAS_G_IDX else k // GROUP_SIZE
             mask_w = mask_k[:, None] & mask_n[None, :]
@@ -285,13 +295,17 @@ def _exact_tile(
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every M of a block_m (M = 1 would be its own)
 def _int4_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, ssi_ptr, res_ptr, sso_ptr,
     M, N, K, K_PER_SPLIT, one_bits,
-    stride_xm, stride_xk, stride_qk, stride_sg, stride_zg, stride_om,
+    stride_xm, stride_xk, stride_qk, stride_sg, stride_zg, stride_om, stride_rm, num_parts, eps,
     GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, FACTORED: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
     SUBNORMAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
+    NORMED: tl.constexpr, PARTS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
+    """NORMED: x is ``h``, normalized as it is loaded (weight ``nw``, partial sums of squares ``ssi [M,
+    num_parts]``); ADD_RESIDUAL: the output is ``out + res``, its sums of squares to ``sso``
+    (``kernels.fused_norm``)."""
     ROWS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -303,6 +317,7 @@ def _int4_gemv_kernel(
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     up_offset = K * stride_xk  # GATED: x is x2 [M, 2K], the up half K columns after the gate
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    inv = row_inv_rms(ssi_ptr, offs_m, M, num_parts, K, eps, PARTS) if NORMED else tl.zeros((BLOCK_M,), tl.float32)
     # a dot-free loop is software-pipelined only when the loop itself carries num_stages
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         rows = k0 // 8 + offs_i  # [R] word rows
@@ -313,6 +328,8 @@ def _int4_gemv_kernel(
             mask_x = (offs_m < M)[:, None, None] & ((xk < k_end)[None, :, :] | EVEN)  # rows past M: always
             x_ptrs = x_ptr + offs_m[:, None, None] * stride_xm + xk[None, :, :] * stride_xk  # [BM, R, 8]
             x = _load_x(x_ptrs, mask_x, up_offset, GATED)
+            if NORMED:
+                x = normalize(x, _load(nw_ptr + xk, xk < k_end, EVEN)[None, :, :], inv[:, None, None])
             g = k0 // GROUP_SIZE
             acc += _factored_tile(
                 words, x.to(tl.float32), s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, one_bits, BLOCK_M, ROWS, EVEN,
@@ -320,12 +337,13 @@ def _int4_gemv_kernel(
             )  # fmt: skip
         else:
             acc += _exact_tile(
-                words, x_ptr, s_ptr, z_ptr, g_ptr, k0, k_end, offs_m, offs_n, M, N,
+                words, x_ptr, s_ptr, z_ptr, g_ptr, nw_ptr, inv[:, None], k0, k_end, offs_m, offs_n, M, N,
                 stride_xm, stride_xk, stride_sg, stride_zg, up_offset, GROUP_SIZE, HAS_G_IDX, ONE_GROUP_PER_TILE, GATED,
+                NORMED,
             )  # fmt: skip
     finish_tile(
-        acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k, tl.num_programs(1),
-        SPLIT_MODE, SPLIT_CHUNK,
+        acc, out_ptr, ws_ptr, cnt_ptr, res_ptr, sso_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n,
+        tl.num_programs(0), pid_k, tl.num_programs(1), SPLIT_MODE, SPLIT_CHUNK, ADD_RESIDUAL,
     )  # fmt: skip
 
 
@@ -347,10 +365,14 @@ def int4_gemv_launch(
     num_stages: int,
     subnormal: bool = False,
     gated: bool = False,
-) -> None:
+    norm: NormIn | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Launches the GEMV on inputs ``kernels.int4_gemm.int4_gemm`` (``int4_gemm_gated``) has checked;
     ``factored`` needs each ``block_k`` tile inside one group (no g_idx, ``group_size % block_k == 0``) and
-    falls back to exact. ``gated``: the GEMV of ``silu_and_mul(x)``, K is half of x's columns."""
+    falls back to exact. ``gated``: the GEMV of ``silu_and_mul(x)``, K is half of x's columns. ``norm``: x is
+    its ``h``, normalized as loaded; ``residual``: ``out`` gets ``out + residual`` and the sums of squares
+    ``[M, tiles]`` are returned (``kernels.fused_norm``)."""
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = qweight.shape[1]
     block_m = next_pow2(m)
@@ -359,12 +381,19 @@ def int4_gemv_launch(
     num_tiles = -(-n // block_n)
     target = split_target(split_reduce, split, num_tiles, block_m * block_n, out)
     one_group = g_idx is None and group_size % block_k == 0
+    sumsq = new_sumsq(m, num_tiles, x.device) if residual is not None else None
     _int4_gemv_kernel[(num_tiles, split)](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, target.workspace, target.counters,
+        out if norm is None else norm.weight, out if norm is None else norm.sumsq,
+        out if residual is None else residual, out if sumsq is None else sumsq,
         m, n, k, k_per_split, 0x3F800000,
         x.stride(0), x.stride(1), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
+        0 if residual is None else residual.stride(0), 1 if norm is None else norm.sumsq.shape[1],
+        0.0 if norm is None else norm.eps,
         GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None, FACTORED=factored and one_group,
         ONE_GROUP_PER_TILE=one_group, SUBNORMAL=subnormal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk, EVEN=n % block_n == 0 and k % block_k == 0, GATED=gated,
+        NORMED=norm is not None, PARTS=1 if norm is None else norm.parts_block, ADD_RESIDUAL=residual is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    return sumsq

@@ -122,8 +122,8 @@ def _int4_gemv_cols_kernel(
         carrier = 256.0 * xs_lo + 16.0 * xs_hi  # [BM, 1]
         acc += s * ((256.0 * t_lo + 16.0 * t_hi) - (carrier + z * (xs_lo + xs_hi)))
     finish_tile(
-        acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k, tl.num_programs(1),
-        SPLIT_MODE, SPLIT_CHUNK,
+        acc, out_ptr, ws_ptr, cnt_ptr, out_ptr, ws_ptr, offs_m, offs_n, M, N, stride_om, 0, pid_n, 0, pid_k,
+        tl.num_programs(1), SPLIT_MODE, SPLIT_CHUNK, False,
     )  # fmt: skip
 
 

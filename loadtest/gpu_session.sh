@@ -46,6 +46,10 @@
 #                     kernel (PAGEDSERVE_SPLIT_DECODE_ROWS=1), then `mixed` by kernel category with and without it
 #                     (run_profile, which warms up first; SD_AGAIN=1: each twice, alternating)
 #   stage sa (~6 min): `mixed` unprofiled, a mixed step's decode rows split or not (1 0 1 0 1), one process each
+#   stage fn (~8 min): RMSNorm carried by the GEMVs at batch 1 (kernels.fused_norm): its GPU tests with the GEMV, norm,
+#                     graph, bf16 and HF ones (FN_TESTS), then batch-1 TPOT of the bf16 8B shape with and without it,
+#                     alternating (PAGEDSERVE_FUSED_NORM, FN_RUNS, default "1 0 1 0"); FN_INT4=1: then the int4 model
+#                     (and bf16 beside it, loadtest.int4_bench --only model) once with and once without it
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -53,7 +57,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, sd, sa, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, sd, sa, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -142,6 +146,21 @@ elif [ "$stage" = f ]; then
   done
   python -m loadtest.run_profile --shape 8b --workload mixed --max-model-len 4096 --max-num-seqs 512 \
     --out "$out/run_profile.json" 2>&1 | grep -v USDT | tail -24
+elif [ "$stage" = fn ]; then
+  python -m pytest -q -p no:cacheprovider tests/kernels/test_fused_norm.py tests/kernels/test_gpu.py tests/engine/test_gpu.py \
+    -m gpu -k "${FN_TESTS:-fused or gemv or graph or bf16 or hf or norm}" > "$out/gpu_tests.txt" 2>&1 \
+    && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
+  { grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
+  for fused in ${FN_RUNS:-1 0 1 0}; do  # batch-1 TPOT with and without the fused norms, alternating
+    PAGEDSERVE_FUSED_NORM=$fused python -m loadtest.throughput latency --shape 8b --max-model-len 4096 2>&1 \
+      | grep -E "tpot|ttft" | tr -d '\n '; echo " fused_norm=$fused"
+  done
+  if [ -n "${FN_INT4:-}" ]; then
+    for fused in 1 0; do
+      PAGEDSERVE_FUSED_NORM=$fused python -m loadtest.int4_bench --only model --out "$out/int4-model-fused$fused.json" \
+        2>&1 | grep -v '^{"layer"' | tail -6 | sed "s/^/fused_norm=$fused /"
+    done
+  fi
 elif [ "$stage" = sd ]; then
   PAGEDSERVE_SPLIT_DECODE_ROWS=1 python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py tests/engine/test_gpu.py \
     -k "not int4 and not gemv" > "$out/gpu_tests.txt" 2>&1 && echo "GPU TESTS (split) PASSED" \

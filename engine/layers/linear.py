@@ -17,8 +17,11 @@ from torch import nn
 
 from engine.layers.weights import LinearSlice, WeightSource, copy_checked, read_full, set_weight_loader
 from engine.parallel import ParallelState, divide
+from kernels.fused_norm import NormIn, materialize, residual_sum_ref
 from kernels.gemv import linear as dense_linear
 from kernels.gemv import linear_gated as dense_linear_gated
+from kernels.gemv import linear_normed as dense_linear_normed
+from kernels.gemv import linear_residual as dense_linear_residual
 
 
 class QuantMethod(Protocol):
@@ -39,6 +42,18 @@ class GatedQuantMethod(QuantMethod, Protocol):
     def apply_gated(
         self, layer: Any, x2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class NormFusedQuantMethod(QuantMethod, Protocol):
+    """A ``QuantMethod`` whose matmul can carry the RMSNorm around it (``kernels.fused_norm``): normalize its
+    input as it loads it, or add the residual and sum the squares as it writes its output."""
+
+    def apply_normed(self, layer: Any, norm: NormIn) -> torch.Tensor: ...
+
+    def apply_residual(
+        self, layer: Any, x: torch.Tensor, residual: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def _new_param(*shape: int) -> nn.Parameter:
@@ -69,6 +84,7 @@ class _ParallelLinear(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.quant = quant
+        self.norm_quant = quant if isinstance(quant, NormFusedQuantMethod) else None
         self.weight: nn.Parameter | None = None
         if quant is None:
             self.weight = _new_param(output_size, input_size)
@@ -109,6 +125,17 @@ class _ParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
+
+    def forward_normed(self, norm: NormIn) -> torch.Tensor:
+        """``forward(rms_norm(norm.h) * norm.weight)``, the norm computed as the GEMV loads its input where the
+        matmul can (``kernels.fused_norm``), else by its own launch first."""
+        if self.norm_quant is not None:
+            y = self.norm_quant.apply_normed(self, norm)
+            return y if self.bias is None else y + self.bias
+        if self.quant is not None:
+            return self.forward(materialize(norm))
+        assert self.weight is not None
+        return dense_linear_normed(norm, self.weight, self.bias)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -214,6 +241,8 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__(self.input_size_per_rank, output_size, bias, parallel, quant, is_row_parallel=True)
         # decided once: a runtime-checkable isinstance costs microseconds, forward_gated runs per layer and step
         self.gated_quant = quant if isinstance(quant, GatedQuantMethod) else None
+        # a residual add after the all-reduce and the bias cannot ride on this rank's GEMV
+        self.fusable = parallel.world_size == 1 and not bias
 
     def slice_for(self, shard_id: Any) -> LinearSlice:
         size = self.input_size_per_rank
@@ -239,3 +268,18 @@ class RowParallelLinear(_ParallelLinear):
             assert self.weight is not None
             y = self.parallel.all_reduce(dense_linear_gated(x2, self.weight))
         return y if self.bias is None else y + self.bias
+
+    def forward_residual(
+        self, x: torch.Tensor, residual: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h = forward(x) + residual`` (``forward_gated(x, act)`` with ``act``) and ``h``'s sums of squares
+        ``[M, P]`` fp32 for the next norm (``kernels.fused_norm``): added and summed as the GEMV writes its
+        output where it can, else after the matmul (one partial a row)."""
+        gated = act is not None
+        if self.fusable and self.norm_quant is not None:
+            return self.norm_quant.apply_residual(self, x, residual, act)
+        if self.fusable and self.quant is None:
+            assert self.weight is not None
+            return dense_linear_residual(x, self.weight, residual, gated)
+        y = self.forward_gated(x, act) if act is not None else self.forward(x)
+        return residual_sum_ref(y, residual, 1)

@@ -7,6 +7,7 @@ and ``mlp.gate_up_proj``; ``load_weights`` maps HF names onto them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,6 +32,15 @@ from engine.parallel import ParallelState
 from engine.quantization.config import Int4Config
 from engine.quantization.formats import param_name
 from engine.quantization.int4_linear import Int4LinearMethod
+from kernels.fused_norm import NormIn
+
+# Decode steps of at most this many tokens carry each RMSNorm on the GEMVs around it (kernels.fused_norm), on
+# these devices (tests add "cpu": the same seam on the torch references); PAGEDSERVE_FUSED_NORM=0 turns it off.
+# Batch 1 only for now: its 65 norm launches a step are ~3 % of the bf16 8B model's time per token; at M > 1
+# the dense gate_up (cuBLAS there) would move onto the GEMV with its norm, which no benchmark has yet weighed.
+FUSED_NORM_MAX_M = 1
+FUSED_NORM_DEVICES = ("cuda",)
+FUSED_NORM = os.environ.get("PAGEDSERVE_FUSED_NORM", "1") != "0"
 
 # HF checkpoint name fragment -> (our fused module name fragment, shard id)
 _STACKED_PARAMS = (
@@ -90,11 +100,15 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, heads, D], [T, kv_heads, D] x2
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden), meta))  # [T, hidden]
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The projected ``qkv`` -> the attention's output ``[T, heads * D]``, o_proj's input."""
+        q, k, v = self.qkv_proj.split(qkv)  # [T, heads, D], [T, kv_heads, D] x2
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.attn(positions, q, k, v, meta)  # rope, K/V into the cache, attention: [T, heads, D]
-        return self.o_proj(out.reshape(out.shape[0], -1))  # [T, hidden]
+        return out.reshape(out.shape[0], -1)
 
 
 class LlamaMLP(nn.Module):
@@ -134,6 +148,21 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def forward_fused(
+        self, positions: torch.Tensor, h: torch.Tensor, sumsq: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with both norms carried by the GEMVs around them (``kernels.fused_norm``): ``h`` is the
+        residual stream, ``sumsq`` its partial sums of squares from the down projection before (None in the
+        first layer, whose input norm runs as its own launch). Returns the next ``(h, sumsq)``."""
+        attn, mlp = self.self_attn, self.mlp
+        if sumsq is None:
+            qkv = attn.qkv_proj(self.input_layernorm(h))
+        else:
+            qkv = attn.qkv_proj.forward_normed(_norm_in(self.input_layernorm, h, sumsq))
+        h, sumsq = attn.o_proj.forward_residual(attn.attend(positions, qkv, meta), h)
+        x2 = mlp.gate_up_proj.forward_normed(_norm_in(self.post_attention_layernorm, h, sumsq))
+        return mlp.down_proj.forward_residual(x2, h, mlp.act_fn)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, parallel: ParallelState, quant: QuantMethod | None = None) -> None:
@@ -145,14 +174,38 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, self.rotary_emb, parallel, quant) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.parallel = parallel
+        # the dense GEMV takes fp16 and bf16 only; the 4-bit one fp32 too
+        half = (torch.float16, torch.bfloat16)
+        self.fused_norm_dtypes = half if quant is None else (*half, torch.float32)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        if self._fuse_norms(hidden):
+            sumsq: torch.Tensor | None = None
+            for layer in self.layers:
+                assert isinstance(layer, LlamaDecoderLayer)
+                hidden, sumsq = layer.forward_fused(positions, hidden, sumsq, meta)
+            out = self.norm(hidden)
+            assert isinstance(out, torch.Tensor)
+            return out
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _fuse_norms(self, hidden: torch.Tensor) -> bool:
+        """Whether this step's norms ride on the GEMVs (``FUSED_NORM_MAX_M`` says when)."""
+        if not FUSED_NORM or hidden.shape[0] > FUSED_NORM_MAX_M or self.parallel.world_size > 1:
+            return False
+        if hidden.device.type not in FUSED_NORM_DEVICES:
+            return False
+        return not hidden.is_cuda or hidden.dtype in self.fused_norm_dtypes
+
+
+def _norm_in(norm: RMSNorm, h: torch.Tensor, sumsq: torch.Tensor) -> NormIn:
+    return NormIn(h, sumsq, norm.weight, norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):

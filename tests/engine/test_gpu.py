@@ -7,6 +7,7 @@ import dataclasses
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -288,3 +289,50 @@ def test_prefill_graph_mixed_step_with_cached_prefix_and_decode_rows(runner: Mod
 def test_steps_past_the_largest_prefill_graph_run_eagerly(runner: ModelRunner) -> None:
     prefill, _ = prefill_then_decode([200, 200, 200], 16, random.Random(3))
     assert runner.prefill_graphs is not None and not runner.prefill_graphs.can_run(prefill)
+
+
+def test_bf16_decode_with_fused_norms_matches_the_unfused_one(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch-1 decode steps with each RMSNorm carried by the GEMVs (``kernels.fused_norm``, the default on CUDA)
+    against the norms' own launches (``FUSED_NORM_DEVICES = ()``): the same logits up to bf16 rounding."""
+    from engine.loader import load_hf_config, load_model
+    from engine.models import llama
+    from engine.parallel import ParallelState
+    from modelfiles import resolve
+
+    files = resolve(str(folder))
+    model = load_model(files, load_hf_config(files), ParallelState(), torch.bfloat16, torch.device("cuda"))
+    ids = [random.Random(5).randrange(3, VOCAB_SIZE) for _ in range(40)]
+    fused_steps = []
+    fused = llama.LlamaDecoderLayer.forward_fused
+
+    def counted(layer: Any, *args: Any) -> Any:
+        fused_steps.append(1)
+        return fused(layer, *args)
+
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_fused", counted)
+    logits = {}
+    for devices in (("cuda",), ()):
+        monkeypatch.setattr(llama, "FUSED_NORM_DEVICES", devices)
+        for attn in model.attention_layers():
+            attn.kv_cache = torch.zeros(2, 8, 16, attn.num_kv_heads, attn.head_dim, dtype=torch.bfloat16, device="cuda")
+        got = []
+        with torch.no_grad():
+            for start, num_new in [(0, 20)] + [(p, 1) for p in range(20, len(ids))]:
+                meta = _cuda_meta(one_seq_metadata(list(range(8)), start, num_new))
+                pos = torch.arange(start, start + num_new).cuda()
+                got.append(model.compute_logits(model(torch.tensor(ids[start : start + num_new]).cuda(), pos, meta)))
+        logits[devices] = torch.cat(got)
+    assert len(fused_steps) == (len(ids) - 20) * 3
+    unfused = logits[()]
+    assert ((logits[("cuda",)] - unfused).norm() / unfused.norm()).item() < 5e-3
+
+
+def _cuda_meta(meta: Any) -> Any:
+    return dataclasses.replace(
+        meta,
+        slot_mapping=meta.slot_mapping.cuda(),
+        query_start_loc=meta.query_start_loc.cuda(),
+        seq_lens=meta.seq_lens.cuda(),
+        block_tables=meta.block_tables.cuda(),
+        backend="triton",
+    )

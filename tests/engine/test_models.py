@@ -12,7 +12,7 @@ import torch
 
 import modelfiles
 from engine.loader import load_hf_config, load_model
-from engine.models import build_model, model_class
+from engine.models import build_model, llama, model_class
 from engine.parallel import ParallelState
 from tests.helpers import (
     LLAMA3_ROPE,
@@ -86,6 +86,43 @@ def test_chunked_prefill_then_decode_match_hf(checkpoint: tuple[Path, Any, Any])
         got.append(ours.compute_logits(hidden))
     torch.testing.assert_close(torch.cat(got), expected, atol=ATOL, rtol=0)
     assert torch.equal(torch.cat(got)[23:].argmax(-1), expected[23:].argmax(-1))
+
+
+@torch.no_grad()
+def test_fused_norm_decode_equals_the_unfused_one(
+    checkpoint: tuple[Path, Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps (one token) with each RMSNorm carried by the projections around it (``kernels.fused_norm``;
+    on CPU the same seam runs the torch references): the logits are those of the unfused model bit for bit, and
+    match HF's. Covers the fallbacks too (a biased o_proj adds its residual after the matmul)."""
+    _, ours, hf = checkpoint
+    n = 30
+    ids = _prompt(n, seed=5)
+    expected = hf(ids[None]).logits[0]
+    table = _shuffled_table(12, seed=6)
+    steps = [(0, 20)] + [(p, 1) for p in range(20, n)]
+    fused_calls = []
+    fused = llama.LlamaDecoderLayer.forward_fused
+
+    def counted(layer: Any, *args: Any) -> Any:
+        fused_calls.append(1)
+        return fused(layer, *args)
+
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_fused", counted)
+    logits = {}
+    for devices in ((), ("cuda", "cpu")):
+        monkeypatch.setattr(llama, "FUSED_NORM_DEVICES", devices)
+        allocate_kv_caches(ours, num_blocks=12, block_size=BLOCK_SIZE)
+        got = []
+        for start, num_new in steps:
+            meta = one_seq_metadata(table, start, num_new, BLOCK_SIZE)
+            got.append(
+                ours.compute_logits(ours(ids[start : start + num_new], torch.arange(start, start + num_new), meta))
+            )
+        logits[devices] = torch.cat(got)
+    assert len(fused_calls) == (n - 20) * hf.config.num_hidden_layers  # only the fused run's decode steps
+    assert torch.equal(logits[()], logits[("cuda", "cpu")])
+    torch.testing.assert_close(logits[()], expected, atol=ATOL, rtol=0)
 
 
 def test_interface(checkpoint: tuple[Path, Any, Any]) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.models import llama
 from engine.quantization import int4_linear
 from engine.quantization.int4_linear import Int4LinearMethod
 from kernels import gemv as dense_gemv
@@ -110,3 +111,37 @@ def test_gated_down_projection_keeps_the_greedy_tokens(
         gated_rows.clear()
     assert tokens[True] == tokens[False]
     assert {1, 2} <= set(rows[True]) and rows[False] == []  # (prefill chunks pass through it too)
+
+
+@pytest.mark.slow  # ~10 s each: the interpreter runs every projection of two engines
+@pytest.mark.parametrize("name", ["ct-asym-g32", "gptq-g32-act-order"])  # the GEMV's factored and exact paths
+def test_fused_norms_keep_the_greedy_tokens(tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quantized layers on their CUDA path (the Triton kernels, run here by the interpreter on CPU) with each
+    RMSNorm of a batch-1 decode step carried by the GEMVs around it (``kernels.fused_norm``): the greedy tokens
+    equal those of the norms' own launches, and the fused GEMVs ran (o and down add the residual, qkv and gate_up
+    normalize, from the second layer on)."""
+    fmt, family, options = FORMATS[name]
+    folder, _ = build_quantized_model(tmp_path, fmt, family, seed=8, **options)
+    for method in ("apply", "apply_gated", "apply_normed", "apply_residual"):
+        monkeypatch.setattr(Int4LinearMethod, method, getattr(Int4LinearMethod, f"{method}_triton"))
+    calls: list[str] = []
+    for fn in ("int4_gemm_normed", "int4_gemm_residual"):
+        monkeypatch.setattr(int4_linear, fn, _counted(getattr(int4_linear, fn), fn, calls))
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(seed=9, n=2)]
+    tokens = {}
+    for devices in ((), ("cuda", "cpu")):
+        monkeypatch.setattr(llama, "FUSED_NORM_DEVICES", devices)
+        llm = LLM(str(folder), device="cpu", max_num_seqs=1, max_model_len=64)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+        tokens[devices] = [o.outputs[0].token_ids for o in outs]
+        assert bool(calls) == bool(devices)
+    assert tokens[()] == tokens[("cuda", "cpu")]
+    assert {"int4_gemm_normed", "int4_gemm_residual"} == set(calls)
+
+
+def _counted(fn: Any, name: str, calls: list[str]) -> Any:
+    def counted(*args: Any) -> Any:
+        calls.append(name)
+        return fn(*args)
+
+    return counted

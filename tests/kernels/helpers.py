@@ -68,7 +68,8 @@ def int4_weights(
 
 
 # Compiles a split-K kernel for sm_90 (no GPU needed) with the launcher's specialization of 16-aligned
-# pointers and sizes, and prints its TTGIR: argv = kernel ("gemv" | "gemv_cols" | "dot"), constexprs (JSON), num_warps.
+# pointers and sizes, and prints its TTGIR: argv = kernel ("gemv" | "gemv_cols" | "dot" | "dense"), constexprs (JSON),
+# num_warps.
 _COMPILE_SM90 = """
 import json, sys
 import triton
@@ -77,15 +78,20 @@ from triton.compiler import ASTSource
 from kernels.int4_gemm import _int4_gemm_kernel
 from kernels.int4_gemv import _int4_gemv_kernel
 from kernels.int4_gemv_cols import _int4_gemv_cols_kernel
+from kernels.gemv import _gemv_kernel
 
-kernel = {"gemv": _int4_gemv_kernel, "gemv_cols": _int4_gemv_cols_kernel, "dot": _int4_gemm_kernel}[sys.argv[1]]
-constexprs = json.loads(sys.argv[2])
-pointers = {"qw_ptr": "*i32", "g_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+kernel = {"gemv": _int4_gemv_kernel, "gemv_cols": _int4_gemv_cols_kernel, "dot": _int4_gemm_kernel,
+          "dense": _gemv_kernel}[sys.argv[1]]
 names = kernel.arg_names
-signature = {a: "constexpr" if a in constexprs else pointers.get(a, "*bf16" if a.endswith("_ptr") else "i32")
-             for a in names}
+fused_norm_off = {"NORMED": False, "PARTS": 1, "ADD_RESIDUAL": False}  # kernels.fused_norm's switches
+constexprs = {**{a: v for a, v in fused_norm_off.items() if a in names}, **json.loads(sys.argv[2])}
+pointers = {"qw_ptr": "*i32", "g_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+            "ssi_ptr": "*fp32", "sso_ptr": "*fp32"}
+scalars = {"eps": "fp32"}
+signature = {a: "constexpr" if a in constexprs else pointers.get(a, "*bf16" if a.endswith("_ptr") else
+             scalars.get(a, "i32")) for a in names}
 aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
-           if a not in constexprs and a not in ("M", "one_bits", "stride_xk")}
+           if a not in constexprs and a not in ("M", "one_bits", "stride_xk", "eps", "num_parts")}
 compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": int(sys.argv[3]), "num_stages": constexprs.get("NUM_STAGES", 3)})
 print(compiled.asm["ttgir"])
@@ -93,7 +99,8 @@ print(compiled.asm["ttgir"])
 
 
 def ttgir_sm90(kernel: str, constexprs: dict[str, object], num_warps: int) -> str:
-    """The TTGIR of ``kernel`` ("gemv" | "gemv_cols" | "dot", the int4 GEMMs) compiled for sm_90."""
+    """The TTGIR of ``kernel`` ("gemv" | "gemv_cols" | "dot", the int4 GEMMs; "dense", ``kernels.gemv``) compiled
+    for sm_90; ``kernels.fused_norm``'s switches default to off."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     root = Path(__file__).resolve().parents[2]
     args = [sys.executable, "-c", _COMPILE_SM90, kernel, json.dumps(constexprs), str(num_warps)]

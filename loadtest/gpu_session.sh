@@ -47,9 +47,9 @@
 #                     (run_profile, which warms up first; SD_AGAIN=1: each twice, alternating)
 #   stage sa (~6 min): `mixed` unprofiled, a mixed step's decode rows split or not (1 0 1 0 1), one process each
 #   stage fn (~8 min): RMSNorm carried by the GEMVs at batch 1 (kernels.fused_norm): its GPU tests with the GEMV, norm,
-#                     graph, bf16 and HF ones (FN_TESTS), then batch-1 TPOT of the bf16 8B shape with and without it,
-#                     alternating (PAGEDSERVE_FUSED_NORM, FN_RUNS, default "1 0 1 0"); FN_INT4=1: then the int4 model
-#                     (and bf16 beside it, loadtest.int4_bench --only model) once with and once without it
+#                     graph, bf16 and HF ones (FN_TESTS), then batch-1 TPOT of the bf16 8B shape for each
+#                     PAGEDSERVE_FUSED_NORM in FN_RUNS (default "all 0 input post all 0 input post", one process each);
+#                     then the int4 model (and bf16 beside it, loadtest.int4_bench --only model) for each in FN_INT4
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -151,16 +151,14 @@ elif [ "$stage" = fn ]; then
     -m gpu -k "${FN_TESTS:-fused or gemv or graph or bf16 or hf or norm}" > "$out/gpu_tests.txt" 2>&1 \
     && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   { grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
-  for fused in ${FN_RUNS:-1 0 1 0}; do  # batch-1 TPOT with and without the fused norms, alternating
+  for fused in ${FN_RUNS-all 0 input post all 0 input post}; do  # batch-1 TPOT by which norms are fused
     PAGEDSERVE_FUSED_NORM=$fused python -m loadtest.throughput latency --shape 8b --max-model-len 4096 2>&1 \
       | grep -E "tpot|ttft" | tr -d '\n '; echo " fused_norm=$fused"
   done
-  if [ -n "${FN_INT4:-}" ]; then
-    for fused in 1 0; do
-      PAGEDSERVE_FUSED_NORM=$fused python -m loadtest.int4_bench --only model --out "$out/int4-model-fused$fused.json" \
-        2>&1 | grep -v '^{"layer"' | tail -6 | sed "s/^/fused_norm=$fused /"
-    done
-  fi
+  for fused in ${FN_INT4:-}; do
+    PAGEDSERVE_FUSED_NORM=$fused python -m loadtest.int4_bench --only model --out "$out/int4-model-$fused.json" \
+      2>&1 | grep -v '^{"layer"' | tail -1 | sed "s/^/fused_norm=$fused /"
+  done
 elif [ "$stage" = sd ]; then
   PAGEDSERVE_SPLIT_DECODE_ROWS=1 python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py tests/engine/test_gpu.py \
     -k "not int4 and not gemv" > "$out/gpu_tests.txt" 2>&1 && echo "GPU TESTS (split) PASSED" \

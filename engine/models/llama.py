@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -40,7 +40,20 @@ from kernels.fused_norm import NormIn
 # the dense gate_up (cuBLAS there) would move onto the GEMV with its norm, which no benchmark has yet weighed.
 FUSED_NORM_MAX_M = 1
 FUSED_NORM_DEVICES = ("cuda",)
-FUSED_NORM = os.environ.get("PAGEDSERVE_FUSED_NORM", "1") != "0"
+
+
+def _fused_norm_sites(dense: str, int4: str) -> dict[bool, frozenset[str]]:
+    """The norms fused (LlamaDecoderLayer.forward) for dense and for 4-bit weights: PAGEDSERVE_FUSED_NORM is
+    "0" (none), "all" ("input" and "post"), "input" or "post"; unset: the measured defaults below."""
+    env = os.environ.get("PAGEDSERVE_FUSED_NORM")
+    names = {"0": frozenset(), "all": frozenset({"input", "post"}), "input": frozenset({"input"})}
+    names["post"] = frozenset({"post"})
+    if env is not None and env not in names:
+        raise ValueError(f"PAGEDSERVE_FUSED_NORM must be one of {sorted(names)}, got {env!r}")
+    return {False: names[env or dense], True: names[env or int4]}
+
+
+FUSED_NORM = _fused_norm_sites(dense="all", int4="0")  # keyed by "the weights are 4-bit"
 
 # HF checkpoint name fragment -> (our fused module name fragment, shard id)
 _STACKED_PARAMS = (
@@ -137,31 +150,31 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
-
-    def forward_fused(
-        self, positions: torch.Tensor, h: torch.Tensor, sumsq: torch.Tensor | None, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` with both norms carried by the GEMVs around them (``kernels.fused_norm``): ``h`` is the
-        residual stream, ``sumsq`` its partial sums of squares from the down projection before (None in the
-        first layer, whose input norm runs as its own launch). Returns the next ``(h, sumsq)``."""
+        self, positions: torch.Tensor, stream: Stream, meta: AttentionMetadata, fused: frozenset[str] = frozenset()
+    ) -> Stream:
+        """One layer on the residual stream. ``fused`` names the norms that ride on the GEMVs around them
+        (``kernels.fused_norm``): "input" (the next layer's input norm: down_proj adds the residual and sums
+        squares, the next qkv_proj normalizes), "post" (o_proj adds, gate_up_proj normalizes)."""
         attn, mlp = self.self_attn, self.mlp
-        if sumsq is None:
-            qkv = attn.qkv_proj(self.input_layernorm(h))
+        x, residual, sumsq = stream
+        if sumsq is not None:  # x is the stream after the residual add, whose norm the projection applies
+            qkv, residual = attn.qkv_proj.forward_normed(_norm_in(self.input_layernorm, x, sumsq)), x
+        elif residual is None:  # the first layer: the embedding is the residual
+            qkv, residual = attn.qkv_proj(self.input_layernorm(x)), x
         else:
-            qkv = attn.qkv_proj.forward_normed(_norm_in(self.input_layernorm, h, sumsq))
-        h, sumsq = attn.o_proj.forward_residual(attn.attend(positions, qkv, meta), h)
-        x2 = mlp.gate_up_proj.forward_normed(_norm_in(self.post_attention_layernorm, h, sumsq))
-        return mlp.down_proj.forward_residual(x2, h, mlp.act_fn)
+            x, residual = self.input_layernorm(x, residual)
+            qkv = attn.qkv_proj(x)
+        out = attn.attend(positions, qkv, meta)
+        if "post" in fused:
+            residual, sumsq = attn.o_proj.forward_residual(out, residual)
+            x2 = mlp.gate_up_proj.forward_normed(_norm_in(self.post_attention_layernorm, residual, sumsq))
+        else:
+            x, residual = self.post_attention_layernorm(attn.o_proj(out), residual)
+            x2 = mlp.gate_up_proj(x)
+        if "input" in fused:
+            residual, sumsq = mlp.down_proj.forward_residual(x2, residual, mlp.act_fn)
+            return Stream(residual, residual, sumsq)
+        return Stream(mlp.down_proj.forward_gated(x2, mlp.act_fn), residual, None)
 
 
 class LlamaModel(nn.Module):
@@ -178,30 +191,38 @@ class LlamaModel(nn.Module):
         # the dense GEMV takes fp16 and bf16 only; the 4-bit one fp32 too
         half = (torch.float16, torch.bfloat16)
         self.fused_norm_dtypes = half if quant is None else (*half, torch.float32)
+        self.fused_norm_sites = FUSED_NORM[quant is not None]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        if self._fuse_norms(hidden):
-            sumsq: torch.Tensor | None = None
-            for layer in self.layers:
-                assert isinstance(layer, LlamaDecoderLayer)
-                hidden, sumsq = layer.forward_fused(positions, hidden, sumsq, meta)
-            out = self.norm(hidden)
-            assert isinstance(out, torch.Tensor)
-            return out
-        residual: torch.Tensor | None = None
+        stream = Stream(hidden, None, None)
+        fused = self._fused_norms(hidden)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+            stream = layer(positions, stream, meta, fused)
+        x, residual, sumsq = stream
+        out = self.norm(x) if sumsq is not None or residual is None else self.norm(x, residual)[0]
+        assert isinstance(out, torch.Tensor)
+        return out
 
-    def _fuse_norms(self, hidden: torch.Tensor) -> bool:
-        """Whether this step's norms ride on the GEMVs (``FUSED_NORM_MAX_M`` says when)."""
-        if not FUSED_NORM or hidden.shape[0] > FUSED_NORM_MAX_M or self.parallel.world_size > 1:
-            return False
-        if hidden.device.type not in FUSED_NORM_DEVICES:
-            return False
-        return not hidden.is_cuda or hidden.dtype in self.fused_norm_dtypes
+    def _fused_norms(self, hidden: torch.Tensor) -> frozenset[str]:
+        """Which norms of this step ride on the GEMVs (``FUSED_NORM_MAX_M`` and ``FUSED_NORM`` say when)."""
+        if hidden.shape[0] > FUSED_NORM_MAX_M or self.parallel.world_size > 1:
+            return frozenset()
+        if hidden.device.type not in FUSED_NORM_DEVICES or (
+            hidden.is_cuda and hidden.dtype not in self.fused_norm_dtypes
+        ):
+            return frozenset()
+        return self.fused_norm_sites
+
+
+class Stream(NamedTuple):
+    """The residual stream between layers: ``x`` the last layer's output and ``residual`` the stream before it
+    is added (None in the first layer: the embedding is both); with ``sumsq``, ``x`` is already the sum and
+    ``sumsq`` its partial sums of squares, for the next projection to normalize."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    sumsq: torch.Tensor | None
 
 
 def _norm_in(norm: RMSNorm, h: torch.Tensor, sumsq: torch.Tensor) -> NormIn:

@@ -294,6 +294,7 @@ def test_steps_past_the_largest_prefill_graph_run_eagerly(runner: ModelRunner) -
 def test_bf16_decode_with_fused_norms_matches_the_unfused_one(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batch-1 decode steps with each RMSNorm carried by the GEMVs (``kernels.fused_norm``, the default on CUDA)
     against the norms' own launches (``FUSED_NORM_DEVICES = ()``): the same logits up to bf16 rounding."""
+    from engine.layers import linear
     from engine.loader import load_hf_config, load_model
     from engine.models import llama
     from engine.parallel import ParallelState
@@ -303,13 +304,14 @@ def test_bf16_decode_with_fused_norms_matches_the_unfused_one(folder: Path, monk
     model = load_model(files, load_hf_config(files), ParallelState(), torch.bfloat16, torch.device("cuda"))
     ids = [random.Random(5).randrange(3, VOCAB_SIZE) for _ in range(40)]
     fused_steps = []
-    fused = llama.LlamaDecoderLayer.forward_fused
+    normed = linear._ParallelLinear.forward_normed
 
     def counted(layer: Any, *args: Any) -> Any:
         fused_steps.append(1)
-        return fused(layer, *args)
+        return normed(layer, *args)
 
-    monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_fused", counted)
+    monkeypatch.setattr(linear._ParallelLinear, "forward_normed", counted)
+    monkeypatch.setattr(model.model, "fused_norm_sites", frozenset({"input", "post"}))
     logits = {}
     for devices in (("cuda",), ()):
         monkeypatch.setattr(llama, "FUSED_NORM_DEVICES", devices)
@@ -322,7 +324,7 @@ def test_bf16_decode_with_fused_norms_matches_the_unfused_one(folder: Path, monk
                 pos = torch.arange(start, start + num_new).cuda()
                 got.append(model.compute_logits(model(torch.tensor(ids[start : start + num_new]).cuda(), pos, meta)))
         logits[devices] = torch.cat(got)
-    assert len(fused_steps) == (len(ids) - 20) * 3
+    assert len(fused_steps) == (len(ids) - 20) * (2 * 3 - 1)  # qkv (from the second layer on) and gate_up
     unfused = logits[()]
     assert ((logits[("cuda",)] - unfused).norm() / unfused.norm()).item() < 5e-3
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import modelfiles
+from engine.layers import RowParallelLinear
 from engine.loader import load_hf_config, load_model
 from engine.models import build_model, llama, model_class
 from engine.parallel import ParallelState
@@ -89,10 +90,11 @@ def test_chunked_prefill_then_decode_match_hf(checkpoint: tuple[Path, Any, Any])
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("sites", [{"input", "post"}, {"input"}, {"post"}])
 def test_fused_norm_decode_equals_the_unfused_one(
-    checkpoint: tuple[Path, Any, Any], monkeypatch: pytest.MonkeyPatch
+    checkpoint: tuple[Path, Any, Any], sites: set[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Decode steps (one token) with each RMSNorm carried by the projections around it (``kernels.fused_norm``;
+    """Decode steps (one token) with RMSNorms carried by the projections around them (``kernels.fused_norm``;
     on CPU the same seam runs the torch references): the logits are those of the unfused model bit for bit, and
     match HF's. Covers the fallbacks too (a biased o_proj adds its residual after the matmul)."""
     _, ours, hf = checkpoint
@@ -101,14 +103,15 @@ def test_fused_norm_decode_equals_the_unfused_one(
     expected = hf(ids[None]).logits[0]
     table = _shuffled_table(12, seed=6)
     steps = [(0, 20)] + [(p, 1) for p in range(20, n)]
-    fused_calls = []
-    fused = llama.LlamaDecoderLayer.forward_fused
+    residual_adds = []
+    add = RowParallelLinear.forward_residual
 
     def counted(layer: Any, *args: Any) -> Any:
-        fused_calls.append(1)
-        return fused(layer, *args)
+        residual_adds.append(1)
+        return add(layer, *args)
 
-    monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_fused", counted)
+    monkeypatch.setattr(RowParallelLinear, "forward_residual", counted)
+    monkeypatch.setattr(ours.model, "fused_norm_sites", frozenset(sites))
     logits = {}
     for devices in ((), ("cuda", "cpu")):
         monkeypatch.setattr(llama, "FUSED_NORM_DEVICES", devices)
@@ -120,7 +123,8 @@ def test_fused_norm_decode_equals_the_unfused_one(
                 ours.compute_logits(ours(ids[start : start + num_new], torch.arange(start, start + num_new), meta))
             )
         logits[devices] = torch.cat(got)
-    assert len(fused_calls) == (n - 20) * hf.config.num_hidden_layers  # only the fused run's decode steps
+    # only the fused run's decode steps, one add per fused norm and layer
+    assert len(residual_adds) == (n - 20) * hf.config.num_hidden_layers * len(sites)
     assert torch.equal(logits[()], logits[("cuda", "cpu")])
     torch.testing.assert_close(logits[()], expected, atol=ATOL, rtol=0)
 

@@ -127,6 +127,8 @@ def test_fused_norms_keep_the_greedy_tokens(tmp_path: Path, name: str, monkeypat
     calls: list[str] = []
     for fn in ("int4_gemm_normed", "int4_gemm_residual"):
         monkeypatch.setattr(int4_linear, fn, _counted(getattr(int4_linear, fn), fn, calls))
+    everywhere = frozenset({"input", "post"})
+    monkeypatch.setattr(llama, "FUSED_NORM", {False: everywhere, True: everywhere})  # int4: off by default
     prompts = [{"prompt_token_ids": p} for p in make_prompts(seed=9, n=2)]
     tokens = {}
     for devices in ((), ("cuda", "cpu")):

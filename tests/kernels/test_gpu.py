@@ -88,7 +88,7 @@ def test_decode_batch1_in_cuda_graph(
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, eager)
-        assert all(not buf.any() for buf in _COUNTERS[query.device])
+        assert all(not buf.any() for buf in _COUNTERS.get(query.device, []))  # none made: nothing to check
     query.copy_(torch.randn(1, 32, 128, generator=gen).to(torch.bfloat16))  # the graph reads the new query
     graph.replay()
     ref = paged_decode_attention_ref(query, cache, tables, seq_lens, scale, sliding_window)

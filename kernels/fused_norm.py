@@ -1,17 +1,19 @@
 """RMSNorm carried by the GEMVs around it, for decode steps of a few rows (the engine: batch 1).
 
-A pre-norm decoder layer runs ``norm(o + residual)`` between the attention's output projection and the MLP's
-gate_up, and ``norm(down + residual)`` between the MLP's down projection and the next layer's qkv. At batch
-1 each norm is a launch of ~2 us that moves 24 KB: 65 of them a step, about 3 % of the bf16 8B model's time
-per token and 6 % of the 4-bit one's. Here the norm has no launch of its own:
+A pre-norm decoder layer runs ``norm(down + residual)`` between the MLP's down projection and the next layer's
+qkv (and ``norm(o + residual)`` between o_proj and gate_up). At batch 1 each norm is a launch of ~2 us that
+moves 24 KB. Here the norm has no launch of its own:
 
-- the producer (o_proj, down_proj) adds the residual as it writes its output tile, rounded as
-  ``rms_norm_ref`` rounds it (the product to the output dtype, then the sum), writes that sum ``h`` (the
-  new residual stream) and, per row, the fp32 sum of ``h**2`` over its tile's columns into ``sumsq [M, P]``,
-  one column per output tile (no atomics: the partials are summed in tile order by whoever reads them);
-- the consumer (qkv_proj, gate_up_proj) reads ``h``, computes each row's ``1 / rms`` from its ``P``
-  partials once per program, and normalizes every activation it loads as ``rms_norm_ref`` does
-  (``weight * (h * inv_rms)``, each product rounded to ``h``'s dtype).
+- the producer (down_proj) adds the residual as it writes its output tile, rounded as ``rms_norm_ref`` rounds
+  it (the product to the output dtype, then the sum), writes that sum ``h`` (the new residual stream) and,
+  per row, the fp32 sum of ``h**2`` over its tile's columns into ``sumsq [M, P]``, one column per output tile
+  (no atomics: the partials are summed in tile order by whoever reads them);
+- the consumer (qkv_proj) reads ``h``, computes each row's ``1 / rms`` from its ``P`` partials once per
+  program, and normalizes every activation it loads as ``rms_norm_ref`` does (``weight * (h * inv_rms)``,
+  each product rounded to ``h``'s dtype).
+
+Both GEMV families (``kernels.gemv``, ``kernels.int4_gemv``) take either role; which norms the engine fuses,
+and for which weights, is ``engine.models.llama.FUSED_NORM``'s measured choice.
 
 The only difference from ``rms_norm_ref`` (and from ``kernels.norm``) is the order in which the squares are
 summed; tests bound it. :class:`NormIn` / :func:`normed_ref` and :func:`residual_sum_ref` are the torch

@@ -480,19 +480,17 @@ def _layer_plan(m: int, n: int, k: int, sms: int, max_m: int, max_elems: int) ->
     return plan_gemv(m, n, k, sms)
 
 
-def _layer_gemv_plan(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool, any_size: bool = False
-) -> GemvPlan | None:
+def _layer_gemv_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> GemvPlan | None:
     """The plan where the dense layers take the GEMV (CUDA, fp16/bf16, 2-D x, contiguous along the last dim,
     ``plan_gemv`` picks it for the shape), else None. The first test is on M alone, so prefill pays nothing
-    for the check. ``gated``: x is ``x2 [M, 2K]``; ``any_size``: whatever the weight's size (a fused norm)."""
+    for the check. ``gated``: x is ``x2 [M, 2K]``."""
     if x.dim() != 2 or x.shape[0] > GEMV_MAX_M or not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
         return None
     (m, k), n = x.shape, weight.shape[0]
     k = k // 2 if gated else k
     plan = _layer_plan(m, n, k, num_sms(x.device.index or 0), GEMV_MAX_M, GEMV_MAX_WEIGHT_ELEMS) if m else None
     contiguous = x.stride(-1) == 1 and weight.stride(-1) == 1 and (bias is None or bias.stride(-1) == 1)
-    if plan is None or not (plan.use_gemv or any_size) or weight.dtype != x.dtype or not contiguous:
+    if plan is None or not plan.use_gemv or weight.dtype != x.dtype or not contiguous:
         return None
     return plan
 
@@ -515,10 +513,9 @@ def linear_gated(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear_normed(norm: NormIn, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(rms_norm(h) * norm_weight, weight, bias)``: by ``gemv_normed`` wherever the GEMV takes this
-    M (whatever the weight's size: the norm's launch saved outweighs cuBLAS's edge on the largest layers),
-    else the norm (Triton on CUDA) and ``linear``."""
-    plan = _layer_gemv_plan(norm.h, weight, bias, gated=False, any_size=True)
+    """``F.linear(rms_norm(h) * norm_weight, weight, bias)``: by ``gemv_normed`` where ``linear`` takes the
+    GEMV for this shape, else the norm (Triton on CUDA) and ``linear``."""
+    plan = _layer_gemv_plan(norm.h, weight, bias, gated=False)
     if plan is not None:
         return gemv_normed(norm, weight, bias, plan=plan)
     return linear(materialize(norm), weight, bias)

@@ -48,7 +48,7 @@
 #   stage sa (~6 min): `mixed` unprofiled, a mixed step's decode rows split or not (1 0 1 0 1), one process each
 #   stage fn (~8 min): RMSNorm carried by the GEMVs at batch 1 (kernels.fused_norm): its GPU tests with the GEMV, norm,
 #                     graph, bf16 and HF ones (FN_TESTS), then batch-1 TPOT of the bf16 8B shape for each
-#                     PAGEDSERVE_FUSED_NORM in FN_RUNS (default "all 0 input post all 0 input post", one process each);
+#                     PAGEDSERVE_FUSED_NORM in FN_RUNS (default "1 0 1 0", one process each);
 #                     then the int4 model (and bf16 beside it, loadtest.int4_bench --only model) for each in FN_INT4
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
@@ -151,7 +151,7 @@ elif [ "$stage" = fn ]; then
     -m gpu -k "${FN_TESTS:-fused or gemv or graph or bf16 or hf or norm}" > "$out/gpu_tests.txt" 2>&1 \
     && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   { grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
-  for fused in ${FN_RUNS-all 0 input post all 0 input post}; do  # batch-1 TPOT by which norms are fused
+  for fused in ${FN_RUNS-1 0 1 0}; do  # batch-1 TPOT with and without the fused input norms
     PAGEDSERVE_FUSED_NORM=$fused python -m loadtest.throughput latency --shape 8b --max-model-len 4096 2>&1 \
       | grep -E "tpot|ttft" | tr -d '\n '; echo " fused_norm=$fused"
   done

@@ -34,26 +34,18 @@ from engine.quantization.formats import param_name
 from engine.quantization.int4_linear import Int4LinearMethod
 from kernels.fused_norm import NormIn
 
-# Decode steps of at most this many tokens carry each RMSNorm on the GEMVs around it (kernels.fused_norm), on
-# these devices (tests add "cpu": the same seam on the torch references); PAGEDSERVE_FUSED_NORM=0 turns it off.
-# Batch 1 only for now: its 65 norm launches a step are ~3 % of the bf16 8B model's time per token; at M > 1
-# the dense gate_up (cuBLAS there) would move onto the GEMV with its norm, which no benchmark has yet weighed.
+# Decode steps of at most this many tokens carry each layer's input RMSNorm on the GEMVs around it (kernels.fused_norm:
+# the down projection before adds the residual and sums squares, qkv_proj normalizes as it loads), on these devices
+# (tests add "cpu": the same seam on the torch references). H200, 8B shape, batch-1 TPOT, one process each,
+# alternating (gpu_session.sh fn, 81c5c22): bf16 4.267 / 4.273 / 4.272 ms with it against 4.313 / 4.313 / 4.310
+# without (-1.0 %); the post-attention norm carried by o_proj and a GEMV gate_up as well: 4.272-4.276 (gate_up
+# leaves cuBLAS for nothing), that one alone 4.309-4.317. 4-bit: 2.532 ms against 2.525 without (the replicated
+# normalization costs the int4 GEMV what the launch saved), both norms 2.628, so off for 4-bit weights.
+# PAGEDSERVE_FUSED_NORM=1 / 0 turns it on / off for both.
 FUSED_NORM_MAX_M = 1
 FUSED_NORM_DEVICES = ("cuda",)
-
-
-def _fused_norm_sites(dense: str, int4: str) -> dict[bool, frozenset[str]]:
-    """The norms fused (LlamaDecoderLayer.forward) for dense and for 4-bit weights: PAGEDSERVE_FUSED_NORM is
-    "0" (none), "all" ("input" and "post"), "input" or "post"; unset: the measured defaults below."""
-    env = os.environ.get("PAGEDSERVE_FUSED_NORM")
-    names = {"0": frozenset(), "all": frozenset({"input", "post"}), "input": frozenset({"input"})}
-    names["post"] = frozenset({"post"})
-    if env is not None and env not in names:
-        raise ValueError(f"PAGEDSERVE_FUSED_NORM must be one of {sorted(names)}, got {env!r}")
-    return {False: names[env or dense], True: names[env or int4]}
-
-
-FUSED_NORM = _fused_norm_sites(dense="all", int4="0")  # keyed by "the weights are 4-bit"
+_FUSED_NORM_ENV = os.environ.get("PAGEDSERVE_FUSED_NORM")
+FUSED_NORM = {False: _FUSED_NORM_ENV != "0", True: _FUSED_NORM_ENV == "1"}  # keyed by "the weights are 4-bit"
 
 # HF checkpoint name fragment -> (our fused module name fragment, shard id)
 _STACKED_PARAMS = (
@@ -149,29 +141,24 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, stream: Stream, meta: AttentionMetadata, fused: frozenset[str] = frozenset()
-    ) -> Stream:
-        """One layer on the residual stream. ``fused`` names the norms that ride on the GEMVs around them
-        (``kernels.fused_norm``): "input" (the next layer's input norm: down_proj adds the residual and sums
-        squares, the next qkv_proj normalizes), "post" (o_proj adds, gate_up_proj normalizes)."""
+    def forward(self, positions: torch.Tensor, stream: Stream, meta: AttentionMetadata, fused: bool = False) -> Stream:
+        """One layer on the residual stream. ``fused``: the next layer's input norm rides on the GEMVs around it
+        (``kernels.fused_norm``): down_proj adds the residual and sums squares, the next qkv_proj normalizes."""
         attn, mlp = self.self_attn, self.mlp
         x, residual, sumsq = stream
         if sumsq is not None:  # x is the stream after the residual add, whose norm the projection applies
-            qkv, residual = attn.qkv_proj.forward_normed(_norm_in(self.input_layernorm, x, sumsq)), x
+            qkv, residual = (
+                attn.qkv_proj.forward_normed(NormIn(x, sumsq, self.input_layernorm.weight, self.input_layernorm.eps)),
+                x,
+            )
         elif residual is None:  # the first layer: the embedding is the residual
             qkv, residual = attn.qkv_proj(self.input_layernorm(x)), x
         else:
             x, residual = self.input_layernorm(x, residual)
             qkv = attn.qkv_proj(x)
-        out = attn.attend(positions, qkv, meta)
-        if "post" in fused:
-            residual, sumsq = attn.o_proj.forward_residual(out, residual)
-            x2 = mlp.gate_up_proj.forward_normed(_norm_in(self.post_attention_layernorm, residual, sumsq))
-        else:
-            x, residual = self.post_attention_layernorm(attn.o_proj(out), residual)
-            x2 = mlp.gate_up_proj(x)
-        if "input" in fused:
+        x, residual = self.post_attention_layernorm(attn.o_proj(attn.attend(positions, qkv, meta)), residual)
+        x2 = mlp.gate_up_proj(x)
+        if fused:
             residual, sumsq = mlp.down_proj.forward_residual(x2, residual, mlp.act_fn)
             return Stream(residual, residual, sumsq)
         return Stream(mlp.down_proj.forward_gated(x2, mlp.act_fn), residual, None)
@@ -191,7 +178,7 @@ class LlamaModel(nn.Module):
         # the dense GEMV takes fp16 and bf16 only; the 4-bit one fp32 too
         half = (torch.float16, torch.bfloat16)
         self.fused_norm_dtypes = half if quant is None else (*half, torch.float32)
-        self.fused_norm_sites = FUSED_NORM[quant is not None]
+        self.fuse_norm = FUSED_NORM[quant is not None]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
@@ -204,15 +191,13 @@ class LlamaModel(nn.Module):
         assert isinstance(out, torch.Tensor)
         return out
 
-    def _fused_norms(self, hidden: torch.Tensor) -> frozenset[str]:
-        """Which norms of this step ride on the GEMVs (``FUSED_NORM_MAX_M`` and ``FUSED_NORM`` say when)."""
-        if hidden.shape[0] > FUSED_NORM_MAX_M or self.parallel.world_size > 1:
-            return frozenset()
-        if hidden.device.type not in FUSED_NORM_DEVICES or (
-            hidden.is_cuda and hidden.dtype not in self.fused_norm_dtypes
-        ):
-            return frozenset()
-        return self.fused_norm_sites
+    def _fused_norms(self, hidden: torch.Tensor) -> bool:
+        """Whether this step's input norms ride on the GEMVs (``FUSED_NORM_MAX_M`` and ``FUSED_NORM`` say when)."""
+        if not self.fuse_norm or hidden.shape[0] > FUSED_NORM_MAX_M or self.parallel.world_size > 1:
+            return False
+        if hidden.device.type not in FUSED_NORM_DEVICES:
+            return False
+        return not hidden.is_cuda or hidden.dtype in self.fused_norm_dtypes
 
 
 class Stream(NamedTuple):
@@ -223,10 +208,6 @@ class Stream(NamedTuple):
     x: torch.Tensor
     residual: torch.Tensor | None
     sumsq: torch.Tensor | None
-
-
-def _norm_in(norm: RMSNorm, h: torch.Tensor, sumsq: torch.Tensor) -> NormIn:
-    return NormIn(h, sumsq, norm.weight, norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -117,9 +117,9 @@ def test_gated_down_projection_keeps_the_greedy_tokens(
 @pytest.mark.parametrize("name", ["ct-asym-g32", "gptq-g32-act-order"])  # the GEMV's factored and exact paths
 def test_fused_norms_keep_the_greedy_tokens(tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The quantized layers on their CUDA path (the Triton kernels, run here by the interpreter on CPU) with each
-    RMSNorm of a batch-1 decode step carried by the GEMVs around it (``kernels.fused_norm``): the greedy tokens
-    equal those of the norms' own launches, and the fused GEMVs ran (o and down add the residual, qkv and gate_up
-    normalize, from the second layer on)."""
+    input RMSNorm of a batch-1 decode step carried by the GEMVs around it (``kernels.fused_norm``, on by
+    PAGEDSERVE_FUSED_NORM=1 for 4-bit weights): the greedy tokens equal those of the norms' own launches, and the
+    fused GEMVs ran (down adds the residual, qkv normalizes, from the second layer on)."""
     fmt, family, options = FORMATS[name]
     folder, _ = build_quantized_model(tmp_path, fmt, family, seed=8, **options)
     for method in ("apply", "apply_gated", "apply_normed", "apply_residual"):
@@ -127,8 +127,7 @@ def test_fused_norms_keep_the_greedy_tokens(tmp_path: Path, name: str, monkeypat
     calls: list[str] = []
     for fn in ("int4_gemm_normed", "int4_gemm_residual"):
         monkeypatch.setattr(int4_linear, fn, _counted(getattr(int4_linear, fn), fn, calls))
-    everywhere = frozenset({"input", "post"})
-    monkeypatch.setattr(llama, "FUSED_NORM", {False: everywhere, True: everywhere})  # int4: off by default
+    monkeypatch.setattr(llama, "FUSED_NORM", {False: True, True: True})  # 4-bit: off by default
     prompts = [{"prompt_token_ids": p} for p in make_prompts(seed=9, n=2)]
     tokens = {}
     for devices in ((), ("cuda", "cpu")):

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import gemv as gemv_mod
+from kernels import gemv_plan
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.gemv import (
     GEMV_LIMIT_M,
@@ -123,8 +123,8 @@ def test_pdl_is_off_by_default_and_runs_in_the_interpreter(gen: torch.Generator)
 
 
 def test_plan_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gemv_mod, "GEMV_MAX_M", 4)
-    monkeypatch.setattr(gemv_mod, "GEMV_MAX_WEIGHT_ELEMS", 4096 * 14336)
+    monkeypatch.setattr(gemv_plan, "GEMV_MAX_M", 4)
+    monkeypatch.setattr(gemv_plan, "GEMV_MAX_WEIGHT_ELEMS", 4096 * 14336)
     assert plan_gemv(4, 4096, 14336, H200_SMS).use_gemv
     assert not plan_gemv(5, 4096, 14336, H200_SMS).use_gemv
     assert not plan_gemv(1, 28672, 4096, H200_SMS).use_gemv
@@ -172,7 +172,7 @@ def test_wrapper_checks() -> None:
 
 def test_linear_is_f_linear_off_cuda() -> None:
     """What the dense layers call: ``F.linear`` itself on CPU and while the plan says cuBLAS."""
-    assert gemv_mod.GEMV_MAX_M >= 2  # on CPU the GEMV is still never taken
+    assert gemv_plan.GEMV_MAX_M >= 2  # on CPU the GEMV is still never taken
     x, w, b = torch.randn(2, 32).bfloat16(), torch.randn(16, 32).bfloat16(), torch.randn(16).bfloat16()
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))
     assert torch.equal(linear(x[None], w), F.linear(x[None], w))

@@ -277,8 +277,9 @@ def test_dense_linear_with_gemv_in_decode_graphs(gen: torch.Generator, monkeypat
     one memory pool (as engine.cuda_graphs captures them, each size run eagerly first), every replay equal
     to the reference for new inputs."""
     from kernels import gemv as gemv_mod
+    from kernels import gemv_plan
 
-    monkeypatch.setattr(gemv_mod, "GEMV_MAX_M", 8)
+    monkeypatch.setattr(gemv_plan, "GEMV_MAX_M", 8)
     w, b = _cuda_randn(gen, 4096, 14336), _cuda_randn(gen, 4096)
     x = torch.zeros(8, 14336, dtype=torch.bfloat16, device="cuda")
     graphs, outs, pool = {}, {}, None
@@ -304,6 +305,7 @@ def test_gemv_gated_real_size(m: int, gen: torch.Generator, monkeypatch: pytest.
     against the reference; bit-equal to ``gemv`` / ``linear`` of the Triton activation (same ops, same
     order); ``linear_gated`` is ``F.linear`` of the activation where ``linear`` would call cuBLAS."""
     from kernels import gemv as gemv_mod
+    from kernels import gemv_plan
     from kernels.activation import silu_and_mul
     from kernels.gemv import GemvConfig, gemv, gemv_gated, gemv_gated_ref, linear_gated, scratch_is_zero
 
@@ -320,9 +322,9 @@ def test_gemv_gated_real_size(m: int, gen: torch.Generator, monkeypatch: pytest.
     fma = GemvConfig(kernel="fma", split_k=1)
     act = silu_and_mul(x2)
     assert torch.equal(gemv_gated(x2, w, b, fma), gemv(act, w, b, fma))
-    monkeypatch.setattr(gemv_mod, "GEMV_MAX_M", 8)  # the GEMV (the default plan, deterministic)
+    monkeypatch.setattr(gemv_plan, "GEMV_MAX_M", 8)  # the GEMV (the default plan, deterministic)
     assert torch.equal(linear_gated(x2, w, b), gemv_mod.linear(act, w, b))
-    monkeypatch.setattr(gemv_mod, "GEMV_MAX_M", 0)  # cuBLAS
+    monkeypatch.setattr(gemv_plan, "GEMV_MAX_M", 0)  # cuBLAS
     assert torch.equal(linear_gated(x2, w, b), torch.nn.functional.linear(act, w, b))
 
 

@@ -78,15 +78,7 @@ def test_bf16_logits_close_to_hf(folder: Path) -> None:
     for attn in model.attention_layers():
         attn.kv_cache = torch.zeros(2, 8, 16, attn.num_kv_heads, attn.head_dim, dtype=torch.bfloat16, device="cuda")
     ids = prompts()[3]
-    meta = one_seq_metadata(list(range(8)), 0, len(ids))
-    meta = dataclasses.replace(
-        meta,
-        slot_mapping=meta.slot_mapping.cuda(),
-        query_start_loc=meta.query_start_loc.cuda(),
-        seq_lens=meta.seq_lens.cuda(),
-        block_tables=meta.block_tables.cuda(),
-        backend="triton",
-    )
+    meta = _cuda_meta(one_seq_metadata(list(range(8)), 0, len(ids)))
     with torch.no_grad():
         hidden = model(torch.tensor(ids).cuda(), torch.arange(len(ids)).cuda(), meta)
         ours = model.compute_logits(hidden)

@@ -385,6 +385,16 @@ def _layer_gemv_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return plan
 
 
+def takes_gemv(m: int, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether ``linear`` (``linear_gated`` when ``gated``) runs the GEMV for ``m`` rows of this weight."""
+    if not weight.is_cuda or weight.dtype not in (torch.float16, torch.bfloat16) or weight.stride(-1) != 1:
+        return False
+    if not 1 <= m <= gemv_plan.GEMV_MAX_M or (gated and not GEMV_GATED):
+        return False
+    (n, k), sms = weight.shape, num_sms(weight.device.index or 0)
+    return _layer_plan(m, n, k, sms, gemv_plan.GEMV_MAX_M, gemv_plan.GEMV_MAX_WEIGHT_ELEMS).use_gemv
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, by the GEMV where ``plan_gemv`` picks it for this shape: what the dense linear layers call."""
     plan = _layer_gemv_plan(x, weight, bias, gated=False)

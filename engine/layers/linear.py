@@ -22,6 +22,7 @@ from kernels.gemv import linear as dense_linear
 from kernels.gemv import linear_gated as dense_linear_gated
 from kernels.gemv import linear_normed as dense_linear_normed
 from kernels.gemv import linear_residual as dense_linear_residual
+from kernels.gemv import takes_gemv
 
 
 class QuantMethod(Protocol):
@@ -136,6 +137,15 @@ class _ParallelLinear(nn.Module):
             return self.forward(materialize(norm))
         assert self.weight is not None
         return dense_linear_normed(norm, self.weight, self.bias)
+
+    def carries_norm(self, m: int, gated: bool = False) -> bool:
+        """Whether ``m`` rows of this layer's matmul (of ``silu_and_mul(x2)`` when ``gated``) run a GEMV that can
+        carry an RMSNorm (``forward_normed``, ``forward_residual``) on CUDA: 4-bit weights' GEMV, or the dense
+        GEMV where ``kernels.gemv.linear`` takes it for this shape."""
+        if self.quant is not None:
+            return self.norm_quant is not None
+        assert self.weight is not None
+        return takes_gemv(m, self.weight, gated)
 
 
 class ColumnParallelLinear(_ParallelLinear):

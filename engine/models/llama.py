@@ -41,7 +41,8 @@ from kernels.fused_norm import NormIn
 # without (-1.0 %); the post-attention norm carried by o_proj and a GEMV gate_up as well: 4.272-4.276 (gate_up
 # leaves cuBLAS for nothing), that one alone 4.309-4.317. 4-bit: 2.532 ms against 2.525 without (the replicated
 # normalization costs the int4 GEMV what the launch saved), both norms 2.628, so off for 4-bit weights.
-# PAGEDSERVE_FUSED_NORM=1 / 0 turns it on / off for both.
+# PAGEDSERVE_FUSED_NORM=1 / 0 turns it on / off for both. A model whose down_proj or qkv_proj would not run the
+# GEMV at batch 1 (a dense weight past kernels.gemv_plan.GEMV_MAX_WEIGHT_ELEMS, a bias, TP > 1) keeps the norm's launch.
 FUSED_NORM_MAX_M = 1
 FUSED_NORM_DEVICES = ("cuda",)
 _FUSED_NORM_ENV = os.environ.get("PAGEDSERVE_FUSED_NORM")
@@ -179,6 +180,7 @@ class LlamaModel(nn.Module):
         half = (torch.float16, torch.bfloat16)
         self.fused_norm_dtypes = half if quant is None else (*half, torch.float32)
         self.fuse_norm = FUSED_NORM[quant is not None]
+        self.gemvs_carry_norms: bool | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
@@ -197,7 +199,19 @@ class LlamaModel(nn.Module):
             return False
         if hidden.device.type not in FUSED_NORM_DEVICES:
             return False
-        return not hidden.is_cuda or hidden.dtype in self.fused_norm_dtypes
+        if not hidden.is_cuda:
+            return True  # tests: the seam on the torch references
+        if self.gemvs_carry_norms is None:  # decided once: the shapes do not change
+            self.gemvs_carry_norms = all(self._carry_norms(layer, hidden.shape[0]) for layer in self.layers)
+        return hidden.dtype in self.fused_norm_dtypes and self.gemvs_carry_norms
+
+    @staticmethod
+    def _carry_norms(layer: nn.Module, m: int) -> bool:
+        """Whether ``layer``'s down_proj and qkv_proj run GEMVs that carry the norm between them at ``m`` rows
+        (else the fused path would only add launches: a torch sum of squares no norm reads)."""
+        assert isinstance(layer, LlamaDecoderLayer)
+        down = layer.mlp.down_proj
+        return down.fusable and down.carries_norm(m, gated=True) and layer.self_attn.qkv_proj.carries_norm(m)
 
 
 class Stream(NamedTuple):

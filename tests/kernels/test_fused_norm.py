@@ -25,6 +25,7 @@ from kernels.gemv import (
     linear_normed,
     linear_residual,
     scratch_is_zero,
+    takes_gemv,
 )
 from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_normed, int4_gemm_residual
 from kernels.int4_plan import Int4GemmConfig
@@ -241,3 +242,17 @@ def test_a_captured_layer_replays_its_eager_result(gen: torch.Generator) -> None
         graph.replay()
         assert rel_err(out, layer()) < 1e-3
     assert not torch.equal(eager, out)  # replays computed with the new x
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_which_8b_layers_take_the_gemv() -> None:
+    """The engine fuses a norm only where both GEMVs around it run (``engine.models.llama``): at batch 1 the 8B
+    qkv and the gated down projection do, gate_up (cuBLAS) does not, nor 9 rows (above ``GEMV_MAX_M``)."""
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        return torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
+
+    assert takes_gemv(1, weight(QKV, HIDDEN)) and takes_gemv(1, weight(HIDDEN, INTER), gated=True)
+    assert not takes_gemv(1, weight(2 * INTER, HIDDEN)) and not takes_gemv(9, weight(QKV, HIDDEN))
+    assert not takes_gemv(1, weight(QKV, HIDDEN).float())

@@ -148,21 +148,20 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         x, residual, sumsq = stream
         if sumsq is not None:  # x is the stream after the residual add, whose norm the projection applies
-            qkv, residual = (
-                attn.qkv_proj.forward_normed(NormIn(x, sumsq, self.input_layernorm.weight, self.input_layernorm.eps)),
-                x,
-            )
-        elif residual is None:  # the first layer: the embedding is the residual
-            qkv, residual = attn.qkv_proj(self.input_layernorm(x)), x
+            norm = NormIn(x, sumsq, self.input_layernorm.weight, self.input_layernorm.eps)
+            residual = x
+            x = attn.o_proj(attn.attend(positions, attn.qkv_proj.forward_normed(norm), meta))
         else:
-            x, residual = self.input_layernorm(x, residual)
-            qkv = attn.qkv_proj(x)
-        x, residual = self.post_attention_layernorm(attn.o_proj(attn.attend(positions, qkv, meta)), residual)
-        x2 = mlp.gate_up_proj(x)
-        if fused:
-            residual, sumsq = mlp.down_proj.forward_residual(x2, residual, mlp.act_fn)
-            return Stream(residual, residual, sumsq)
-        return Stream(mlp.down_proj.forward_gated(x2, mlp.act_fn), residual, None)
+            if residual is None:  # the first layer: the embedding is the residual
+                residual, x = x, self.input_layernorm(x)
+            else:
+                x, residual = self.input_layernorm(x, residual)
+            x = attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        if not fused:
+            return Stream(mlp(x), residual, None)
+        residual, sumsq = mlp.down_proj.forward_residual(mlp.gate_up_proj(x), residual, mlp.act_fn)
+        return Stream(residual, residual, sumsq)
 
 
 class LlamaModel(nn.Module):

@@ -49,15 +49,16 @@ import torch.nn.functional as F
 
 from kernels import gemv_plan
 from kernels._triton import HAS_TRITON, require_triton, tl, triton
-from kernels.activation import silu_and_mul, silu_and_mul_ref, silu_mul
+from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.decode_plan import num_sms
-from kernels.fused_norm import NormIn, materialize, new_sumsq, normalize, residual_sum_ref, row_inv_rms, store_tile
+from kernels.fused_norm import NormIn, materialize, new_sumsq, normalize, residual_sum_ref, row_inv_rms
 from kernels.gemv_launch import check_gemv_inputs, zeroed_buffer
 from kernels.gemv_launch import scratch_is_zero as scratch_is_zero  # re-exported: tests and the benchmark check it
 from kernels.gemv_plan import GEMV_LIMIT_M as GEMV_LIMIT_M  # re-exported with the plan: tests and the benchmark
 from kernels.gemv_plan import GemvConfig as GemvConfig
 from kernels.gemv_plan import GemvPlan as GemvPlan
 from kernels.gemv_plan import plan_gemv as plan_gemv
+from kernels.gemv_split import finish, gemv_reduce_kernel, load_x
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SPLIT_MODES = {"none": 0, "counter": 1, "atomic": 2, "two_pass": 3}
@@ -85,75 +86,6 @@ def gemv_gated_ref(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 # ---- Triton ----
-
-
-@triton.jit
-def _load_x(x_ptrs, mask, K, GATED: tl.constexpr):
-    """x's ``[BM, BK]`` tile; GATED: ``silu(gate) * up`` of x2 ``[M, 2K]`` (up K columns on), rounded to
-    x's dtype twice as ``silu_and_mul_ref`` (the silu, then the product)."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
-    if GATED:
-        x = silu_mul(x, tl.load(x_ptrs + K, mask=mask, other=0.0, eviction_policy="evict_last"))
-    return x
-
-
-@triton.jit
-def _store_out(
-    total, out_ptr, b_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n,
-    HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-):  # fmt: skip
-    """``total [BM, BN]`` fp32 (+ bias) cast once to the output's dtype (ADD_RESIDUAL: plus the residual, and
-    the tile's sums of squares, ``kernels.fused_norm.store_tile``)."""
-    if HAS_BIAS:
-        total += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    store_tile(
-        total, out_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n, tl.num_programs(0),
-        ADD_RESIDUAL,
-    )  # fmt: skip
-
-
-@triton.jit
-def _finish(
-    acc, out_ptr, b_ptr, ws_ptr, cnt_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n, pid_k,
-    num_splits, HAS_BIAS: tl.constexpr, SPLIT_MODE: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-):  # fmt: skip
-    """Writes one program's fp32 ``acc [BM, BN]`` as the module docstring's split modes say."""
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    mn = offs_m[:, None] * N + offs_n[None, :]  # [BM, BN] offsets in a contiguous fp32 [M, N] plane
-    if SPLIT_MODE == 0:  # none
-        _store_out(
-            acc, out_ptr, b_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n, HAS_BIAS,
-            ADD_RESIDUAL,
-        )  # fmt: skip
-    elif SPLIT_MODE == 3:  # two_pass: _gemv_reduce_kernel sums the partials
-        tl.store(ws_ptr + pid_k * M * N + mn, acc, mask=mask)
-    else:
-        if SPLIT_MODE == 1:  # counter
-            tl.store(ws_ptr + pid_k * M * N + mn, acc, mask=mask)
-        else:  # atomic
-            tl.atomic_add(ws_ptr + mn, acc, mask=mask, sem="relaxed")
-        # Ordering (PTX memory model, the pattern of a cooperative-groups grid sync): the barrier makes every
-        # thread's part above visible to the thread that does the acq_rel add below, which releases them at
-        # GPU scope. In the last program that add acquires the other programs' parts; every thread learns
-        # its result through shared memory behind a barrier, so its loads below come after the acquire.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == num_splits - 1:  # the last program of this tile: every other part is visible
-            if SPLIT_MODE == 1:
-                total = tl.zeros_like(acc)
-                for s in range(0, num_splits):  # split order: the sum does not depend on arrival order
-                    total += tl.load(ws_ptr + s * M * N + mn, mask=mask, other=0.0, cache_modifier=".cg")
-            else:
-                total = tl.load(ws_ptr + mn, mask=mask, other=0.0, cache_modifier=".cg")  # L2, not this L1
-                # the load and the zeroing store may get different thread layouts: without the barrier a
-                # warp could zero sums another warp has yet to read (the int4 GEMV's race at 7f8955d)
-                tl.debug_barrier()
-                tl.store(ws_ptr + mn, tl.zeros_like(acc), mask=mask)
-            _store_out(
-                total, out_ptr, b_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n, HAS_BIAS,
-                ADD_RESIDUAL,
-            )  # fmt: skip
-            tl.store(cnt_ptr + pid_n, 0)  # ready for the next launch
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every M of a block_m
@@ -195,13 +127,13 @@ def _gemv_kernel(
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN:  # masks along N and K only where there are tails: they would cut the 16-byte loads
             w = tl.load(w_ptrs, eviction_policy="evict_first")
-            x = _load_x(x_ptrs, mask_m[:, None], K, GATED)
+            x = load_x(x_ptrs, mask_m[:, None], K, GATED)
             if NORMED:
                 x = normalize(x, tl.load(nw_ptrs, eviction_policy="evict_last"), inv)
         else:
             mask_k = (k0 + offs_k) < k_end
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
-            x = _load_x(x_ptrs, mask_m[:, None] & mask_k[None, :], K, GATED)
+            x = load_x(x_ptrs, mask_m[:, None] & mask_k[None, :], K, GATED)
             if NORMED:
                 x = normalize(x, tl.load(nw_ptrs, mask=mask_k[None, :], other=0.0, eviction_policy="evict_last"), inv)
         if USE_DOT:
@@ -219,26 +151,10 @@ def _gemv_kernel(
         total = tl.sum(acc, axis=1)[None, :]  # [1, BN]
     else:
         total = tl.sum(acc, axis=2)  # [BM, BN]
-    _finish(
+    finish(
         total, out_ptr, b_ptr, ws_ptr, cnt_ptr, res_ptr, sso_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n,
         pid_k, tl.num_programs(1), HAS_BIAS, SPLIT_MODE, ADD_RESIDUAL,
     )  # fmt: skip
-
-
-@triton.jit
-def _gemv_reduce_kernel(
-    ws_ptr, b_ptr, out_ptr, M, N, num_splits, stride_om, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """two_pass: one program per (row, BLOCK_N columns) sums the partials in split order."""
-    m = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs_n < N
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for s in range(0, num_splits):
-        total += tl.load(ws_ptr + (s * M + m) * N + offs_n, mask=mask, other=0.0)
-    if HAS_BIAS:
-        total += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- launch (the checks and the zeroed scratch: kernels.gemv_launch) ----
@@ -348,7 +264,7 @@ def _launch(
         num_warps=plan.num_warps, num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     if mode == 3:
-        _gemv_reduce_kernel[(m, -(-n // 1024))](
+        gemv_reduce_kernel[(m, -(-n // 1024))](
             ws, b, out, m, n, plan.split_k, out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=1024, num_warps=4
         )
     return out, sumsq

@@ -50,6 +50,9 @@
 #                     graph, bf16 and HF ones (FN_TESTS), then batch-1 TPOT of the bf16 8B shape for each
 #                     PAGEDSERVE_FUSED_NORM in FN_RUNS (default "1 0 1 0", one process each);
 #                     then the int4 model (and bf16 beside it, loadtest.int4_bench --only model) for each in FN_INT4
+#   stage bt (~7 min): the step budget's effect on throughput: the suite's mixed-128 and mixed (MFU) with
+#                     --max-num-batched-tokens each of BT_TOKENS (default "8192 2048 4096 16384"), one process each;
+#                     BT_TESTS (a pytest -k selection of the engine's and kernels' GPU tests) runs first when set
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -57,7 +60,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, sd, sa, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, sd, sa, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -158,6 +161,21 @@ elif [ "$stage" = fn ]; then
   for fused in ${FN_INT4:-}; do
     PAGEDSERVE_FUSED_NORM=$fused python -m loadtest.int4_bench --only model --out "$out/int4-model-$fused.json" \
       2>&1 | grep -v '^{"layer"' | tail -1 | sed "s/^/fused_norm=$fused /"
+  done
+elif [ "$stage" = bt ]; then
+  if [ -n "${BT_TESTS:-}" ]; then
+    python -m pytest -q -p no:cacheprovider tests/kernels/test_fused_norm.py tests/kernels/test_gpu.py \
+      tests/engine/test_gpu.py -m gpu -k "$BT_TESTS" > "$out/gpu_tests.txt" 2>&1 \
+      && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
+    { grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
+  fi
+  for tokens in ${BT_TOKENS:-8192 2048 4096 16384}; do
+    python -m loadtest.throughput suite --shape 8b --workloads mixed-128 mixed --max-model-len 4096 \
+      --max-num-seqs 512 --max-num-batched-tokens "$tokens" --commit "$commit" --out "$out/bt-$tokens.json" \
+      > "$out/bt-$tokens.txt" 2>&1 || echo "budget $tokens FAILED"
+    python -c "import json,sys; r=json.load(open(sys.argv[1])); print('budget', sys.argv[2], 'copy', r.get('copy_tb_s'), \
+      'matmul', r.get('matmul_tflops'), 'b1', r['latency']['tpot_ms'], *[(w, r[w]['elapsed_s'], r[w]['output_tok_s'], \
+      r[w].get('mfu')) for w in ('mixed-128', 'mixed')])" "$out/bt-$tokens.json" "$tokens" || tail -5 "$out/bt-$tokens.txt"
   done
 elif [ "$stage" = sd ]; then
   PAGEDSERVE_SPLIT_DECODE_ROWS=1 python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py tests/engine/test_gpu.py \

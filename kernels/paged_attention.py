@@ -311,6 +311,8 @@ def _paged_decode_attention(
     sliding_window: int | None = None,
     num_warps: int = 4,
     *,
+    reduce_chunk: int = 16,  # partitions the second launch's merge loads at once (sweep rows *_rc*)
+    reduce_warps: int = 4,
     query_start_loc: torch.Tensor | None = None,  # [num_seqs + 1]: a mixed step's rows (paged_decode_rows)
     out: torch.Tensor | None = None,  # with query_start_loc: the step's output, decode rows written in place
     **knobs: Any,  # plan_decode's block_n, num_stages, partition_size, fused_reduce, dynamic; unset: the defaults
@@ -365,7 +367,7 @@ def _paged_decode_attention(
             seq_lens, query_start_loc if query_start_loc is not None else seq_lens, out, part_out, part_stats,
             out.stride(0), out.stride(1), num_partitions,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim), PARTITION_SIZE=plan.partition_size,
-            BLOCK_N=plan.block_n, DYNAMIC=plan.dynamic, CHUNK=min(16, next_pow2(num_partitions)),
-            STEP_ROWS=query_start_loc is not None, num_warps=4,
+            BLOCK_N=plan.block_n, DYNAMIC=plan.dynamic, CHUNK=min(reduce_chunk, next_pow2(num_partitions)),
+            STEP_ROWS=query_start_loc is not None, num_warps=reduce_warps,
         )  # fmt: skip
     return out

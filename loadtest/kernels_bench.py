@@ -72,6 +72,13 @@ DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     # batch 1 over a short sequence: one partition, no merge (2026-12-03, eeac913: the best row at 128 tokens, 4.4-4.6
     # us against the default's 4.9-6.1; from 256 tokens on 0.55-0.82 of SDPA where the default gives 0.97-1.23)
     ("default_p64", {"partition_scale": 64}),
+    # the second launch's merge: all of a head's partitions (up to 64) in one load instead of chunks of 16
+    ("auto_rc64", {"reduce_chunk": 64}),
+    ("auto_rc64_rw8", {"reduce_chunk": 64, "reduce_warps": 8}),
+    ("auto_rc32", {"reduce_chunk": 32}),
+    ("default_w8", {"num_warps": 8}),
+    ("default_w8_rc64", {"num_warps": 8, "reduce_chunk": 64}),
+    ("default_bn128_s1_rc64", {"block_n": 128, "num_stages": 1, "reduce_chunk": 64}),
 ]
 
 
@@ -181,8 +188,8 @@ def _decode_variant_kwargs(batch: int, seq_len: int, name: str, variant: dict[st
     of kernels.decode_plan pick."""
     from kernels.decode_plan import decode_partition_size, fit_partition_size, num_sms, plan_decode
 
-    if name == "default":
-        kwargs: dict[str, Any] = {}
+    if name == "default" or name.startswith("auto"):  # auto*: the default plan with the variant's knobs
+        kwargs: dict[str, Any] = dict(variant)
     elif name.startswith("default"):
         tile = plan_decode(batch, NUM_HEADS, NUM_KV_HEADS, seq_len, 8)  # the default tile (any SM count)
         kwargs = {"block_n": tile.block_n, "num_stages": tile.num_stages, "dynamic": False, **variant}
@@ -202,8 +209,15 @@ def _decode_variant_kwargs(batch: int, seq_len: int, name: str, variant: dict[st
             batch, NUM_KV_HEADS, seq_len, sms, max(block_n, kwargs.pop("min_partition", 0))
         )
         kwargs["partition_size"] = max(block_n, int(partition * kwargs.pop("partition_scale", 1)))
-    knobs = {k: v for k, v in kwargs.items() if k != "num_warps"}
+    knobs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "reduce_chunk", "reduce_warps")}
     return kwargs, dataclasses.asdict(plan_decode(batch, NUM_HEADS, NUM_KV_HEADS, seq_len, sms, **knobs))
+
+
+def _pick(rows: list, args: argparse.Namespace) -> list:
+    """The default row, and with --sweep the others (only those named in --variants, when given)."""
+    if not args.sweep:
+        return rows[:1]
+    return [r for i, r in enumerate(rows) if i == 0 or args.variants is None or r[0] in args.variants]
 
 
 def bench_silu_and_mul(num_tokens: int, inter: int, reps: int) -> dict[str, Any]:
@@ -247,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--reps", type=int, default=7, help="graph replays per timing (median reported)")
     parser.add_argument("--sweep", action="store_true", help="also time tuning variants of each kernel")
+    parser.add_argument("--variants", nargs="+", default=None, help="with --sweep: only these rows (and default)")
     parser.add_argument("--skip-check", action="store_true")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -263,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode": [],
     }
     ok = all(r["rel_err"] < 1e-2 for r in report["correctness"])
-    decode_variants = DECODE_VARIANTS if args.sweep else DECODE_VARIANTS[:1]
+    decode_variants = _pick(DECODE_VARIANTS, args)
     for batch in args.batches if "decode" in args.only else []:
         for seq_len in args.seq_lens:
             for table_len in [0] + [t for t in args.table_lens if batch == 1 and t > seq_len]:
@@ -279,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     report["prefill"] = []
-    prefill_variants = PREFILL_VARIANTS if args.sweep else PREFILL_VARIANTS[:1]
+    prefill_variants = _pick(PREFILL_VARIANTS, args)
     for case, context_len, q_len in PREFILL_CASES if "prefill" in args.only else []:
         if case in args.prefill_cases:
             report["prefill"].append(bench_prefill(case, context_len, q_len, args.reps, prefill_variants))

@@ -45,6 +45,11 @@ FUSED_MERGE_MAX_ROWS = 512
 # SMALL_BATCH_MAX_SEQS, and for small ones once the table is DYNAMIC_FROM_LEN tokens wide (a graph's, for a long
 # --max-model-len); None in plan_decode's knob means this rule, True / False force it.
 DYNAMIC_FROM_LEN = 16384
+# Partitions the second launch's merge loads at once (one [chunk, head_dim] fp32 tile per head; 64 x 128 is 64
+# registers a thread at 4 warps). H200 sweep (kernels_bench, 2026-12-04, rows auto_rc*): at batch 1 the merge of a
+# head's 64 partitions in chunks of 16 was four dependent L2 round trips after the partitions' launch; in one chunk
+# the call went from 0.83 to 1.00 of SDPA at L = 8k and 0.84 -> 0.92 at 32k (0.76 -> 0.93 at 8k in 128k tables).
+MERGE_CHUNK = 64
 
 
 def use_dynamic(num_seqs: int, max_len: int) -> bool:
@@ -124,6 +129,7 @@ def plan_decode(
             raise ValueError("dynamic partitions take no partition_size")
         per_sm = programs_per_sm or PROGRAMS_PER_SM
         parts = max(1, min(per_sm * sms // (num_seqs * num_kv_heads), -(-max_len // block_n)))
+        parts = 1 << (parts.bit_length() - 1)  # a power of two: batch 1's 66 -> 64 fits one MERGE_CHUNK
         fused = use_fused_reduce(num_seqs, num_heads // num_kv_heads, parts) if fused_reduce is None else fused_reduce
         return DecodePlan(block_n, num_stages or tile[1], block_n, parts, fused and parts > 1, True)
     if partition_size is None:

@@ -20,7 +20,7 @@ from kernels.attention_launch import (
     _dot_precision,
     _upcast,
 )
-from kernels.decode_plan import num_sms, plan_decode
+from kernels.decode_plan import MERGE_CHUNK, num_sms, plan_decode
 
 _LOG2E = 1.4426950408889634
 
@@ -311,7 +311,7 @@ def _paged_decode_attention(
     sliding_window: int | None = None,
     num_warps: int = 4,
     *,
-    reduce_chunk: int = 16,  # partitions the second launch's merge loads at once (sweep rows *_rc*)
+    reduce_chunk: int = MERGE_CHUNK,  # partitions the second launch's merge loads at once (sweep rows *_rc*)
     reduce_warps: int = 4,
     query_start_loc: torch.Tensor | None = None,  # [num_seqs + 1]: a mixed step's rows (paged_decode_rows)
     out: torch.Tensor | None = None,  # with query_start_loc: the step's output, decode rows written in place

@@ -40,7 +40,7 @@ def _query(num_rows: int, num_heads: int, dtype: torch.dtype, gen: torch.Generat
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("sliding_window", [None, 24])
-# {}: one partition here; 32 (4 partitions): the reduce kernel; fused: the last program of each (seq, kv head)
+# {}: one partition here; 32 (4 partitions): the reduce kernel (chunk2: its merge over two chunks); fused: the last program of each (seq, kv head)
 # merges them; 48: three tiles, not a power of two; dynamic: each sequence's own length cut
 # into the grid's partitions (3 here: 4 programs per SM of the interpreter's 8 "SMs", 5 sequences x 2 KV heads)
 @pytest.mark.parametrize(
@@ -49,13 +49,14 @@ def _query(num_rows: int, num_heads: int, dtype: torch.dtype, gen: torch.Generat
         {},
         {"partition_size": 32},
         {"partition_size": 32, "fused_reduce": True},
+        {"partition_size": 32, "reduce_chunk": 2},
         {"partition_size": 48},
         {"partition_size": 48, "fused_reduce": True},
         {"dynamic": True},
         {"dynamic": True, "fused_reduce": True},
         {"dynamic": True, "programs_per_sm": 16},
     ],
-    ids=["one", "p32", "p32_fused", "p48", "p48_fused", "dyn", "dyn_fused", "dyn16"],
+    ids=["one", "p32", "p32_fused", "p32_chunk2", "p48", "p48_fused", "dyn", "dyn_fused", "dyn16"],
 )
 def test_decode_matches_ref(
     dtype: torch.dtype, group: int, sliding_window: int | None, knobs: dict[str, Any], gen: torch.Generator
@@ -226,9 +227,11 @@ def test_fit_partition_size_fills_one_wave() -> None:
 
 
 def test_dynamic_plan_counts_partitions_not_tokens() -> None:
-    """Dynamic partitions: as many as fill PROGRAMS_PER_SM programs per SM (never more than the table has tiles),
-    the same for an 8k- and a 128k-token table."""
-    wanted = decode_plan.PROGRAMS_PER_SM * 132 // 8
+    """Dynamic partitions: the largest power of two that stays within PROGRAMS_PER_SM programs per SM (never more
+    than the table has tiles), the same for an 8k- and a 128k-token table; batch 1's fit one merge chunk."""
+    wanted = 64  # 4 * 132 // 8 = 66 programs per KV head, rounded down
+    assert wanted <= decode_plan.PROGRAMS_PER_SM * 132 // 8 < 2 * wanted and wanted <= decode_plan.MERGE_CHUNK
+    assert decode_plan.plan_decode(2, 32, 8, 8192, 132, dynamic=True).num_partitions == 32  # 33 rounded down
     for max_len in (8192, 131072):
         plan = decode_plan.plan_decode(1, 32, 8, max_len, 132, dynamic=True)
         assert plan.dynamic and plan.num_partitions == wanted

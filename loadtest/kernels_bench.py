@@ -77,6 +77,8 @@ DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("auto_rc64_rw8", {"reduce_chunk": 64, "reduce_warps": 8}),
     ("auto_rc32", {"reduce_chunk": 32}),
     ("auto_rc128", {"reduce_chunk": 128}),
+    ("auto_s3", {"num_stages": 3}),
+    ("auto_bn128", {"block_n": 128}),
     ("default_rc64", {"reduce_chunk": 64}),
     ("default_rc128", {"reduce_chunk": 128}),
     ("default_p0.5_rc128", {"partition_scale": 0.5, "reduce_chunk": 128}),
@@ -224,6 +226,9 @@ def _pick(rows: list, args: argparse.Namespace) -> list:
     """The default row, and with --sweep the others (only those named in --variants, when given)."""
     if not args.sweep:
         return rows[:1]
+    unknown = set(args.variants or ()) - {r[0] for r in DECODE_VARIANTS + PREFILL_VARIANTS}
+    if unknown:
+        raise SystemExit(f"--variants: no such rows {sorted(unknown)}")
     return [r for i, r in enumerate(rows) if i == 0 or args.variants is None or r[0] in args.variants]
 
 

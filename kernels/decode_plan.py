@@ -30,6 +30,10 @@ FUSED_REDUCE_MAX_SEQS = 0
 # (block_n, num_stages) of small batches; large ones keep (64, 3). Sweep row fused_bn128_s2 is (128, 2),
 # fused_s2 is (64, 2).
 SMALL_BATCH_TILE = (64, 2)  # same sweep: two_launch_s2 0.97 / 0.83 / 0.88 against (64, 3)'s 0.95 / 0.81 / 0.88
+# Small batches over long tables (dynamic partitions) take 3 stages: H200 sweep (2026-12-04, row auto_s3, with
+# the one-chunk merge) at batch 1, L = 32k 0.93 -> 0.97 of SDPA, 8k / 32k in 128k tables 0.955 / 0.930 -> 0.975 /
+# 0.953; fixed partitions of 2 tiles (8k tables) kept 2 stages (0.965 against 0.945).
+SMALL_BATCH_DYNAMIC_STAGES = 3
 LARGE_BATCH_TILE = (64, 3)  # 128 was faster at B=256 but slower at B=64 (one program per SM at 3 stages)
 # Query-head rows x partitions one program may merge: 512 fp32 rows of 128 are 256 KB of L2 reads by one
 # SM, ~2 us on the critical path, what the saved launch is worth; past that the second launch wins.
@@ -131,7 +135,8 @@ def plan_decode(
         parts = max(1, min(per_sm * sms // (num_seqs * num_kv_heads), -(-max_len // block_n)))
         parts = 1 << (parts.bit_length() - 1)  # a power of two: batch 1's 66 -> 64 fits one MERGE_CHUNK
         fused = use_fused_reduce(num_seqs, num_heads // num_kv_heads, parts) if fused_reduce is None else fused_reduce
-        return DecodePlan(block_n, num_stages or tile[1], block_n, parts, fused and parts > 1, True)
+        stages = num_stages or (SMALL_BATCH_DYNAMIC_STAGES if num_seqs <= SMALL_BATCH_MAX_SEQS else tile[1])
+        return DecodePlan(block_n, stages, block_n, parts, fused and parts > 1, True)
     if partition_size is None:
         partition_size = decode_partition_size(num_seqs, num_kv_heads, max_len, sms, block_n)
     if partition_size % block_n or partition_size < block_n:

@@ -241,6 +241,9 @@ def test_dynamic_plan_counts_partitions_not_tokens() -> None:
         decode_plan.plan_decode(1, 32, 8, 4096, 132, dynamic=True, partition_size=128)
     # the default rule: fixed partitions for small batches over short tables, dynamic past either bound
     assert not decode_plan.plan_decode(1, 32, 8, 4096, 132).dynamic
+    assert decode_plan.plan_decode(1, 32, 8, 4096, 132).num_stages == decode_plan.SMALL_BATCH_TILE[1]
+    long_table = decode_plan.plan_decode(1, 32, 8, 131072, 132)  # a small batch, dynamic: deeper pipeline
+    assert long_table.num_stages == decode_plan.SMALL_BATCH_DYNAMIC_STAGES
     assert decode_plan.plan_decode(1, 32, 8, decode_plan.DYNAMIC_FROM_LEN, 132).dynamic
     assert decode_plan.plan_decode(decode_plan.SMALL_BATCH_MAX_SEQS + 1, 32, 8, 1024, 132).dynamic
 

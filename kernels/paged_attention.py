@@ -311,8 +311,7 @@ def _paged_decode_attention(
     sliding_window: int | None = None,
     num_warps: int = 4,
     *,
-    reduce_chunk: int = MERGE_CHUNK,  # partitions the second launch's merge loads at once (sweep rows *_rc*)
-    reduce_warps: int = 4,
+    reduce_chunk: int = MERGE_CHUNK,  # partitions the second launch's merge loads at once (sweep row auto_rc16)
     query_start_loc: torch.Tensor | None = None,  # [num_seqs + 1]: a mixed step's rows (paged_decode_rows)
     out: torch.Tensor | None = None,  # with query_start_loc: the step's output, decode rows written in place
     **knobs: Any,  # plan_decode's block_n, num_stages, partition_size, fused_reduce, dynamic; unset: the defaults
@@ -368,6 +367,6 @@ def _paged_decode_attention(
             out.stride(0), out.stride(1), num_partitions,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim), PARTITION_SIZE=plan.partition_size,
             BLOCK_N=plan.block_n, DYNAMIC=plan.dynamic, CHUNK=min(reduce_chunk, next_pow2(num_partitions)),
-            STEP_ROWS=query_start_loc is not None, num_warps=reduce_warps,
+            STEP_ROWS=query_start_loc is not None, num_warps=4,
         )  # fmt: skip
     return out

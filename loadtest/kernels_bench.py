@@ -72,22 +72,12 @@ DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     # batch 1 over a short sequence: one partition, no merge (2026-12-03, eeac913: the best row at 128 tokens, 4.4-4.6
     # us against the default's 4.9-6.1; from 256 tokens on 0.55-0.82 of SDPA where the default gives 0.97-1.23)
     ("default_p64", {"partition_scale": 64}),
-    # the second launch's merge: all of a head's partitions (up to 64) in one load instead of chunks of 16
-    ("auto_rc64", {"reduce_chunk": 64}),
-    ("auto_rc64_rw8", {"reduce_chunk": 64, "reduce_warps": 8}),
-    ("auto_rc32", {"reduce_chunk": 32}),
-    ("auto_rc128", {"reduce_chunk": 128}),
+    # the second launch's merge in chunks of 16 partitions (the default before 2026-12-04; MERGE_CHUNK is 64), and
+    # 3 stages for every plan (small batches take them only with dynamic partitions). Removed after the
+    # 2026-12-04 sweeps, where they never won a shape: an 8-warp merge (0.82-0.95), chunks of 32 or 128, 8-warp
+    # partitions, 128-key tiles with or without one stage, twice the partitions, 8 dynamic programs per SM + a 128 chunk.
+    ("auto_rc16", {"reduce_chunk": 16}),
     ("auto_s3", {"num_stages": 3}),
-    ("auto_bn128", {"block_n": 128}),
-    ("default_rc64", {"reduce_chunk": 64}),
-    ("default_rc128", {"reduce_chunk": 128}),
-    ("default_p0.5_rc128", {"partition_scale": 0.5, "reduce_chunk": 128}),
-    ("default_dyn4_rc128", {"dynamic": True, "programs_per_sm": 4, "reduce_chunk": 128}),
-    ("default_dyn8_rc128", {"dynamic": True, "programs_per_sm": 8, "reduce_chunk": 128}),
-    ("two_launch_rc64", {"fused_reduce": False, "reduce_chunk": 64}),
-    ("default_w8", {"num_warps": 8}),
-    ("default_w8_rc64", {"num_warps": 8, "reduce_chunk": 64}),
-    ("default_bn128_s1_rc64", {"block_n": 128, "num_stages": 1, "reduce_chunk": 64}),
 ]
 
 
@@ -218,7 +208,7 @@ def _decode_variant_kwargs(batch: int, seq_len: int, name: str, variant: dict[st
             batch, NUM_KV_HEADS, seq_len, sms, max(block_n, kwargs.pop("min_partition", 0))
         )
         kwargs["partition_size"] = max(block_n, int(partition * kwargs.pop("partition_scale", 1)))
-    knobs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "reduce_chunk", "reduce_warps")}
+    knobs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "reduce_chunk")}
     return kwargs, dataclasses.asdict(plan_decode(batch, NUM_HEADS, NUM_KV_HEADS, seq_len, sms, **knobs))
 
 

@@ -64,7 +64,7 @@ from loadtest.int4_model import GEMV_VARIANTS, GROUP_SIZE, bench_models  # noqa:
 from loadtest.int4_stats import DEQUANT, FUSED, gemm_summary  # noqa: E402
 
 M_VALUES = (1, 2, 4, 8, 16, 64, 128, 256, 1024, 4096)
-M_VALUES_TINY = (1, 4, 16, 33, 129, 1024)  # 129: the mid-M tiles; 1024: the prefill variants
+M_VALUES_TINY = (1, 4, 16, 33, 1024)  # 1024: the prefill variants
 
 
 @dataclass(frozen=True)

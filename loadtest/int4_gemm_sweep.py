@@ -110,13 +110,9 @@ VARIANTS = [
     Variant("dot split8", {"kernel": "dot", "split_k": 8}, (8, 64)),  # gate_up at M = 8 and 16
     Variant("dot bk128", {"kernel": "dot", "block_k": 128}, (8, 16)),  # qkv at M = 8
     Variant("dot w2", {"kernel": "dot", "num_warps": 2}, (8, 16)),  # o and down at M = 8
-    # M = 65-512, where the linear layer dequantizes + calls cuBLAS (kernels.int4_dequant.DEQUANT_MIN_M): one M tile
-    # of 128 or 256 rows, so each weight is dequantized once (the default's 64-row tiles at M = 96 do it twice)
-    Variant("dot bm128 mid", {"kernel": "dot", "block_m": 128}, (65, 512)),
-    Variant("dot bm128 unpack mid", {"kernel": "dot", "block_m": 128, "unpack_in_registers": True}, (65, 512)),
-    Variant("dot bm128 bn64 mid", {"kernel": "dot", "block_m": 128, "block_n": 64}, (65, 512)),
-    Variant("dot bm256 mid", {"kernel": "dot", "block_m": 256}, (129, 512)),
-    Variant("dot bm256 unpack mid", {"kernel": "dot", "block_m": 256, "unpack_in_registers": True}, (129, 512)),
+    # Removed after the H200 run of 2026-12-04 (M = 96, 128, 256): one M tile of 128 or 256 rows, so each weight is
+    # dequantized once, with or without unpacking, or 64 columns: 1.08-2.13x the dequantization + cuBLAS path
+    # (the 128 x 64 tile won only down_proj at M = 96 and 128: 73.4 and 77.4 us against 79.6 and 80.7)
     Variant("dot stages4", {"kernel": "dot", "num_stages": 4}, PREFILL),
     Variant("dot bm128", {"kernel": "dot", "block_m": 128}, PREFILL),
 ]

@@ -40,6 +40,10 @@ if PREFILL_KERNEL not in ("paged", "new_kv"):
 # 14.118 / 14.121 s off (0.3-0.8 %), the first run with it 16.686 s (its compiles). Off: too small a gain for
 # the compiles a server's first mixed steps would pay without a warm-up over every decode-row plan.
 SPLIT_DECODE_ROWS = os.environ.get("PAGEDSERVE_SPLIT_DECODE_ROWS", "0") == "1"
+# A decode-only step (Triton backend): the decode kernel rotates q and k and stores the new K/V itself
+# (kernels.decode_rope), so the step has no rope + cache-write launch per layer. PAGEDSERVE_DECODE_ROPE=0: the
+# two launches (an A/B: loadtest/gpu_session.sh dr).
+DECODE_ROPE = os.environ.get("PAGEDSERVE_DECODE_ROPE", "1") == "1"
 
 
 @dataclass
@@ -67,6 +71,31 @@ def reads_new_kv(meta: AttentionMetadata) -> bool:
     """Whether this step's attention reads the new tokens' K/V from ``write_kv``'s contiguous copy (else from
     the cache only). Host-side facts only (no device sync)."""
     return meta.backend == "triton" and not meta.is_decode_only and PREFILL_KERNEL == "new_kv"
+
+
+def fuses_rope(meta: AttentionMetadata) -> bool:
+    """Whether this step's attention applies the rotary embedding and writes the new K/V itself
+    (:func:`decode_with_rope`) instead of :func:`write_kv` + :func:`paged_attention`."""
+    return meta.backend == "triton" and meta.is_decode_only and DECODE_ROPE
+
+
+def decode_with_rope(
+    positions: torch.Tensor,  # [num_seqs] int64
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], not rotated
+    key: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim], not rotated
+    value: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """A decode step's rope, K/V write and attention in one kernel (``kernels.decode_rope``); the same bits
+    as :func:`write_kv` then :func:`paged_attention`."""
+    from kernels.decode_rope import DecodeRope, paged_decode_attention_rope
+
+    rope = DecodeRope(positions, key, value, cos_sin_cache, meta.slot_mapping)
+    return paged_decode_attention_rope(query, kv_cache, meta.block_tables, meta.seq_lens, scale, rope, sliding_window)
 
 
 def write_kv(

@@ -21,6 +21,8 @@ from kernels.attention_launch import (
     _upcast,
 )
 from kernels.decode_plan import MERGE_CHUNK, num_sms, plan_decode
+from kernels.rope_cache import DecodeRope, store_new_kv
+from kernels.rotary import rope_rows
 
 _LOG2E = 1.4426950408889634
 
@@ -168,12 +170,15 @@ def _decode_partition_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr, part_out_ptr, part_stats_ptr,
     counters_ptr, scale_log2, sliding_window,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_os, stride_oh,
-    num_partitions,
+    num_partitions, rope_pos_ptr, rope_slot_ptr, cos_sin_ptr, kn_ptr, vn_ptr, stride_cs, stride_nt, stride_nh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, DYNAMIC: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, CHUNK: tl.constexpr, STEP_ROWS: tl.constexpr,
+    ROPE: tl.constexpr,
 ):  # fmt: skip
+    """ROPE (``kernels.decode_rope``): q, kn and vn are the step's raw rows; the query is rotated as it is
+    loaded, and the program whose partition holds the new token stores its rotated key and value first."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -191,8 +196,19 @@ def _decode_partition_kernel(
     d_mask = d < HEAD_DIM
     heads = kvh * GROUP + g
     live = (part_start < seq_len) & is_row  # the tables' width may exceed this sequence: nothing to do past it
-    q = tl.load(q_ptr + q_row * stride_qs + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :] & live, other=0.0)  # fmt: skip
+    if ROPE:
+        new_pos = tl.load(rope_pos_ptr + q_row)
+        q = rope_rows(q_ptr, q_row * stride_qs + heads * stride_qh, g_mask & live, d, d_mask, cos_sin_ptr, new_pos,
+                      stride_cs, HEAD_DIM // 2).to(q_ptr.dtype.element_ty)  # fmt: skip
+        slot = tl.load(rope_slot_ptr + q_row)
+        if live & (part_start <= seq_len - 1) & (seq_len - 1 < part_end) & (slot >= 0):  # the new token's partition
+            dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kvh * stride_kh
+            store_new_kv(kn_ptr, vn_ptr, k_ptr, v_ptr, q_row * stride_nt + kvh * stride_nh, dst, d, d_mask,
+                         cos_sin_ptr, new_pos, stride_cs, HEAD_DIM // 2)  # fmt: skip
+            tl.debug_barrier()  # the stores above are seen by every thread's loads of the tile that holds them
+    else:
+        q = tl.load(q_ptr + q_row * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :] & live, other=0.0)  # fmt: skip
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -314,6 +330,7 @@ def _paged_decode_attention(
     reduce_chunk: int = MERGE_CHUNK,  # partitions the second launch's merge loads at once (sweep row auto_rc16)
     query_start_loc: torch.Tensor | None = None,  # [num_seqs + 1]: a mixed step's rows (paged_decode_rows)
     out: torch.Tensor | None = None,  # with query_start_loc: the step's output, decode rows written in place
+    rope: DecodeRope | None = None,  # query not rotated: the kernel rotates it and stores the new K/V (decode_rope)
     **knobs: Any,  # plan_decode's block_n, num_stages, partition_size, fused_reduce, dynamic; unset: the defaults
 ) -> torch.Tensor:
     """The wrapper with its tuning knobs exposed (tests force small partitions; the benchmark sweeps)."""
@@ -325,6 +342,8 @@ def _paged_decode_attention(
             raise ValueError(f"decode takes one query per sequence: {query.shape[0]} queries, {seq_lens.shape[0]} seqs")
         out = torch.empty_like(query)
     else:
+        if rope is not None:
+            raise ValueError("rope: decode steps only (a mixed step's rows take kernels.rope_cache first)")
         num_seqs = _check_step_rows(query, seq_lens, query_start_loc, out)
     assert out is not None
     if sliding_window is not None and sliding_window < 1:
@@ -353,12 +372,13 @@ def _paged_decode_attention(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc if query_start_loc is not None else seq_lens,
         out, part_out, part_stats, counters, scale * _LOG2E, sliding_window or 0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), num_partitions,
+        block_tables.stride(0), out.stride(0), out.stride(1), num_partitions, *_rope_args(rope, seq_lens, query),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=plan.block_n, PARTITION_SIZE=plan.partition_size, DYNAMIC=plan.dynamic,
         SINGLE_PARTITION=single,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
-        FUSED_REDUCE=plan.fused_reduce, CHUNK=chunk, STEP_ROWS=query_start_loc is not None, num_warps=num_warps,
+        FUSED_REDUCE=plan.fused_reduce, CHUNK=chunk, STEP_ROWS=query_start_loc is not None, ROPE=rope is not None,
+        num_warps=num_warps,
         num_stages=plan.num_stages,
     )  # fmt: skip
     if not single and not plan.fused_reduce:
@@ -370,3 +390,14 @@ def _paged_decode_attention(
             STEP_ROWS=query_start_loc is not None, num_warps=4,
         )  # fmt: skip
     return out
+
+
+def _rope_args(rope: DecodeRope | None, seq_lens: torch.Tensor, query: torch.Tensor) -> tuple[Any, ...]:
+    """The kernel's rope arguments: positions, slots, cos/sin, raw key and value, and their strides (any
+    tensor and zeros without rope: ROPE is then a compile-time False and none of them is read)."""
+    if rope is None:
+        return seq_lens, seq_lens, query, query, query, 0, 0, 0
+    return (
+        rope.positions, rope.slot_mapping, rope.cos_sin_cache, rope.key, rope.value, rope.cos_sin_cache.stride(0),
+        rope.key.stride(0), rope.key.stride(1),
+    )  # fmt: skip

@@ -11,6 +11,8 @@ fused QKV projection output (head_dim contiguous); they are read, never written.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels._triton import (
@@ -23,7 +25,7 @@ from kernels._triton import (
     triton,
 )
 from kernels.cache_write import check_cache_inputs, reshape_and_cache_ref
-from kernels.rotary import _rotate_heads, check_rotary_inputs, rotary_embedding_ref
+from kernels.rotary import _rotate_heads, check_rotary_inputs, rope_rows, rotary_embedding_ref
 
 
 def rope_and_cache_ref(
@@ -148,3 +150,27 @@ def _check_new_kv_out(new_kv: torch.Tensor, key: torch.Tensor) -> None:
     check_float("new_kv", new_kv)
     check_last_dim_contiguous("new_kv", new_kv)
     check_same_device(key=key, new_kv=new_kv)
+
+
+@dataclass(frozen=True)
+class DecodeRope:
+    """What the decode kernel needs to rotate and store the step's new token itself."""
+
+    positions: torch.Tensor  # [num_seqs] int64: the new token's position
+    key: torch.Tensor  # [num_seqs, num_kv_heads, head_dim], not rotated
+    value: torch.Tensor  # [num_seqs, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor  # [max_positions, head_dim]: cos in [:, :head_dim/2], sin in [:, head_dim/2:]
+    slot_mapping: torch.Tensor  # [num_seqs] int64: the new token's cache slot; -1 = padding, not written
+
+
+@triton.jit
+def store_new_kv(
+    kn_ptr, vn_ptr, k_ptr, v_ptr, src, dst, d, d_mask, cos_sin_ptr, pos, stride_cs, HALF: tl.constexpr,
+):  # fmt: skip
+    """The new token's key (rotated) and value of one KV head, from element offset ``src`` of the raw
+    tensors into element offset ``dst`` of the K and V caches."""
+    one = tl.full([1], 0, tl.int64) + src
+    k = rope_rows(kn_ptr, one, one >= 0, d, d_mask, cos_sin_ptr, pos, stride_cs, HALF)  # [1, D]
+    tl.store(k_ptr + dst + d[None, :], k.to(k_ptr.dtype.element_ty), mask=d_mask[None, :])
+    v = tl.load(vn_ptr + src + d, mask=d_mask, other=0.0)
+    tl.store(v_ptr + dst + d, v.to(v_ptr.dtype.element_ty), mask=d_mask)

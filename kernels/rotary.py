@@ -55,6 +55,22 @@ def _rotate_heads(
 
 
 @triton.jit
+def rope_rows(ptr, rows, row_mask, d, d_mask, cos_sin_ptr, pos, stride_cs, HALF: tl.constexpr):
+    """``[R, D]`` fp32: rows at element offsets ``rows`` of a head_dim-contiguous tensor, rotated at
+    position ``pos`` as ``kernels.rotary._rotate_heads`` rotates them: lane ``d < HALF`` is
+    ``x1 * cos - x2 * sin``, lane ``d >= HALF`` is ``x2 * cos + x1 * sin`` (each lane's partner loaded)."""
+    c = d % HALF
+    partner = tl.where(d < HALF, d + HALF, d - HALF)
+    cs = cos_sin_ptr + pos * stride_cs + c
+    cos = tl.load(cs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cs + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    mask = row_mask[:, None] & d_mask[None, :]
+    a = tl.load(ptr + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(ptr + rows[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.where(d[None, :] < HALF, a * cos - b * sin, a * cos + b * sin)
+
+
+@triton.jit
 def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, stride_qot, stride_qoh, stride_kot, stride_koh,

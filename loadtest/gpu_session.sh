@@ -53,6 +53,9 @@
 #   stage bt (~7 min): the step budget's effect on throughput: the suite's mixed-128 and mixed (MFU) with
 #                     --max-num-batched-tokens each of BT_TOKENS (default "8192 2048 4096 16384"), one process each;
 #                     BT_TESTS (a pytest -k selection of the engine's and kernels' GPU tests) runs first when set
+#   stage dr (~4 min): the decode kernel rotating q / k and storing the new K/V itself (kernels.decode_rope): its GPU
+#                     tests with the engine's decode, graph and HF ones, then batch-1 TPOT for each
+#                     PAGEDSERVE_DECODE_ROPE in DR_RUNS (default "1 0 1", one process each)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -60,7 +63,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, sd, sa, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, sd, sa, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -176,6 +179,15 @@ elif [ "$stage" = bt ]; then
     python -c "import json,sys; r=json.load(open(sys.argv[1])); print('budget', sys.argv[2], 'copy', r.get('copy_tb_s'), \
       'matmul', r.get('matmul_tflops'), 'b1', r['latency']['tpot_ms'], *[(w, r[w]['elapsed_s'], r[w]['output_tok_s'], \
       r[w].get('mfu')) for w in ('mixed-128', 'mixed')])" "$out/bt-$tokens.json" "$tokens" || tail -5 "$out/bt-$tokens.txt"
+  done
+elif [ "$stage" = dr ]; then
+  python -m pytest -q -p no:cacheprovider tests/kernels/test_decode_rope.py tests/engine/test_gpu.py -m gpu \
+    -k "${DR_TESTS:-rope or decode or graph or hf}" > "$out/gpu_tests.txt" 2>&1 \
+    && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
+  { grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
+  for on in ${DR_RUNS-1 0 1}; do  # batch-1 TPOT with and without rope in the decode kernel
+    PAGEDSERVE_DECODE_ROPE=$on python -m loadtest.throughput latency --shape 8b --max-model-len 4096 2>&1 \
+      | grep -E "tpot|ttft" | tr -d '\n '; echo " decode_rope=$on"
   done
 elif [ "$stage" = sd ]; then
   PAGEDSERVE_SPLIT_DECODE_ROWS=1 python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py tests/engine/test_gpu.py \

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.attention import AttentionMetadata, decode_with_rope, fuses_rope, paged_attention, write_kv
 from engine.layers.rotary import RotaryEmbedding
 
 
@@ -49,6 +49,10 @@ class Attention(nn.Module):
         if self.kv_cache.numel() == 0:
             raise RuntimeError("Attention.kv_cache is not set: the ModelRunner assigns it before the first forward")
         cos_sin_cache = self.rotary_emb.cos_sin_cache
+        if fuses_rope(meta):  # a decode step: the decode kernel rotates and stores the new K/V itself
+            return decode_with_rope(
+                positions, query, key, value, cos_sin_cache, self.kv_cache, meta, self.scale, self.sliding_window
+            )  # fmt: skip
         # new_kv: this step's rotated key and value side by side for the prefill kernel, or None (decode)
         query, new_kv = write_kv(positions, query, key, value, cos_sin_cache, self.kv_cache, meta)
         return paged_attention(query, self.kv_cache, meta, self.scale, self.sliding_window, new_kv)

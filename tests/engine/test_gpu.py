@@ -321,6 +321,41 @@ def test_bf16_decode_with_fused_norms_matches_the_unfused_one(folder: Path, monk
     assert ((logits[("cuda",)] - unfused).norm() / unfused.norm()).item() < 5e-3
 
 
+def test_decode_with_rope_in_the_kernel_equals_the_two_launches(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps whose attention rotates q / k and stores the new K/V itself (``engine.attention.DECODE_ROPE``,
+    the default) against rope_and_cache + the decode kernel: the same logits, bit for bit."""
+    from engine import attention
+    from engine.loader import load_hf_config, load_model
+    from engine.parallel import ParallelState
+    from modelfiles import resolve
+
+    files = resolve(str(folder))
+    model = load_model(files, load_hf_config(files), ParallelState(), torch.bfloat16, torch.device("cuda"))
+    ids = [random.Random(7).randrange(3, VOCAB_SIZE) for _ in range(40)]
+    calls = []
+    fused = attention.decode_with_rope
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return fused(*args)
+
+    monkeypatch.setattr("engine.layers.attention.decode_with_rope", counted)
+    logits = {}
+    for on in (True, False):
+        monkeypatch.setattr(attention, "DECODE_ROPE", on)
+        for attn in model.attention_layers():
+            attn.kv_cache = torch.zeros(2, 8, 16, attn.num_kv_heads, attn.head_dim, dtype=torch.bfloat16, device="cuda")
+        got = []
+        with torch.no_grad():
+            for start, num_new in [(0, 20)] + [(p, 1) for p in range(20, len(ids))]:
+                meta = _cuda_meta(one_seq_metadata(list(range(8)), start, num_new))
+                pos = torch.arange(start, start + num_new).cuda()
+                got.append(model.compute_logits(model(torch.tensor(ids[start : start + num_new]).cuda(), pos, meta)))
+        logits[on] = torch.cat(got)
+    assert len(calls) == (len(ids) - 20) * len(model.attention_layers())
+    assert torch.equal(logits[True], logits[False])
+
+
 def _cuda_meta(meta: Any) -> Any:
     return dataclasses.replace(
         meta,

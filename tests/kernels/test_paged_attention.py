@@ -166,7 +166,8 @@ from kernels.paged_attention import _decode_partition_kernel as kernel
 
 constexprs = json.loads(sys.argv[1])
 types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32",
-         "part_stats_ptr": "*fp32", "scale_log2": "fp32"}
+         "part_stats_ptr": "*fp32", "scale_log2": "fp32", "kn_ptr": "*bf16", "vn_ptr": "*bf16",
+         "cos_sin_ptr": "*fp32", "rope_pos_ptr": "*i64", "rope_slot_ptr": "*i64"}
 names = kernel.arg_names
 signature = {a: "constexpr" if a in constexprs else types.get(a, "*i32" if a.endswith("_ptr") else "i32")
              for a in names}
@@ -179,7 +180,7 @@ print(compiled.asm["ttgir"])
 _FUSED_8B = {
     "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
     "PARTITION_SIZE": 128, "SINGLE_PARTITION": False, "USE_WINDOW": False, "DOT_PRECISION": "tf32",
-    "UPCAST": False, "FUSED_REDUCE": True, "CHUNK": 32,
+    "UPCAST": False, "FUSED_REDUCE": True, "CHUNK": 32, "DYNAMIC": False, "STEP_ROWS": False, "ROPE": False,
 }  # fmt: skip
 
 

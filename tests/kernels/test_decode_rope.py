@@ -58,10 +58,16 @@ def _step(
 
 
 def _unfused(
-    q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, rope: DecodeRope, **knobs: Any
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    rope: DecodeRope,
+    **knobs: Any,
 ) -> torch.Tensor:
     rotated = rope_and_cache(rope.positions, q, rope.key, rope.value, rope.cos_sin_cache, cache, rope.slot_mapping)
-    return _paged_decode_attention(rotated, cache, tables, lens, 0.17, knobs.pop("sliding_window", None), **knobs)
+    return _paged_decode_attention(rotated, cache, tables, lens, scale, knobs.pop("sliding_window", None), **knobs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -83,7 +89,7 @@ def test_decode_rope_equals_rope_and_cache_then_decode(
     window = knobs.get("sliding_window")
     plan = {k: v for k, v in knobs.items() if k != "sliding_window"}
     out = paged_decode_attention_rope(q, cache, tables, seq_lens, 0.17, rope, window, block_n=16, **plan)
-    expected = _unfused(q, cache_unfused, tables, seq_lens, rope, block_n=16, **knobs)
+    expected = _unfused(q, cache_unfused, tables, seq_lens, 0.17, rope, block_n=16, **knobs)
     assert torch.equal(out[:-1], expected[:-1]), f"seed {gen.initial_seed()}"
     assert torch.equal(cache.nan_to_num(7.0), cache_unfused.nan_to_num(7.0))  # the padding row wrote nothing
     ref = paged_decode_attention_rope_ref(q, cache_ref, tables, seq_lens, 0.17, rope, window)
@@ -114,7 +120,7 @@ def test_decode_rope_bit_equal_on_the_gpu_at_8b_heads(lens: list[int], gen: torc
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     cache_unfused = cache.clone()
     out = paged_decode_attention_rope(q, cache, tables, seq_lens, 0.088, rope)
-    expected = _unfused(q, cache_unfused, tables, seq_lens, rope)
+    expected = _unfused(q, cache_unfused, tables, seq_lens, 0.088, rope)
     assert not out[:n].isnan().any() and torch.equal(out[:n], expected[:n])
     assert torch.equal(cache.nan_to_num(7.0), cache_unfused.nan_to_num(7.0))
 

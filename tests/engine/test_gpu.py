@@ -323,7 +323,7 @@ def test_bf16_decode_with_fused_norms_matches_the_unfused_one(folder: Path, monk
 
 def test_decode_with_rope_in_the_kernel_equals_the_two_launches(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode steps whose attention rotates q / k and stores the new K/V itself (``engine.attention.DECODE_ROPE``,
-    the default) against rope_and_cache + the decode kernel: the same logits, bit for bit."""
+    off by default) against rope_and_cache + the decode kernel: the same logits, bit for bit."""
     from engine import attention
     from engine.loader import load_hf_config, load_model
     from engine.parallel import ParallelState

@@ -44,8 +44,9 @@ SPLIT_DECODE_ROWS = os.environ.get("PAGEDSERVE_SPLIT_DECODE_ROWS", "0") == "1"
 # (kernels.decode_rope), so the step has no rope + cache-write launch per layer. Off until the H200 agrees: at
 # f87e1fe its batch-1 tests were bit-equal to the two launches (8k and 40k tokens) and so was the engine's decode
 # test, but 64 sequences of 1-4095 tokens were not (tests/kernels/test_decode_rope.py, the b64 case), and batch-1
-# TPOT moved within its noise (4.222 / 4.365 ms on, 4.409 off). PAGEDSERVE_DECODE_ROPE=1 turns it on
-# (loadtest/gpu_session.sh dr: the tests, then the A/B).
+# TPOT moved within its noise (4.222 / 4.365 ms on, 4.409 off). Since then the stores are fenced at GPU scope before
+# the barrier (the suspect: a tile copy from L2 right after it); not yet run on a GPU. PAGEDSERVE_DECODE_ROPE=1 turns
+# it on (loadtest/gpu_session.sh dr: the tests, then the A/B).
 DECODE_ROPE = os.environ.get("PAGEDSERVE_DECODE_ROPE", "0") == "1"
 
 

@@ -7,6 +7,7 @@ sequence whose K/V is in the cache *including* the new tokens of this step.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from kernels.rope_cache import DecodeRope, store_new_kv
 from kernels.rotary import rope_rows
 
 _LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # inline PTX (FENCE) only when compiled
 
 
 def _kv_positions_mask(seq_lens: torch.Tensor, num_slots: int, sliding_window: int | None) -> torch.Tensor:
@@ -175,7 +177,7 @@ def _decode_partition_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, DYNAMIC: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, CHUNK: tl.constexpr, STEP_ROWS: tl.constexpr,
-    ROPE: tl.constexpr,
+    ROPE: tl.constexpr, FENCE: tl.constexpr,
 ):  # fmt: skip
     """ROPE (``kernels.decode_rope``): q, kn and vn are the step's raw rows; the query is rotated as it is
     loaded, and the program whose partition holds the new token stores its rotated key and value first."""
@@ -205,6 +207,9 @@ def _decode_partition_kernel(
             dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kvh * stride_kh
             store_new_kv(kn_ptr, vn_ptr, k_ptr, v_ptr, q_row * stride_nt + kvh * stride_nh, dst, d, d_mask,
                          cos_sin_ptr, new_pos, stride_cs, HEAD_DIM // 2)  # fmt: skip
+            if FENCE:  # the stores at GPU scope (L2) before the barrier: the tile copies below read L2
+                tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                          is_pure=False, pack=1)  # fmt: skip
             tl.debug_barrier()  # the stores above are seen by every thread's loads of the tile that holds them
     else:
         q = tl.load(q_ptr + q_row * stride_qs + heads[:, None] * stride_qh + d[None, :],
@@ -378,6 +383,7 @@ def _paged_decode_attention(
         SINGLE_PARTITION=single,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
         FUSED_REDUCE=plan.fused_reduce, CHUNK=chunk, STEP_ROWS=query_start_loc is not None, ROPE=rope is not None,
+        FENCE=rope is not None and query.is_cuda and not _INTERPRET,
         num_warps=num_warps,
         num_stages=plan.num_stages,
     )  # fmt: skip

@@ -181,6 +181,7 @@ _FUSED_8B = {
     "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
     "PARTITION_SIZE": 128, "SINGLE_PARTITION": False, "USE_WINDOW": False, "DOT_PRECISION": "tf32",
     "UPCAST": False, "FUSED_REDUCE": True, "CHUNK": 32, "DYNAMIC": False, "STEP_ROWS": False, "ROPE": False,
+    "FENCE": False,
 }  # fmt: skip
 
 

@@ -30,7 +30,7 @@ import psutil
 import redis
 
 import modelfiles
-from loadtest.stack_bench import stop_stack, wait_ready
+from loadtest.serve_process import stop_stack, wait_ready
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 

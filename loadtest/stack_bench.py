@@ -22,7 +22,6 @@ import os
 import random
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,13 +30,12 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 import modelfiles
 from engine.args import EngineArgs
 from engine.step_trace import ENV_VAR as STEP_TRACE_ENV
 from engine.step_trace import StepRecord, read_trace
 from loadtest.hop_stats import format_hops, level_hops
+from loadtest.serve_process import stop_stack, wait_ready
 from loadtest.stack_probes import StackProbes, gpu_state
 from loadtest.stack_profile import StackProfiler
 from loadtest.stack_stats import compare, format_engine_again, format_table, summarize, worker_histograms, worker_means
@@ -228,42 +226,7 @@ def stack_levels(
     return levels
 
 
-# ---- the stack: pagedserve serve as a subprocess ----------------------------------------------------------
-def _tail(path: Path, num_chars: int = 4000) -> str:
-    return path.read_text(errors="replace")[-num_chars:] if path.exists() else ""
-
-
-def wait_ready(
-    proc: subprocess.Popen[bytes], base_url: str, timeout_s: float, log: Path, default_model: str
-) -> dict[str, Any]:
-    """Poll /ready until a worker is live; the served model's id from /v1/models (``default_model`` if refused)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pagedserve serve exited with {proc.returncode} before ready:\n{_tail(log)}")
-        try:
-            ready = httpx.get(f"{base_url}/ready", timeout=5)
-            if ready.status_code == 200:
-                models = httpx.get(f"{base_url}/v1/models", timeout=5)
-                model = models.json()["data"][0]["id"] if models.status_code == 200 else default_model
-                return {**ready.json(), "model": model}
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"pagedserve serve not ready after {timeout_s:.0f} s:\n{_tail(log)}")
-
-
-def stop_stack(proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> int:
-    """SIGINT (Ctrl-C) as a user stops it; SIGKILL only if it does not stop in time."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-    try:
-        return proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
+# ---- the stack: pagedserve serve as a subprocess (loadtest.serve_process starts, waits for and stops it) ----
 def run_stack(args: argparse.Namespace, vocab_size: int, log: Path) -> dict[str, Any]:
     """Start ``pagedserve serve``, wait for /ready, run every level through the client pool, stop it."""
     from deploy.redis_server import free_port

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import torch
 from kernels.int4_dequant import pack_int4
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -101,7 +103,59 @@ print(compiled.asm["ttgir"])
 def ttgir_sm90(kernel: str, constexprs: dict[str, object], num_warps: int) -> str:
     """The TTGIR of ``kernel`` ("gemv" | "gemv_cols" | "dot", the int4 GEMMs; "dense", ``kernels.gemv``) compiled
     for sm_90; ``kernels.fused_norm``'s switches default to off."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    root = Path(__file__).resolve().parents[2]
-    args = [sys.executable, "-c", _COMPILE_SM90, kernel, json.dumps(constexprs), str(num_warps)]
-    return subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, check=True).stdout
+    return run_without_interpreter(_COMPILE_SM90, kernel, json.dumps(constexprs), str(num_warps))
+
+
+# Runs each script it reads (one JSON line: source and argv) as ``python -c source argv...`` would, and answers
+# with its stdout (or the traceback) on one JSON line.
+_RUNNER = """
+import contextlib, io, json, sys, traceback
+replies = sys.stdout
+for line in sys.stdin:
+    request = json.loads(line)
+    sys.argv = ["-c", *request["argv"]]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(request["source"], "<string>", "exec"), {"__name__": "__main__"})
+        reply = {"stdout": out.getvalue()}
+    except BaseException:
+        reply = {"error": traceback.format_exc()}
+    replies.write(json.dumps(reply) + "\\n")
+    replies.flush()
+"""
+_runner: subprocess.Popen[str] | None = None
+
+
+def run_without_interpreter(source: str, *argv: str) -> str:
+    """The stdout of ``python -c source *argv`` with TRITON_INTERPRET=0 (real Triton compiles, for sm_90 here: no
+    GPU needed), raising with the script's traceback if it fails. The scripts run one after another in one process
+    of their own, started on the first call: what Python, torch and Triton take to start (~1.2 s) is paid once
+    for the session's dozen compiles, not per script."""
+    global _runner
+    if _runner is None or _runner.poll() is not None:
+        env = {**os.environ, "TRITON_INTERPRET": "0"}
+        _runner = subprocess.Popen(
+            [sys.executable, "-c", _RUNNER], cwd=ROOT, env=env, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        atexit.register(_stop_runner, _runner)
+    assert _runner.stdin is not None and _runner.stdout is not None
+    _runner.stdin.write(json.dumps({"source": source, "argv": list(argv)}) + "\n")
+    _runner.stdin.flush()
+    line = _runner.stdout.readline()
+    assert line, f"the script runner exited ({_runner.wait()})"
+    reply = json.loads(line)
+    if "error" in reply:
+        raise RuntimeError(f"the script failed without the interpreter:\n{reply['error']}")
+    return str(reply["stdout"])
+
+
+def _stop_runner(runner: subprocess.Popen[str]) -> None:
+    if runner.stdin is not None:
+        runner.stdin.close()
+    try:
+        runner.wait(10)
+    except subprocess.TimeoutExpired:
+        runner.kill()
+        runner.wait()

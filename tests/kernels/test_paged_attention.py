@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import subprocess
-import sys
 import weakref
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +20,7 @@ from kernels.paged_attention import (
     paged_decode_attention_ref,
 )
 from kernels.prefill_attention import _paged_prefill_attention, paged_prefill_attention, paged_prefill_attention_ref
-from tests.kernels.helpers import DEVICE, paged_cache, rel_err, tolerance
+from tests.kernels.helpers import DEVICE, paged_cache, rel_err, run_without_interpreter, tolerance
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEAD_DIM = 32
@@ -200,10 +196,7 @@ def test_fused_reduce_orders_partials_before_the_arrival() -> None:
     to write (the race of int4_gemv's split-K). The interpreter cannot show it (programs run one by one,
     each op on the whole tile); the code compiled for sm_90 must have the barrier, an acq_rel GPU-scope
     arrival, and merge loads from L2 (.cg)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    root = Path(__file__).resolve().parents[2]
-    args = [sys.executable, "-c", _COMPILE_SM90, json.dumps(_FUSED_8B)]
-    ir = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, check=True).stdout.splitlines()
+    ir = run_without_interpreter(_COMPILE_SM90, json.dumps(_FUSED_8B)).splitlines()
     arrival = next(i for i, line in enumerate(ir) if "tt.atomic_rmw add" in line)
     assert "acq_rel, gpu" in ir[arrival], ir[arrival]
     last_store = max(i for i in range(arrival) if "tt.store" in ir[i])

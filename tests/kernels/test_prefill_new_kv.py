@@ -6,9 +6,6 @@ key and the value), and the paged kernel's launch-order knob. Under the interpre
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,7 +23,7 @@ from kernels.prefill_new_kv import (
     prefill_attention_new_kv,
     prefill_attention_new_kv_ref,
 )
-from tests.kernels.helpers import DEVICE, paged_cache, rel_err, tolerance
+from tests.kernels.helpers import DEVICE, paged_cache, rel_err, run_without_interpreter, tolerance
 
 HEAD_DIM = 32
 NUM_KV_HEADS = 2
@@ -272,6 +269,5 @@ def test_prefill_kernels_do_not_specialize_on_the_steps_shapes() -> None:
         "from kernels.prefill_attention import _prefill_kernel as b\n"
         "for k in (a, b): print(' '.join(sorted(p.name for p in k.params if p.do_not_specialize)))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    out = run_without_interpreter(code)
     assert out.split("\n")[:2] == ["num_seqs sliding_window stride_bt"] * 2

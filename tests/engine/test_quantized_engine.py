@@ -76,7 +76,7 @@ def test_tp2_equals_tp1(tmp_path: Path, name: str) -> None:
     assert got == expected
 
 
-@pytest.mark.slow  # 15-21 s each: the interpreter runs every projection of two engines
+@pytest.mark.slow  # ~3 s each: the interpreter runs every projection of two engines
 @pytest.mark.parametrize("name", ["ct-asym-g32", "gptq-g32-act-order"])  # the GEMV's factored and exact paths
 def test_gated_down_projection_keeps_the_greedy_tokens(
     tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
@@ -88,7 +88,8 @@ def test_gated_down_projection_keeps_the_greedy_tokens(
     decode steps of 2 and 1 rows run the gated GEMV; prefill chunks run it up to GEMV_MAX_M rows, the activation
     and tl.dot above."""
     fmt, family, options = FORMATS[name]
-    folder, _ = build_quantized_model(tmp_path, fmt, family, seed=6, **options)
+    # one decoder layer: every layer's MLP runs the same gated down projection (two: twice the interpreter time)
+    folder, _ = build_quantized_model(tmp_path, fmt, family, seed=6, num_hidden_layers=1, **options)
     monkeypatch.setattr(Int4LinearMethod, "apply", Int4LinearMethod.apply_triton)
     monkeypatch.setattr(Int4LinearMethod, "apply_gated", Int4LinearMethod.apply_gated_triton)
     gated_rows: list[int] = []
@@ -106,14 +107,16 @@ def test_gated_down_projection_keeps_the_greedy_tokens(
     for gated in (True, False):
         monkeypatch.setattr(dense_gemv, "GEMV_GATED", gated)
         llm = LLM(str(folder), device="cpu", max_num_seqs=2, max_model_len=64)
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+        # 3 tokens: each engine still runs both prefills, two decode steps of 2 rows and two of 1 (6 tokens: 12
+        # interpreted steps an engine, not 6)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
         tokens[gated], rows[gated] = [o.outputs[0].token_ids for o in outs], sorted(set(gated_rows))
         gated_rows.clear()
     assert tokens[True] == tokens[False]
     assert {1, 2} <= set(rows[True]) and rows[False] == []  # (prefill chunks pass through it too)
 
 
-@pytest.mark.slow  # ~11 s: the interpreter runs every projection of two engines (test_fused_norm.py: the exact path)
+@pytest.mark.slow  # ~4 s: the interpreter runs every projection of two engines (test_fused_norm.py: the exact path)
 def test_fused_norms_keep_the_greedy_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The quantized layers on their CUDA path (the Triton kernels, run here by the interpreter on CPU) with each
     input RMSNorm of a batch-1 decode step carried by the GEMVs around it (``kernels.fused_norm``, on by
@@ -132,7 +135,8 @@ def test_fused_norms_keep_the_greedy_tokens(tmp_path: Path, monkeypatch: pytest.
     for devices in ((), ("cuda", "cpu")):
         monkeypatch.setattr(llama, "FUSED_NORM_DEVICES", devices)
         llm = LLM(str(folder), device="cpu", max_num_seqs=1, max_model_len=64)
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+        # 3 tokens: two batch-1 decode steps per prompt carry the fused norms (5 tokens: 4, for no other path)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
         tokens[devices] = [o.outputs[0].token_ids for o in outs]
         assert bool(calls) == bool(devices)
     assert tokens[()] == tokens[("cuda", "cpu")]

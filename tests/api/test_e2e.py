@@ -188,9 +188,13 @@ async def test_64_concurrent_streams_complete_in_order(
         assert token_text == text
     whole = await client.completions.create(model=MODEL, prompt="Count from 5:", max_tokens=6, temperature=0.0)
     assert whole.choices[0].text == results[5][0]
-    await asyncio.sleep(1.5)  # a heartbeat
-    done_after = {w: b.jobs_done for w, b in _beats(api.settings.redis_url).items()}
-    assert all(done_after[w] > done_before.get(w, 0) for w in WORKER_IDS), (done_before, done_after)
+    deadline = time.monotonic() + 10  # until the next heartbeats (every second) count the jobs
+    while True:
+        done_after = {w: b.jobs_done for w, b in _beats(api.settings.redis_url).items()}
+        if all(done_after.get(w, 0) > done_before.get(w, 0) for w in WORKER_IDS):
+            break
+        assert time.monotonic() < deadline, (done_before, done_after)
+        await asyncio.sleep(0.1)
 
 
 def test_killed_client_job_is_aborted(stack: tuple[ServerThread, list[subprocess.Popen[bytes]]]) -> None:

@@ -56,6 +56,31 @@ def api(redis_server: RedisServer, redis_url: str) -> Iterator[ServerThread]:
     server.stop()
 
 
+class PostThread(threading.Thread):
+    """One non-streamed completion in the background: an undisturbed reference that runs beside the streams a
+    test is waiting for, instead of after them."""
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.response: httpx.Response | None = None
+
+    def run(self) -> None:
+        self.response = httpx.post(self.url + "/v1/completions", json=self.body, timeout=150)
+
+    def result(self) -> dict[str, Any]:
+        self.join(150)
+        assert self.response is not None, "the reference request did not finish"
+        assert self.response.status_code == 200, self.response.text
+        return dict(self.response.json())
+
+
+def post_in_thread(url: str, body: dict[str, Any]) -> PostThread:
+    thread = PostThread(url, body)
+    thread.start()
+    return thread
+
+
 class StreamReader(threading.Thread):
     """Reads one SSE completion stream to its end; ``started`` is set after ``warmup`` chunks with text."""
 
@@ -117,6 +142,7 @@ def test_killed_worker_jobs_are_continued_rerun_or_failed_clearly(api: ServerThr
         worker_a.wait()
         killed_at = time.monotonic()
         worker_b = start_worker(redis_url, "failover-b")
+        reference = post_in_thread(api.url, greedy)  # run by worker B beside the jobs it takes over
         for name, t in (("greedy stream", greedy_stream), ("sampled stream", sampled_stream), ("post", poster)):
             t.join(150)
             assert not t.is_alive(), f"the {name} hangs after its worker died"
@@ -127,8 +153,7 @@ def test_killed_worker_jobs_are_continued_rerun_or_failed_clearly(api: ServerThr
         usage = greedy_stream.chunks[-1]["usage"]
         assert usage["completion_tokens"] == MAX_TOKENS
         assert greedy_stream.chunks[-2]["choices"][0]["finish_reason"] == "length"
-        reference = httpx.post(api.url + "/v1/completions", json=greedy, timeout=120).json()
-        assert greedy_stream.text == reference["choices"][0]["text"]
+        assert greedy_stream.text == reference.result()["choices"][0]["text"]
 
         # the stream sent without a seed was seeded at admission: it is continued, not failed
         assert sampled_stream.errors == [] and sampled_stream.done, sampled_stream.errors

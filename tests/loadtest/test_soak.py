@@ -20,7 +20,7 @@ def test_slope_is_least_squares_in_mb_per_minute() -> None:
 
 def test_soak_watches_every_role_and_counts_errors(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    argv = ["--users", "4", "--spawn-rate", "4", "--duration-s", "12", "--sample-s", "1", "--max-tokens", "4"]
+    argv = ["--users", "4", "--spawn-rate", "4", "--duration-s", "5", "--sample-s", "1", "--max-tokens", "4"]
     status = main([*argv, "--out", str(out)])
     result = json.loads(out.read_text())
     assert status == 0, result["locust"]["failures"]

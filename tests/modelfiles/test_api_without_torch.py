@@ -1,8 +1,9 @@
 """An API node as ``pip install ".[api]"`` makes it (issue #14): a venv that really lacks torch builds the
 default model's tokenizer folder, imports the app and the CLI, and serves ``pagedserve api``.
 
-The venv (~10 s to build from pip's cache) is kept in pytest's cache dir, keyed by pyproject.toml's hash;
-the project is installed editable, so later runs test the current code."""
+The venv (~10 s to build from pip's cache) is kept in pytest's cache dir, keyed by pyproject.toml's hash (in the
+session's temporary folder under -p no:cacheprovider); the project is installed editable, so later runs test the
+current code."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")
-def api_venv(request: pytest.FixtureRequest) -> Path:
+def api_venv(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:12]
-    venv = Path(request.config.cache.mkdir("api-venv")) / key
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider: a venv for this session
+    venv = (Path(cache.mkdir("api-venv")) if cache is not None else tmp_path_factory.mktemp("api-venv")) / key
     python = venv / "bin" / "python"
     if (venv / "built").is_file():
         return venv

@@ -4,10 +4,6 @@ launches it replaces (rope_and_cache, then the decode kernel) and against the to
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +12,7 @@ import torch
 from kernels.decode_rope import DecodeRope, paged_decode_attention_rope, paged_decode_attention_rope_ref
 from kernels.paged_attention import _paged_decode_attention
 from kernels.rope_cache import rope_and_cache
-from tests.kernels.helpers import DEVICE, paged_cache, rel_err, tolerance
+from tests.kernels.helpers import DEVICE, paged_cache, rel_err, run_without_interpreter, tolerance
 from tests.kernels.test_paged_attention import _COMPILE_SM90, _FUSED_8B
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -138,10 +134,7 @@ def test_new_kv_stores_come_before_the_tile_loads_in_the_sm90_code() -> None:
     token's store. The kernel compiled for sm_90 (dynamic partitions, the pipelined loads of batch 1 over a long
     table) must store the key and value, then a CTA barrier, and only then start its first K / V copy."""
     c = {**_FUSED_8B, "FUSED_REDUCE": False, "ROPE": True, "DYNAMIC": True, "FENCE": True}
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    root = Path(__file__).resolve().parents[2]
-    args = [sys.executable, "-c", _COMPILE_SM90, json.dumps(c)]
-    ir = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, check=True).stdout.splitlines()
+    ir = run_without_interpreter(_COMPILE_SM90, json.dumps(c)).splitlines()
     first_copy = next(i for i, line in enumerate(ir) if "async_copy_global_to_local" in line)
     stores = [i for i in range(first_copy) if "tt.store" in ir[i]]
     assert len(stores) == 2, "the rotated key and the value"

@@ -195,7 +195,9 @@ def test_silu_and_mul_matches_ref(dtype: torch.dtype, inter: int, gen: torch.Gen
     out = silu_and_mul(x)
     ref = silu_and_mul_ref(x)
     assert out.shape == (5, inter) and out.dtype == dtype
-    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else tolerance(dtype))
+    # 16-bit: two casts (after the silu, after the product); the CPU interpreter truncates where torch rounds, up to
+    # 2^-7 relative each, so errors of 0.5-1.05 % were seen against the former 1 % bound (a flaky CI test)
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2 * tolerance(dtype))
     assert silu_and_mul(x[:0]).shape == (0, inter)
     with pytest.raises(ValueError, match="even"):
         silu_and_mul(x[:, :-1])

@@ -307,15 +307,7 @@ def test_bf16_decode_with_fused_norms_matches_the_unfused_one(folder: Path, monk
     logits = {}
     for devices in (("cuda",), ()):
         monkeypatch.setattr(llama, "FUSED_NORM_DEVICES", devices)
-        for attn in model.attention_layers():
-            attn.kv_cache = torch.zeros(2, 8, 16, attn.num_kv_heads, attn.head_dim, dtype=torch.bfloat16, device="cuda")
-        got = []
-        with torch.no_grad():
-            for start, num_new in [(0, 20)] + [(p, 1) for p in range(20, len(ids))]:
-                meta = _cuda_meta(one_seq_metadata(list(range(8)), start, num_new))
-                pos = torch.arange(start, start + num_new).cuda()
-                got.append(model.compute_logits(model(torch.tensor(ids[start : start + num_new]).cuda(), pos, meta)))
-        logits[devices] = torch.cat(got)
+        logits[devices] = _prefill_then_decode_logits(model, ids)
     assert len(fused_steps) == (len(ids) - 20) * (3 - 1)  # qkv, from the second layer on
     unfused = logits[()]
     assert ((logits[("cuda",)] - unfused).norm() / unfused.norm()).item() < 5e-3
@@ -343,17 +335,22 @@ def test_decode_with_rope_in_the_kernel_equals_the_two_launches(folder: Path, mo
     logits = {}
     for on in (True, False):
         monkeypatch.setattr(attention, "DECODE_ROPE", on)
-        for attn in model.attention_layers():
-            attn.kv_cache = torch.zeros(2, 8, 16, attn.num_kv_heads, attn.head_dim, dtype=torch.bfloat16, device="cuda")
-        got = []
-        with torch.no_grad():
-            for start, num_new in [(0, 20)] + [(p, 1) for p in range(20, len(ids))]:
-                meta = _cuda_meta(one_seq_metadata(list(range(8)), start, num_new))
-                pos = torch.arange(start, start + num_new).cuda()
-                got.append(model.compute_logits(model(torch.tensor(ids[start : start + num_new]).cuda(), pos, meta)))
-        logits[on] = torch.cat(got)
+        logits[on] = _prefill_then_decode_logits(model, ids)
     assert len(calls) == (len(ids) - 20) * len(model.attention_layers())
     assert torch.equal(logits[True], logits[False])
+
+
+def _prefill_then_decode_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    """The logits of a 20-token prefill then one decode step per remaining token, in fresh zeroed bf16 caches."""
+    for attn in model.attention_layers():
+        attn.kv_cache = torch.zeros(2, 8, 16, attn.num_kv_heads, attn.head_dim, dtype=torch.bfloat16, device="cuda")
+    got = []
+    with torch.no_grad():
+        for start, num_new in [(0, 20)] + [(p, 1) for p in range(20, len(ids))]:
+            meta = _cuda_meta(one_seq_metadata(list(range(8)), start, num_new))
+            pos = torch.arange(start, start + num_new).cuda()
+            got.append(model.compute_logits(model(torch.tensor(ids[start : start + num_new]).cuda(), pos, meta)))
+    return torch.cat(got)
 
 
 def _cuda_meta(meta: Any) -> Any:

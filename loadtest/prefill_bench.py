@@ -48,6 +48,8 @@ PREFILL_VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
 ]
 # (name, cached prefix, new tokens) of one sequence: the dense causal prefills SDPA is measured on, and a
 # chunk of a chunked prefill (SDPA with a lower-right causal mask over prefix + chunk)
+# SDPA's backends, each timed alone on the dense causal cases: the default's ratio is against the fastest
+SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 PREFILL_CASES: list[tuple[str, int, int]] = [("4k", 0, 4096), ("8k", 0, 8192), ("2k+2k", 2048, 2048)]
 
 
@@ -83,6 +85,13 @@ def bench_prefill(
         print(f"  prefill {name}: SDPA failed: {exc!r:.300}", flush=True)
         result["sdpa_s"] = t = float("nan")
     result["sdpa_tflops"] = flops / t / 1e12
+    if context_len == 0:  # which backend the default SDPA is: each one forced, TFLOP/s (nan: not available)
+        result["sdpa_backend_tflops"] = {
+            backend: flops / _time_sdpa_prefill(context_len, q_len, scale, reps, backend) / 1e12
+            for backend in SDPA_BACKENDS
+        }
+        forced = ", ".join(f"{b} {x:.0f}" for b, x in result["sdpa_backend_tflops"].items())
+        print(f"  SDPA {name}: default {result['sdpa_tflops']:.0f} TFLOP/s; each backend forced: {forced}", flush=True)
     num_blocks = -(-seq_len // BLOCK_SIZE)
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(1, num_blocks)
@@ -114,9 +123,19 @@ def bench_prefill(
     return result
 
 
-def _time_sdpa_prefill(context_len: int, q_len: int, scale: float, reps: int) -> float:
+def _time_sdpa_prefill(context_len: int, q_len: int, scale: float, reps: int, backend: str | None = None) -> float:
     """SDPA's seconds per call on dense K/V of the same shape: causal (flash) when there is no prefix, else
-    a lower-right causal mask (the new queries are the last positions), which SDPA serves without flash."""
+    a lower-right causal mask (the new queries are the last positions), which SDPA serves without flash.
+    ``backend``: one of :data:`SDPA_BACKENDS` forced (``nan`` where it cannot run the shape)."""
+    if backend is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        try:
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                return _time_sdpa_prefill(context_len, q_len, scale, reps)
+        except RuntimeError as exc:
+            print(f"  SDPA {backend}: {exc!r:.200}", flush=True)
+            return float("nan")
     seq_len = context_len + q_len
     q = torch.randn(1, NUM_HEADS, q_len, HEAD_DIM, device="cuda", dtype=DTYPE)
     k = torch.randn(1, NUM_KV_HEADS, seq_len, HEAD_DIM, device="cuda", dtype=DTYPE)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.decode_plan import SMALL_BATCH_MAX_SEQS
 from kernels.paged_attention import paged_decode_attention_ref
 from kernels.prefill_attention import paged_prefill_attention_ref
 from kernels.rope_cache import rope_and_cache_ref
@@ -40,14 +41,14 @@ if PREFILL_KERNEL not in ("paged", "new_kv"):
 # 14.118 / 14.121 s off (0.3-0.8 %), the first run with it 16.686 s (its compiles). Off: too small a gain for
 # the compiles a server's first mixed steps would pay without a warm-up over every decode-row plan.
 SPLIT_DECODE_ROWS = os.environ.get("PAGEDSERVE_SPLIT_DECODE_ROWS", "0") == "1"
-# A decode-only step (Triton backend): the decode kernel rotates q and k and stores the new K/V itself
-# (kernels.decode_rope), so the step has no rope + cache-write launch per layer. Off until the H200 agrees: at
-# f87e1fe its batch-1 tests were bit-equal to the two launches (8k and 40k tokens) and so was the engine's decode
-# test, but 64 sequences of 1-4095 tokens were not (tests/kernels/test_decode_rope.py, the b64 case), and batch-1
-# TPOT moved within its noise (4.222 / 4.365 ms on, 4.409 off). Since then the stores are fenced at GPU scope before
-# the barrier (the suspect: a tile copy from L2 right after it); not yet run on a GPU. PAGEDSERVE_DECODE_ROPE=1 turns
-# it on (loadtest/gpu_session.sh dr: the tests, then the A/B).
-DECODE_ROPE = os.environ.get("PAGEDSERVE_DECODE_ROPE", "0") == "1"
+# A decode-only step (Triton backend) of at most this many sequences: the decode kernel rotates q and k and stores
+# the new K/V itself (kernels.decode_rope), so the step has no rope + cache-write launch per layer. Bit-equal to the
+# two launches on the H200 (2026-12-04, ee11650: 62 GPU tests, the engine's with it on; 24 seeds of 64 sequences).
+# Same-run A/Bs there: batch-1 TPOT 4.307 / 4.277 ms on against 4.322 / 4.321 off, and 4.308 / 4.311 against 4.329
+# / 4.327 in the suite; `mixed` (batches of up to 512) 13.957 / 13.945 s on against 13.916 / 13.913 off: every
+# program of a sequence's partitions rotates its query again, which big batches pay for. So small batches only
+# (SMALL_BATCH_MAX_SEQS of the decode plan); PAGEDSERVE_DECODE_ROPE_MAX_SEQS sets it (0: never).
+DECODE_ROPE_MAX_SEQS = int(os.environ.get("PAGEDSERVE_DECODE_ROPE_MAX_SEQS", str(SMALL_BATCH_MAX_SEQS)))
 
 
 @dataclass
@@ -80,7 +81,7 @@ def reads_new_kv(meta: AttentionMetadata) -> bool:
 def fuses_rope(meta: AttentionMetadata) -> bool:
     """Whether this step's attention applies the rotary embedding and writes the new K/V itself
     (:func:`decode_with_rope`) instead of :func:`write_kv` + :func:`paged_attention`."""
-    return meta.backend == "triton" and meta.is_decode_only and DECODE_ROPE
+    return meta.backend == "triton" and meta.is_decode_only and meta.num_seqs <= DECODE_ROPE_MAX_SEQS
 
 
 def decode_with_rope(

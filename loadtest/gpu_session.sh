@@ -55,7 +55,7 @@
 #                     BT_TESTS (a pytest -k selection of the engine's and kernels' GPU tests) runs first when set
 #   stage dr (~4 min): the decode kernel rotating q / k and storing the new K/V itself (kernels.decode_rope): its GPU
 #                     tests with the engine's decode, graph and HF ones, then batch-1 TPOT for each
-#                     PAGEDSERVE_DECODE_ROPE in DR_RUNS (default "1 0 1", one process each)
+#                     DR_RUNS entry (default "1 0 1": PAGEDSERVE_DECODE_ROPE_MAX_SEQS huge or 0, one process each)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -186,7 +186,7 @@ elif [ "$stage" = dr ]; then
     && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   { grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
   for on in ${DR_RUNS-1 0 1}; do  # batch-1 TPOT with and without rope in the decode kernel
-    PAGEDSERVE_DECODE_ROPE=$on python -m loadtest.throughput latency --shape 8b --max-model-len 4096 2>&1 \
+    PAGEDSERVE_DECODE_ROPE_MAX_SEQS=$((on ? 1 << 30 : 0)) python -m loadtest.throughput latency --shape 8b --max-model-len 4096 2>&1 \
       | grep -E "tpot|ttft" | tr -d '\n '; echo " decode_rope=$on"
   done
 elif [ "$stage" = sd ]; then

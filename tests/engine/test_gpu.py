@@ -314,8 +314,9 @@ def test_bf16_decode_with_fused_norms_matches_the_unfused_one(folder: Path, monk
 
 
 def test_decode_with_rope_in_the_kernel_equals_the_two_launches(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode steps whose attention rotates q / k and stores the new K/V itself (``engine.attention.DECODE_ROPE``,
-    off by default) against rope_and_cache + the decode kernel: the same logits, bit for bit."""
+    """Decode steps whose attention rotates q / k and stores the new K/V itself (``engine.attention.fuses_rope``,
+    batches up to DECODE_ROPE_MAX_SEQS by default) against rope_and_cache + the decode kernel: the same logits,
+    bit for bit."""
     from engine import attention
     from engine.loader import load_hf_config, load_model
     from engine.parallel import ParallelState
@@ -334,7 +335,7 @@ def test_decode_with_rope_in_the_kernel_equals_the_two_launches(folder: Path, mo
     monkeypatch.setattr("engine.layers.attention.decode_with_rope", counted)
     logits = {}
     for on in (True, False):
-        monkeypatch.setattr(attention, "DECODE_ROPE", on)
+        monkeypatch.setattr(attention, "DECODE_ROPE_MAX_SEQS", 1 << 30 if on else 0)
         logits[on] = _prefill_then_decode_logits(model, ids)
     assert len(calls) == (len(ids) - 20) * len(model.attention_layers())
     assert torch.equal(logits[True], logits[False])

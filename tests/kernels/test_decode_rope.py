@@ -135,3 +135,29 @@ def test_new_kv_stores_come_before_the_tile_loads_in_the_sm90_code() -> None:
     between = ir[stores[-1] : first_copy]
     fence = next(i for i, line in enumerate(between) if "fence.acq_rel.gpu" in line)
     assert any("barrier" in line for line in between[fence:]), "\n".join(between)
+
+
+def test_engine_fuses_rope_only_in_small_decode_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's switch (engine.attention.fuses_rope): decode-only steps of the Triton backend with at most
+    DECODE_ROPE_MAX_SEQS sequences (a graph's padded batch counts), never a prefill or the torch backend."""
+    from engine import attention
+
+    def meta(num_seqs: int, max_query_len: int = 1, backend: str = "triton") -> attention.AttentionMetadata:
+        lens = torch.full((num_seqs,), 5, dtype=torch.int32)
+        return attention.AttentionMetadata(
+            slot_mapping=torch.zeros(num_seqs, dtype=torch.int64),
+            query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+            seq_lens=lens,
+            block_tables=torch.zeros(num_seqs, 1, dtype=torch.int32),
+            max_query_len=max_query_len,
+            max_seq_len=5,
+            backend=backend,
+        )
+
+    monkeypatch.setattr(attention, "DECODE_ROPE_MAX_SEQS", 16)
+    assert attention.fuses_rope(meta(1)) and attention.fuses_rope(meta(16))
+    assert not attention.fuses_rope(meta(17))
+    assert not attention.fuses_rope(meta(4, max_query_len=3))
+    assert not attention.fuses_rope(meta(4, backend="torch"))
+    monkeypatch.setattr(attention, "DECODE_ROPE_MAX_SEQS", 0)
+    assert not attention.fuses_rope(meta(1))

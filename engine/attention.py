@@ -46,8 +46,9 @@ SPLIT_DECODE_ROWS = os.environ.get("PAGEDSERVE_SPLIT_DECODE_ROWS", "0") == "1"
 # two launches on the H200 (2026-12-04, ee11650: 62 GPU tests, the engine's with it on; 24 seeds of 64 sequences).
 # Same-run A/Bs there: batch-1 TPOT 4.307 / 4.277 ms on against 4.322 / 4.321 off, and 4.308 / 4.311 against 4.329
 # / 4.327 in the suite; `mixed` (batches of up to 512) 13.957 / 13.945 s on against 13.916 / 13.913 off: every
-# program of a sequence's partitions rotates its query again, which big batches pay for. So small batches only
-# (SMALL_BATCH_MAX_SEQS of the decode plan); PAGEDSERVE_DECODE_ROPE_MAX_SEQS sets it (0: never).
+# program of a sequence's partitions rotates its query again, which big batches pay for. In the concurrency sweep
+# (9706444, two runs each): TPOT at 1 / 4 / 16 streams 4.208 / 4.553 / 5.011 ms on against 4.246-4.39 / 4.613 / 5.066
+# off. So small batches only (SMALL_BATCH_MAX_SEQS of the decode plan); PAGEDSERVE_DECODE_ROPE_MAX_SEQS sets it (0: never).
 DECODE_ROPE_MAX_SEQS = int(os.environ.get("PAGEDSERVE_DECODE_ROPE_MAX_SEQS", str(SMALL_BATCH_MAX_SEQS)))
 
 

@@ -56,6 +56,8 @@
 #   stage dr (~4 min): the decode kernel rotating q / k and storing the new K/V itself (kernels.decode_rope): its GPU
 #                     tests with the engine's decode, graph and HF ones, then batch-1 TPOT for each
 #                     DR_RUNS entry (default "1 0 1": PAGEDSERVE_DECODE_ROPE_MAX_SEQS huge or 0, one process each)
+#   stage gl (~3 min): the Gluon prefill kernel for Hopper (kernels.prefill_gluon): its GPU tests against the
+#                     reference, then the prefill sweep's gluon rows beside the default and SDPA (4k and 8k causal)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -63,7 +65,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, sd, sa, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, sd, sa, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -180,6 +182,12 @@ elif [ "$stage" = bt ]; then
       'matmul', r.get('matmul_tflops'), 'b1', r['latency']['tpot_ms'], *[(w, r[w]['elapsed_s'], r[w]['output_tok_s'], \
       r[w].get('mfu')) for w in ('mixed-128', 'mixed')])" "$out/bt-$tokens.json" "$tokens" || tail -5 "$out/bt-$tokens.txt"
   done
+elif [ "$stage" = gl ]; then
+  python -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_gluon.py -m gpu > "$out/gpu_tests.txt" 2>&1 \
+    && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
+  { grep -E "^(FAILED|ERROR)|Error" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
+  python -m loadtest.kernels_bench --sweep --only prefill --prefill-cases 4k 8k \
+    --variants gluon gluon_bn64 gluon_bn64_s4 --out "$out/gluon.json" 2>&1 | grep -A8 "prefill variants"
 elif [ "$stage" = dr ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_decode_rope.py tests/engine/test_gpu.py -m gpu \
     -k "${DR_TESTS:-rope or decode or graph or hf}" > "$out/gpu_tests.txt" 2>&1 \

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from loadtest.kernel_bench_common import BLOCK_SIZE, DTYPE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, rel_err, time_graph
 
-# (name, kernel, knobs): "new_kv" is kernels.prefill_new_kv._prefill_attention_new_kv (this step's K/V from
-# the contiguous tensors, the engine's kernel since e341694; "tma": host tensor descriptors, "ptr": pointer
+# (name, kernel, knobs): "gluon" is kernels.prefill_gluon (fresh prompts only), "new_kv" is
+# kernels.prefill_new_kv._prefill_attention_new_kv (this step's K/V from the contiguous tensors, the engine's
+# kernel since e341694; "tma": host tensor descriptors, "ptr": pointer
 # loads), "paged" kernels.prefill_attention._paged_prefill_attention. The first row is the engine's default;
 # "lf": longest causal tiles launched first; "fma": the tutorial's softmax step below the diagonal (scale in the
 # exponent's FMA, PV accumulated in place); m/bn/w/s: rows, KV tile, warps, stages. The sweep decides the
@@ -22,6 +23,10 @@ from loadtest.kernel_bench_common import BLOCK_SIZE, DTYPE, HEAD_DIM, NUM_HEADS,
 # the paged kernel at block_n 128 (255 regs + 40 B stack) and 128 rows on 4 warps (either kernel).
 PREFILL_VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("default", "new_kv", {}),
+    # kernels.prefill_gluon (Hopper, fresh prompts only: the cases without a cached prefix)
+    ("gluon", "gluon", {}),
+    ("gluon_bn64", "gluon", {"block_n": 64}),
+    ("gluon_bn64_s4", "gluon", {"block_n": 64, "num_stages": 4}),
     ("paged", "paged", {}),
     ("paged_lf", "paged", {"largest_first": True}),
     ("paged_fma_lf", "paged", {"fma_softmax": True, "largest_first": True}),
@@ -101,6 +106,8 @@ def bench_prefill(
     key, value = new_kv_from_cache(cache, tables, [(context_len, q_len)])
     ref = paged_prefill_attention_ref(query, cache, tables, qsl, seq_lens, scale)
     for vname, kernel, knobs in variants:
+        if kernel == "gluon" and context_len:
+            continue
         call = _prefill_call(kernel, knobs, query, key, value, cache, tables, qsl, seq_lens, scale)
         try:
             err = rel_err(call(), ref)
@@ -169,6 +176,10 @@ def _prefill_call(
 
     if kernel == "paged":
         return partial(_paged_prefill_attention, query, cache, tables, qsl, seq_lens, scale, None, **knobs)
+    if kernel == "gluon":
+        from kernels.prefill_gluon import prefill_attention_gluon
+
+        return partial(prefill_attention_gluon, query, key, value, qsl, scale, **knobs)
     return partial(_prefill_attention_new_kv, query, key, value, cache, tables, qsl, seq_lens, scale, None, **knobs)
 
 

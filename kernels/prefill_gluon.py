@@ -1,0 +1,229 @@
+"""Causal prefill attention for Hopper written in Gluon (Triton's explicit-layout dialect), for fresh prompts:
+each sequence's keys and values are this step's (no cached prefix), read by TMA from the contiguous
+``[num_tokens, num_kv_heads, head_dim]`` tensors. Experimental: a sweep row (``loadtest.prefill_bench``), not
+the engine's kernel.
+
+Why Gluon: Triton 3.6 waits for each warpgroup MMA as soon as it is issued on sm_90 (the TTGIR of
+``kernels.prefill_new_kv`` has ``warp_group_dot_wait {pendings = 0}`` after every dot), so the softmax of a tile
+never overlaps the tensor cores. Here the waits are written out (FlashAttention-3's intra-warpgroup overlap):
+tile j+1's ``Q K^T`` is in flight while tile j's softmax runs, and tile j's ``P V`` while tile j+1's softmax
+runs. Rows are packed as in ``kernels.prefill_new_kv`` (a tile's 128 rows are ``128 / GROUP`` tokens x the
+``GROUP`` query heads of one KV head), so each K/V tile serves the whole group.
+
+No interpreter runs Gluon: ``tests/kernels/test_prefill_gluon.py`` compiles it for sm_90 on CPU, and its GPU
+test checks it against :func:`kernels.prefill_new_kv.prefill_attention_new_kv_ref`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels._triton import require_triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # the CTA barrier: thread_barrier in Triton 3.6 (the H200's), barrier from 3.7 (this machine's CPU build)
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+except ImportError:  # pragma: no cover - no Triton, or one without Gluon: the kernel is unavailable
+    gluon = None
+
+ROWS = 128  # query rows of a program: two warpgroups of 64
+NUM_WARPS = 8
+BLOCK_N = 128  # keys of a tile
+NUM_STAGES = 3  # K/V tiles in flight: tile j + 2 loads while tile j computes (see _refill)
+
+
+def gluon_available(query: torch.Tensor) -> bool:
+    """Whether this kernel can run the call: Gluon, a Hopper GPU (sm_90), 16-bit, a power-of-two head_dim of
+    64 or 128 and a power-of-two group of at most 16 query heads per KV head."""
+    if gluon is None or query.device.type != "cuda" or torch.cuda.get_device_capability(query.device)[0] != 9:
+        return False
+    return query.dtype in (torch.bfloat16, torch.float16) and query.shape[2] in (64, 128)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _locate(tile, query_start_loc_ptr, num_seqs, BLOCK_Q: gl.constexpr):
+        """The sequence owning query tile ``tile``, its first row and length, the tile's first token (as
+        ``kernels.prefill_attention._locate_tile``: tiles are numbered q_start // BLOCK_Q + seq on)."""
+        lo = 0
+        hi = num_seqs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            first = gl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            lo = gl.where(first <= tile, mid, lo)
+            hi = gl.where(first <= tile, hi, mid)
+        q_start = gl.load(query_start_loc_ptr + lo)
+        q_len = gl.load(query_start_loc_ptr + lo + 1) - q_start
+        return q_start, q_len, (tile - (q_start // BLOCK_Q + lo)) * BLOCK_Q
+
+    @gluon.jit
+    def _load_tile(k_desc, v_desc, k_smem, v_smem, ready, j, row0, col, NUM_STAGES: gl.constexpr):
+        """TMA of tile j's keys and values (rows ``row0 + j * BLOCK_N``) into stage ``j % NUM_STAGES``."""
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        s = j % NUM_STAGES
+        mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, col], ready.index(s), k_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, col], ready.index(s), v_smem.index(s))
+
+    @gluon.jit
+    def _qk(q_smem, k_smem, ready, j, s_shape, NUM_STAGES: gl.constexpr):
+        """Issue tile j's ``Q K^T`` (asynchronous) once its keys have landed (``s_shape``: any tensor of the
+        scores' shape and layout, not read: ``use_acc=False``)."""
+        s = j % NUM_STAGES
+        mbarrier.wait(ready.index(s), (j // NUM_STAGES) & 1)
+        return warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s_shape, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, scale_log2, p_layout: gl.constexpr, dtype: gl.constexpr):
+        """One tile's online-softmax step on the raw scores: P (16-bit, as the P V MMA's register operand), the
+        accumulator's rescale factor and the new row max and sum."""
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
+        p = gl.exp2(s * scale_log2 - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
+
+    @gluon.jit
+    def _rescale(acc, alpha):
+        return acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+
+    @gluon.jit
+    def _prefill_gluon_kernel(
+        q_ptr, k_desc, v_desc, out_ptr, query_start_loc_ptr, num_seqs, scale_log2,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        ROWS: gl.constexpr = 128
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        BLOCK_Q: gl.constexpr = ROWS // GROUP
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        q_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], q_ptr.dtype.element_ty)
+
+        kvh = gl.program_id(0)
+        tile = gl.num_programs(1) - 1 - gl.program_id(1)  # the longest causal rows first
+        q_start, q_len, q_tile_start = _locate(tile, query_start_loc_ptr, num_seqs, BLOCK_Q)
+        if q_tile_start < q_len:
+            # Q: row r is token q_tile_start + r // GROUP, head kvh * GROUP + r % GROUP
+            r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_load))
+            d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_load))
+            tok = q_tile_start + r // GROUP
+            q_rows = (q_start + tok).to(gl.int64) * stride_qt + (kvh * GROUP + r % GROUP) * stride_qh
+            q = gl.load(q_ptr + q_rows[:, None] + d[None, :], mask=(tok < q_len)[:, None], other=0.0)
+            q_smem = gl.allocate_shared_memory(q.dtype, [ROWS, HEAD_DIM], q_shared, q)
+            k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+            v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+            ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(NUM_STAGES):
+                mbarrier.init(ready.index(i), count=1)
+            fence_async_shared()
+            _cta_barrier()  # Q in shared memory from every warp before either warpgroup's first MMA
+
+            kv_hi = gl.minimum(q_tile_start + BLOCK_Q, q_len)  # causal: up to the tile's last query
+            num_tiles = gl.cdiv(kv_hi, BLOCK_N)
+            col = kvh * HEAD_DIM
+            for i in gl.static_range(NUM_STAGES - 1):
+                if i < num_tiles:
+                    _load_tile(k_desc, v_desc, k_smem, v_smem, ready, i, q_start, col, NUM_STAGES)
+
+            acc = warpgroup_mma_init(gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout))  # the loop carries it in flight
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+            s = _qk(q_smem, k_smem, ready, 0, gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), NUM_STAGES)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            # every tile but the last is below the causal diagonal (BLOCK_Q <= BLOCK_N: one diagonal tile)
+            for j in range(0, num_tiles - 1):
+                s_next = _qk(q_smem, k_smem, ready, j + 1, s, NUM_STAGES)  # in flight during the softmax
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, scale_log2, p_layout, v_desc.dtype)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # tile j - 1's P V: its stage is free
+                if j + NUM_STAGES - 1 < num_tiles:  # into tile j - 1's stage, once both warpgroups are past it
+                    _cta_barrier()
+                    _load_tile(k_desc, v_desc, k_smem, v_smem, ready, j + NUM_STAGES - 1, q_start, col, NUM_STAGES)
+                acc = warpgroup_mma(p, v_smem.index(j % NUM_STAGES), _rescale(acc, alpha), is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))  # tile j's P V stays in flight
+            last = num_tiles - 1
+            r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where(last * BLOCK_N + cols[None, :] <= (q_tile_start + r_s // GROUP)[:, None], s, float("-inf"))
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, scale_log2, p_layout, v_desc.dtype)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = warpgroup_mma(p, v_smem.index(last % NUM_STAGES), _rescale(acc, alpha), is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            for i in gl.static_range(NUM_STAGES):
+                mbarrier.invalidate(ready.index(i))
+
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+            r_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+            d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            tok_o = q_tile_start + r_o // GROUP
+            o_rows = (q_start + tok_o).to(gl.int64) * stride_ot + (kvh * GROUP + r_o % GROUP) * stride_oh
+            gl.store(out_ptr + o_rows[:, None] + d_o[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=(tok_o < q_len)[:, None])  # fmt: skip
+
+
+def prefill_attention_gluon(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences back to back, no cached prefix
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]: this step's keys (rotated)
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    num_stages: int = NUM_STAGES,
+    block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over themselves (seq_len == q_len for every sequence):
+    :func:`kernels.prefill_new_kv.prefill_attention_new_kv_ref` with empty prefixes."""
+    require_triton("prefill_attention_gluon")
+    if not gluon_available(query):
+        raise ValueError("prefill_attention_gluon: needs Gluon, an sm_90 GPU, bf16/fp16 and head_dim 64 or 128")
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    if group * num_kv_heads != num_heads or group & (group - 1) or group > 16:
+        raise ValueError(f"query heads per KV head must be a power of two <= 16, got {num_heads} / {num_kv_heads}")
+    if num_stages < 3:  # tile j + 1's Q K^T is issued before tile j - 1's stage is refilled
+        raise ValueError(f"num_stages must be >= 3, got {num_stages}")
+    if block_n < ROWS // group:
+        raise ValueError(f"block_n must hold a query tile's {ROWS // group} tokens (one diagonal tile), got {block_n}")
+    for name, t in (("key", key), ("value", value)):
+        if tuple(t.shape) != (num_tokens, num_kv_heads, head_dim) or t.dtype != query.dtype or t.stride(1) != head_dim:
+            raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_dim] {query.dtype} with adjacent heads")
+    out = torch.empty_like(query)
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], _GL_DTYPES[query.dtype])
+    flat = [num_tokens, num_kv_heads * head_dim]
+    descs: list[Any] = [
+        TensorDescriptor(t, flat, [t.stride(0), 1], [block_n, head_dim], layout) for t in (key, value)
+    ]  # fmt: skip
+    block_q = ROWS // group
+    grid = (num_kv_heads, num_tokens // block_q + num_seqs)
+    _prefill_gluon_kernel[grid](
+        query, descs[0], descs[1], out, query_start_loc, num_seqs, scale * 1.4426950408889634,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, NUM_STAGES=num_stages, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out
+
+
+_GL_DTYPES: dict[torch.dtype, Any] = {} if gluon is None else {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}

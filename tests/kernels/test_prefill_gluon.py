@@ -1,0 +1,100 @@
+"""The Gluon prefill kernel for Hopper (kernels/prefill_gluon.py): no interpreter runs Gluon, so on CPU its sm_90
+code is compiled and read (the MMA waits that make the overlap, shared memory, no spills); on an H200 its output is
+checked against the torch reference of kernels.prefill_new_kv on varlen batches of fresh prompts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kernels.prefill_gluon import gluon, gluon_available, prefill_attention_gluon
+from tests.kernels.helpers import DEVICE, rel_err, run_without_interpreter, tolerance
+
+needs_gluon = pytest.mark.skipif(gluon is None, reason="needs a Triton with Gluon")
+
+# Compiles the kernel for sm_90 (no GPU) and prints its TTGIR, shared memory and ptxas's register / spill report:
+# argv = constexprs (JSON), block_n.
+_COMPILE = """
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels.prefill_gluon import _prefill_gluon_kernel as kernel
+
+constexprs, block_n = json.loads(sys.argv[1]), int(sys.argv[2])
+desc = f"tensordesc<bf16[{block_n}, 128],{gl.NVMMASharedLayout.get_default_for([block_n, 128], gl.bfloat16)!r}>"
+types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "query_start_loc_ptr": "*i32", "k_desc": desc, "v_desc": desc,
+         "scale_log2": "fp32"}
+names = kernel.arg_names
+signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in names}
+aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a.endswith("_ptr") or a.startswith("stride")}
+compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 8})
+with tempfile.TemporaryDirectory() as tmp:
+    with open(os.path.join(tmp, "k.ptx"), "w") as f:
+        f.write(compiled.asm["ptx"])
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.path.join(tmp, "k.o")],
+                            capture_output=True, text=True, check=True).stderr
+print(json.dumps({"ttgir": compiled.asm["ttgir"], "shared": compiled.metadata.shared, "ptxas": report}))
+"""
+
+
+@needs_gluon
+@pytest.mark.parametrize("block_n", [128, 64])
+def test_sm90_code_overlaps_the_mmas_and_fits(block_n: int) -> None:
+    """The waits as written: tile 0's Q K^T waited for alone (0 pending), then in the loop tile j - 1's P V with
+    tile j + 1's Q K^T still pending and tile j + 1's Q K^T with tile j's P V pending (1, 1), then the last tile
+    (0, 0). Three K/V stages and Q fit the H200's 227 KiB per block, and nothing spills."""
+    constexprs = {"GROUP": 4, "HEAD_DIM": 128, "NUM_STAGES": 3}
+    out = json.loads(run_without_interpreter(_COMPILE, json.dumps(constexprs), str(block_n)))
+    waits = [line.split("pendings = ")[1].split()[0].rstrip("},") for line in out["ttgir"].splitlines()
+             if "warp_group_dot_wait" in line]  # fmt: skip
+    assert waits == ["0", "1", "1", "0", "0"], waits
+    assert out["ttgir"].count("warp_group_dot ") == 4, "Q K^T before and in the loop, P V in the loop and after"
+    assert out["shared"] <= 227 * 1024
+    assert "0 bytes spill stores" in out["ptxas"] and "0 bytes stack frame" in out["ptxas"], out["ptxas"]
+
+
+def test_refuses_what_it_cannot_run() -> None:
+    q = torch.zeros(8, 4, 128, dtype=torch.bfloat16, device=DEVICE)
+    kv = torch.zeros(8, 1, 128, dtype=torch.bfloat16, device=DEVICE)
+    qsl = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    if not gluon_available(q):
+        with pytest.raises(ValueError, match="sm_90"):
+            prefill_attention_gluon(q, kv, kv, qsl, 0.1)
+        return
+    with pytest.raises(ValueError, match="num_stages"):
+        prefill_attention_gluon(q, kv, kv, qsl, 0.1, num_stages=2)
+    with pytest.raises(ValueError, match="power of two"):
+        prefill_attention_gluon(q.expand(8, 3, 128), kv, kv, qsl, 0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
+@pytest.mark.parametrize(
+    ("dtype", "group", "head_dim", "block_n"),
+    [(torch.bfloat16, 4, 128, 128), (torch.float16, 8, 128, 64), (torch.bfloat16, 1, 64, 128)],
+)
+def test_matches_the_reference_on_varlen_fresh_prompts(
+    dtype: torch.dtype, group: int, head_dim: int, block_n: int, gen: torch.Generator
+) -> None:
+    """Prompts shorter than a query tile, across several key tiles, ending mid-tile and at the tensor's end (the
+    last tile's rows past it read as zeros by TMA), the 8B shape's 4k, and key tiles that run into the next prompt."""
+    from kernels.prefill_new_kv import prefill_attention_new_kv_ref
+
+    lens = [1, 37, 300, 4096, 129, 1000]
+    kv_heads, n = 8, sum(lens)
+    qkv = torch.randn(n, (group + 2) * kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([group * kv_heads, kv_heads, kv_heads], dim=1)  # views of one projection, as the layer's
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    blocks = -(-max(lens) // 16)
+    cache = torch.zeros(2, blocks * len(lens), 16, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    tables = torch.arange(blocks * len(lens), dtype=torch.int32, device=DEVICE).view(len(lens), blocks)
+    out = prefill_attention_gluon(q, k, v, qsl, 0.088, block_n=block_n)
+    ref = prefill_attention_new_kv_ref(q, k, v, cache, tables, qsl, seq_lens, 0.088)
+    assert not out.isnan().any() and rel_err(out, ref) < tolerance(dtype), f"seed {gen.initial_seed()}"

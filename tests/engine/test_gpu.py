@@ -22,7 +22,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+SHAPE: dict[str, Any] = dict(
+    hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=32
+)
 
 
 def prompts(n: int = 12) -> list[list[int]]:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kernels._triton import require_triton
+from kernels.paged_attention import _LOG2E
 
 try:
     from triton.experimental import gluon
@@ -43,7 +44,7 @@ except ImportError:  # pragma: no cover - no Triton, or one without Gluon: the k
 ROWS = 128  # query rows of a program: two warpgroups of 64
 NUM_WARPS = 8
 BLOCK_N = 128  # keys of a tile
-NUM_STAGES = 3  # K/V tiles in flight: tile j + 2 loads while tile j computes (see _refill)
+NUM_STAGES = 3  # K/V stages: tile j + 2 loads into tile j - 1's stage while tile j computes
 
 
 def gluon_available(query: torch.Tensor) -> bool:
@@ -204,6 +205,8 @@ def prefill_attention_gluon(
         raise ValueError(f"num_stages must be >= 3, got {num_stages}")
     if block_n < ROWS // group:
         raise ValueError(f"block_n must hold a query tile's {ROWS // group} tokens (one diagonal tile), got {block_n}")
+    if query.stride(2) != 1:
+        raise ValueError(f"query must be contiguous in head_dim, got strides {query.stride()}")
     for name, t in (("key", key), ("value", value)):
         if tuple(t.shape) != (num_tokens, num_kv_heads, head_dim) or t.dtype != query.dtype or t.stride(1) != head_dim:
             raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_dim] {query.dtype} with adjacent heads")
@@ -219,7 +222,7 @@ def prefill_attention_gluon(
     block_q = ROWS // group
     grid = (num_kv_heads, num_tokens // block_q + num_seqs)
     _prefill_gluon_kernel[grid](
-        query, descs[0], descs[1], out, query_start_loc, num_seqs, scale * 1.4426950408889634,
+        query, descs[0], descs[1], out, query_start_loc, num_seqs, scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_STAGES=num_stages, num_warps=NUM_WARPS,
     )  # fmt: skip

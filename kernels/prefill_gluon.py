@@ -7,7 +7,8 @@ Why Gluon: Triton 3.6 waits for each warpgroup MMA as soon as it is issued on sm
 ``kernels.prefill_new_kv`` has ``warp_group_dot_wait {pendings = 0}`` after every dot), so the softmax of a tile
 never overlaps the tensor cores. Here the waits are written out (FlashAttention-3's intra-warpgroup overlap):
 tile j+1's ``Q K^T`` is in flight while tile j's softmax runs, and tile j's ``P V`` while tile j+1's softmax
-runs. Rows are packed as in ``kernels.prefill_new_kv`` (a tile's 128 rows are ``128 / GROUP`` tokens x the
+runs (and with ``rows=64``, two CTAs per SM interleave one another's softmax and MMAs). Rows are packed as in
+``kernels.prefill_new_kv`` (a tile's 128 rows are ``128 / GROUP`` tokens x the
 ``GROUP`` query heads of one KV head), so each K/V tile serves the whole group.
 
 No interpreter runs Gluon: ``tests/kernels/test_prefill_gluon.py`` compiles it for sm_90 on CPU, and its GPU
@@ -41,8 +42,10 @@ try:
 except ImportError:  # pragma: no cover - no Triton, or one without Gluon: the kernel is unavailable
     gluon = None
 
-ROWS = 128  # query rows of a program: two warpgroups of 64
-NUM_WARPS = 8
+# Query rows of a program: 128 on two warpgroups (one CTA per SM at 128-key tiles), or 64 on one warpgroup, where
+# 64-key tiles fit two CTAs per SM (112 KiB of shared memory each) whose softmax and MMAs the warp schedulers can
+# interleave (the overlap FlashAttention-3 gets from its two ping-ponging warpgroups). A warpgroup is 64 rows.
+ROWS = 128
 BLOCK_N = 128  # keys of a tile
 NUM_STAGES = 3  # K/V stages: tile j + 2 loads into tile j - 1's stage while tile j computes
 
@@ -107,17 +110,17 @@ if gluon is not None:
     def _prefill_gluon_kernel(
         q_ptr, k_desc, v_desc, out_ptr, query_start_loc_ptr, num_seqs, scale_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
-        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, ROWS: gl.constexpr,
     ):  # fmt: skip
-        ROWS: gl.constexpr = 128
+        WARPS: gl.constexpr = ROWS // 16
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         BLOCK_Q: gl.constexpr = ROWS // GROUP
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        q_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        q_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
         q_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], q_ptr.dtype.element_ty)
 
         kvh = gl.program_id(0)
@@ -190,6 +193,7 @@ def prefill_attention_gluon(
     scale: float,
     num_stages: int = NUM_STAGES,
     block_n: int = BLOCK_N,
+    rows: int = ROWS,  # 128 or 64 query rows a program
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over themselves (seq_len == q_len for every sequence):
     :func:`kernels.prefill_new_kv.prefill_attention_new_kv_ref` with empty prefixes."""
@@ -203,8 +207,8 @@ def prefill_attention_gluon(
         raise ValueError(f"query heads per KV head must be a power of two <= 16, got {num_heads} / {num_kv_heads}")
     if num_stages < 3:  # tile j + 1's Q K^T is issued before tile j - 1's stage is refilled
         raise ValueError(f"num_stages must be >= 3, got {num_stages}")
-    if block_n < ROWS // group:
-        raise ValueError(f"block_n must hold a query tile's {ROWS // group} tokens (one diagonal tile), got {block_n}")
+    if rows not in (64, 128) or block_n < rows // group:
+        raise ValueError(f"rows must be 64 or 128 and block_n hold a query tile's tokens, got {rows} and {block_n}")
     if query.stride(2) != 1:
         raise ValueError(f"query must be contiguous in head_dim, got strides {query.stride()}")
     for name, t in (("key", key), ("value", value)):
@@ -219,12 +223,12 @@ def prefill_attention_gluon(
     descs: list[Any] = [
         TensorDescriptor(t, flat, [t.stride(0), 1], [block_n, head_dim], layout) for t in (key, value)
     ]  # fmt: skip
-    block_q = ROWS // group
+    block_q = rows // group
     grid = (num_kv_heads, num_tokens // block_q + num_seqs)
     _prefill_gluon_kernel[grid](
         query, descs[0], descs[1], out, query_start_loc, num_seqs, scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, NUM_STAGES=num_stages, num_warps=NUM_WARPS,
+        GROUP=group, HEAD_DIM=head_dim, NUM_STAGES=num_stages, ROWS=rows, num_warps=rows // 16,
     )  # fmt: skip
     return out
 

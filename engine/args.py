@@ -52,7 +52,8 @@ class EngineArgs:
     max_num_seqs: int = _opt(256, "sequences per batch; also the jobs a worker takes")
     max_num_batched_tokens: int | None = _opt(
         None,
-        "token budget per engine step (default as vLLM's server: 8192 on a GPU of >= 70 GiB but an A100, else 2048)",
+        "token budget per engine step (default as vLLM's: 8192 on a GPU of >= 70 GiB but an A100, else 2048; "
+        "twice that in the offline LLM class)",
     )
     scheduling_policy: str = _opt("fcfs", "fcfs | priority")
     enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps to fit the token budget")

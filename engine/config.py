@@ -57,9 +57,10 @@ class CacheConfig:
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256  # running sequences per step
-    # the one token budget per step (prefill chunks + decodes); None: vLLM's serving default for the device
+    # the one token budget per step (prefill chunks + decodes); None: vLLM's default for the device and the usage
     # (``engine.model_runner.default_batched_tokens``), set when the engine starts
     max_num_batched_tokens: int | None = None
+    offline: bool = False  # the offline ``LLM`` class (vLLM's LLM_CLASS defaults), not a server's worker
     policy: str = "fcfs"  # fcfs | priority
     enable_chunked_prefill: bool = True
     # how a preempted request gives its blocks back: auto = swap to the host or recompute, whichever costs less

@@ -33,7 +33,8 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s): {', '.join(unknown)}")
         config = EngineArgs(model=model, **kwargs).create_engine_config()
-        self.engine = Engine(config)
+        offline = dataclasses.replace(config.scheduler, offline=True)  # vLLM's LLM-class defaults (the budget)
+        self.engine = Engine(dataclasses.replace(config, scheduler=offline))
         self._finalizer = weakref.finalize(self, self.engine.shutdown)  # references the engine, not self
 
     def __enter__(self) -> LLM:

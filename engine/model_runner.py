@@ -67,27 +67,35 @@ def pick_device(config: EngineConfig) -> torch.device:
     return torch.device("cpu")
 
 
-# vLLM's defaults for its OpenAI server (``EngineArgs.get_batch_defaults``): a larger budget on large GPUs, but not
-# on an A100, where it measured lower throughput
+# vLLM's defaults (``EngineArgs.get_batch_defaults``): a larger budget on large GPUs, but not on an A100, where it
+# measured lower throughput; its offline ``LLM`` class (usage context LLM_CLASS, what ``vllm bench throughput``
+# runs) twice its OpenAI server's. Off a GPU, 2048 either way.
 LARGE_GPU_BYTES = 70 * (1 << 30)
 LARGE_GPU_BATCHED_TOKENS = 8192
 BATCHED_TOKENS = 2048
+OFFLINE_FACTOR = 2
 
 
-def default_batched_tokens(device: torch.device) -> int:
-    """The token budget per step when none is configured, for ``device``."""
+def batch_default(total_memory: int, name: str, offline: bool = False) -> int:
+    """The token budget per step vLLM picks for a GPU with ``total_memory`` bytes named ``name``."""
+    large = total_memory >= LARGE_GPU_BYTES and "a100" not in name.lower()
+    tokens = LARGE_GPU_BATCHED_TOKENS if large else BATCHED_TOKENS
+    return tokens * OFFLINE_FACTOR if offline else tokens
+
+
+def default_batched_tokens(device: torch.device, offline: bool = False) -> int:
+    """The token budget per step when none is configured, for ``device`` (``offline``: the ``LLM`` class's)."""
     if device.type != "cuda":
         return BATCHED_TOKENS
     props = torch.cuda.get_device_properties(device)
-    large = props.total_memory >= LARGE_GPU_BYTES and "a100" not in props.name.lower()
-    return LARGE_GPU_BATCHED_TOKENS if large else BATCHED_TOKENS
+    return batch_default(props.total_memory, props.name, offline)
 
 
 def with_batch_defaults(config: EngineConfig) -> EngineConfig:
     """``config`` with its unset token budget filled in for the device it runs on (every rank gets the same)."""
     if config.scheduler.max_num_batched_tokens is not None:
         return config
-    tokens = default_batched_tokens(pick_device(config))
+    tokens = default_batched_tokens(pick_device(config), config.scheduler.offline)
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_num_batched_tokens=tokens))
 
 

@@ -218,7 +218,9 @@ def test_llm_builds_the_engine_config_from_engine_args(monkeypatch: pytest.Monke
     monkeypatch.setattr(engine.llm, "Engine", _Recorder)
     kwargs = {k: v for k, v in NON_DEFAULT.items() if k != "model"}
     engine.llm.LLM("/models/llama", **kwargs)
-    assert seen == [EngineArgs(model="/models/llama", **kwargs).create_engine_config()]
+    config = EngineArgs(model="/models/llama", **kwargs).create_engine_config()
+    assert not config.scheduler.offline  # a server's worker; LLM(...) marks its engine offline (vLLM's LLM_CLASS)
+    assert seen == [dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, offline=True))]
 
 
 def test_engine_args_and_the_cli_import_no_torch() -> None:
@@ -241,6 +243,20 @@ def test_the_token_budget_defaults_to_vllms_server_value_for_the_device() -> Non
     assert with_batch_defaults(unset).scheduler.token_budget == 2048
     given = EngineArgs(device="cpu", max_num_batched_tokens=640).create_engine_config()
     assert with_batch_defaults(given).scheduler.token_budget == 640
+
+
+@pytest.mark.parametrize(
+    ("gib", "name", "server", "offline"),
+    [(141, "NVIDIA H200", 8192, 16384), (80, "NVIDIA H100 80GB HBM3", 8192, 16384), (80, "NVIDIA A100-SXM4-80GB", 2048,
+     4096), (24, "NVIDIA L4", 2048, 4096), (192, "AMD Instinct MI300X", 8192, 16384)],
+)  # fmt: skip
+def test_the_token_budget_by_gpu_and_usage_is_vllms(gib: int, name: str, server: int, offline: int) -> None:
+    """vLLM's ``get_batch_defaults`` on a GPU: 8192 for its server on >= 70 GiB but an A100, else 2048, and twice
+    that for its offline ``LLM`` class, which ``engine.llm.LLM`` sets (``SchedulerConfig.offline``)."""
+    from engine.model_runner import batch_default
+
+    assert batch_default(gib << 30, name) == server
+    assert batch_default(gib << 30, name, offline=True) == offline
 
 
 @pytest.mark.parametrize(("num_tokens", "max_len"), [(8192, 256), (2048, 4096), (8192, 8192), (100, 7), (5, 512)])

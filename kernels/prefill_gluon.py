@@ -107,33 +107,86 @@ if gluon is not None:
         return acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
 
     @gluon.jit
+    def load_q(q_ptr, q_start, q_len, q_tile_start, kvh, stride_qt, stride_qh, GROUP: gl.constexpr,
+               HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+        """The tile's queries in shared memory, row r the token q_tile_start + r // GROUP, head kvh * GROUP +
+        r % GROUP (zeros past the sequence), fenced for the MMAs and past a CTA barrier."""
+        q_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+        q_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], q_ptr.dtype.element_ty)
+        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_load))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_load))
+        tok = q_tile_start + r // GROUP
+        q_rows = (q_start + tok).to(gl.int64) * stride_qt + (kvh * GROUP + r % GROUP) * stride_qh
+        q = gl.load(q_ptr + q_rows[:, None] + d[None, :], mask=(tok < q_len)[:, None], other=0.0)
+        return gl.allocate_shared_memory(q.dtype, [ROWS, HEAD_DIM], q_shared, q)
+
+    @gluon.jit
+    def attend(
+        q_smem, k_smem, v_smem, ready, empty, k_desc, v_desc, out_ptr, scale_log2, q_start, q_len, q_tile_start,
+        kvh, num_tiles, stride_ot, stride_oh, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr, ROW0: gl.constexpr,
+        PRODUCER: gl.constexpr,
+    ):  # fmt: skip
+        """The rows ``ROW0 ..`` of a query tile (``q_smem``: 64 or 128 of them, one or two warpgroups) over its
+        ``num_tiles`` K/V tiles, then their output. ``PRODUCER``: another partition loads the tiles, told by an
+        arrival on ``empty`` that a stage is free; else these warps refill it themselves."""
+        ROWS: gl.constexpr = q_smem.shape[0]
+        HEAD_DIM: gl.constexpr = q_smem.shape[1]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        col = kvh * HEAD_DIM
+        acc = warpgroup_mma_init(gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout))  # the loop carries it in flight
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+        s = _qk(q_smem, k_smem, ready, 0, gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), NUM_STAGES)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        # every tile but the last is below the causal diagonal (BLOCK_Q <= BLOCK_N: one diagonal tile)
+        for j in range(0, num_tiles - 1):
+            s_next = _qk(q_smem, k_smem, ready, j + 1, s, NUM_STAGES)  # in flight during the softmax
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, scale_log2, p_layout, v_desc.dtype)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # tile j - 1's P V: its stage is free
+            if PRODUCER:
+                mbarrier.arrive(empty.index((j + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=j > 0)
+            elif j + NUM_STAGES - 1 < num_tiles:  # into tile j - 1's stage, once both warpgroups are past it
+                _cta_barrier()
+                _load_tile(k_desc, v_desc, k_smem, v_smem, ready, j + NUM_STAGES - 1, q_start, col, NUM_STAGES)
+            acc = warpgroup_mma(p, v_smem.index(j % NUM_STAGES), _rescale(acc, alpha), is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))  # tile j's P V stays in flight
+        last = num_tiles - 1
+        r_s = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(last * BLOCK_N + cols[None, :] <= (q_tile_start + r_s // GROUP)[:, None], s, float("-inf"))
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, scale_log2, p_layout, v_desc.dtype)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = warpgroup_mma(p, v_smem.index(last % NUM_STAGES), _rescale(acc, alpha), is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+        r_o = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+        d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        tok_o = q_tile_start + r_o // GROUP
+        o_rows = (q_start + tok_o).to(gl.int64) * stride_ot + (kvh * GROUP + r_o % GROUP) * stride_oh
+        gl.store(out_ptr + o_rows[:, None] + d_o[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=(tok_o < q_len)[:, None])  # fmt: skip
+
+    @gluon.jit
     def _prefill_gluon_kernel(
         q_ptr, k_desc, v_desc, out_ptr, query_start_loc_ptr, num_seqs, scale_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, ROWS: gl.constexpr,
     ):  # fmt: skip
-        WARPS: gl.constexpr = ROWS // 16
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         BLOCK_Q: gl.constexpr = ROWS // GROUP
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        q_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-        q_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], q_ptr.dtype.element_ty)
-
         kvh = gl.program_id(0)
         tile = gl.num_programs(1) - 1 - gl.program_id(1)  # the longest causal rows first
         q_start, q_len, q_tile_start = _locate(tile, query_start_loc_ptr, num_seqs, BLOCK_Q)
         if q_tile_start < q_len:
-            # Q: row r is token q_tile_start + r // GROUP, head kvh * GROUP + r % GROUP
-            r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_load))
-            d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_load))
-            tok = q_tile_start + r // GROUP
-            q_rows = (q_start + tok).to(gl.int64) * stride_qt + (kvh * GROUP + r % GROUP) * stride_qh
-            q = gl.load(q_ptr + q_rows[:, None] + d[None, :], mask=(tok < q_len)[:, None], other=0.0)
-            q_smem = gl.allocate_shared_memory(q.dtype, [ROWS, HEAD_DIM], q_shared, q)
+            q_smem = load_q(q_ptr, q_start, q_len, q_tile_start, kvh, stride_qt, stride_qh, GROUP, HEAD_DIM, ROWS,
+                            ROWS // 16)  # fmt: skip
             k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
             v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
             ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -142,47 +195,14 @@ if gluon is not None:
             fence_async_shared()
             _cta_barrier()  # Q in shared memory from every warp before either warpgroup's first MMA
 
-            kv_hi = gl.minimum(q_tile_start + BLOCK_Q, q_len)  # causal: up to the tile's last query
-            num_tiles = gl.cdiv(kv_hi, BLOCK_N)
-            col = kvh * HEAD_DIM
+            num_tiles = gl.cdiv(gl.minimum(q_tile_start + BLOCK_Q, q_len), BLOCK_N)  # causal: to the last query
             for i in gl.static_range(NUM_STAGES - 1):
                 if i < num_tiles:
-                    _load_tile(k_desc, v_desc, k_smem, v_smem, ready, i, q_start, col, NUM_STAGES)
-
-            acc = warpgroup_mma_init(gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout))  # the loop carries it in flight
-            m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-            s = _qk(q_smem, k_smem, ready, 0, gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), NUM_STAGES)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            # every tile but the last is below the causal diagonal (BLOCK_Q <= BLOCK_N: one diagonal tile)
-            for j in range(0, num_tiles - 1):
-                s_next = _qk(q_smem, k_smem, ready, j + 1, s, NUM_STAGES)  # in flight during the softmax
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, scale_log2, p_layout, v_desc.dtype)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # tile j - 1's P V: its stage is free
-                if j + NUM_STAGES - 1 < num_tiles:  # into tile j - 1's stage, once both warpgroups are past it
-                    _cta_barrier()
-                    _load_tile(k_desc, v_desc, k_smem, v_smem, ready, j + NUM_STAGES - 1, q_start, col, NUM_STAGES)
-                acc = warpgroup_mma(p, v_smem.index(j % NUM_STAGES), _rescale(acc, alpha), is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))  # tile j's P V stays in flight
-            last = num_tiles - 1
-            r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where(last * BLOCK_N + cols[None, :] <= (q_tile_start + r_s // GROUP)[:, None], s, float("-inf"))
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, scale_log2, p_layout, v_desc.dtype)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            acc = warpgroup_mma(p, v_smem.index(last % NUM_STAGES), _rescale(acc, alpha), is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    _load_tile(k_desc, v_desc, k_smem, v_smem, ready, i, q_start, kvh * HEAD_DIM, NUM_STAGES)
+            attend(q_smem, k_smem, v_smem, ready, ready, k_desc, v_desc, out_ptr, scale_log2, q_start, q_len,
+                   q_tile_start, kvh, num_tiles, stride_ot, stride_oh, GROUP, NUM_STAGES, 0, False)  # fmt: skip
             for i in gl.static_range(NUM_STAGES):
                 mbarrier.invalidate(ready.index(i))
-
-            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-            o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
-            r_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-            d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            tok_o = q_tile_start + r_o // GROUP
-            o_rows = (q_start + tok_o).to(gl.int64) * stride_ot + (kvh * GROUP + r_o % GROUP) * stride_oh
-            gl.store(out_ptr + o_rows[:, None] + d_o[None, :], o.to(out_ptr.dtype.element_ty),
-                     mask=(tok_o < q_len)[:, None])  # fmt: skip
 
 
 def prefill_attention_gluon(
@@ -194,6 +214,7 @@ def prefill_attention_gluon(
     num_stages: int = NUM_STAGES,
     block_n: int = BLOCK_N,
     rows: int = ROWS,  # 128 or 64 query rows a program
+    warp_specialize: bool = False,  # kernels.prefill_gluon_ws: a producer warp, two one-warpgroup consumers (128 rows)
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over themselves (seq_len == q_len for every sequence):
     :func:`kernels.prefill_new_kv.prefill_attention_new_kv_ref` with empty prefixes."""
@@ -207,8 +228,9 @@ def prefill_attention_gluon(
         raise ValueError(f"query heads per KV head must be a power of two <= 16, got {num_heads} / {num_kv_heads}")
     if num_stages < 3:  # tile j + 1's Q K^T is issued before tile j - 1's stage is refilled
         raise ValueError(f"num_stages must be >= 3, got {num_stages}")
-    if rows not in (64, 128) or block_n < rows // group:
-        raise ValueError(f"rows must be 64 or 128 and block_n hold a query tile's tokens, got {rows} and {block_n}")
+    if rows not in (64, 128) or block_n < rows // group or (warp_specialize and rows != 128):
+        raise ValueError(f"rows must be 64 or 128 (128 warp-specialized) and block_n hold a query tile's tokens, got "
+                         f"{rows} and {block_n}")  # fmt: skip
     if query.stride(2) != 1:
         raise ValueError(f"query must be contiguous in head_dim, got strides {query.stride()}")
     for name, t in (("key", key), ("value", value)):
@@ -225,11 +247,16 @@ def prefill_attention_gluon(
     ]  # fmt: skip
     block_q = rows // group
     grid = (num_kv_heads, num_tokens // block_q + num_seqs)
-    _prefill_gluon_kernel[grid](
-        query, descs[0], descs[1], out, query_start_loc, num_seqs, scale * _LOG2E,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, NUM_STAGES=num_stages, ROWS=rows, num_warps=rows // 16,
-    )  # fmt: skip
+    args = (query, descs[0], descs[1], out, query_start_loc, num_seqs, scale * _LOG2E,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1))  # fmt: skip
+    if warp_specialize:
+        from kernels.prefill_gluon_ws import LAUNCH_MAXNREG, _prefill_gluon_ws_kernel
+
+        _prefill_gluon_ws_kernel[grid](*args, GROUP=group, HEAD_DIM=head_dim, NUM_STAGES=num_stages, num_warps=4,
+                                       maxnreg=LAUNCH_MAXNREG)  # fmt: skip
+    else:
+        _prefill_gluon_kernel[grid](*args, GROUP=group, HEAD_DIM=head_dim, NUM_STAGES=num_stages, ROWS=rows,
+                                    num_warps=rows // 16)  # fmt: skip
     return out
 
 

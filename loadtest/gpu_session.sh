@@ -187,7 +187,7 @@ elif [ "$stage" = gl ]; then
     && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   { grep -E "^(FAILED|ERROR)|Error" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
   python -m loadtest.kernels_bench --sweep --only prefill --prefill-cases 4k 8k \
-    --variants gluon gluon_bn64 gluon_bn64_s4 gluon_m64_bn64 --out "$out/gluon.json" 2>&1 | grep -A9 "prefill variants"
+    --variants gluon gluon_bn64 gluon_bn64_s4 gluon_m64_bn64 gluon_ws gluon_ws_bn64 --out "$out/gluon.json" 2>&1 | grep -A11 "prefill variants"
 elif [ "$stage" = dr ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_decode_rope.py tests/engine/test_gpu.py -m gpu \
     -k "${DR_TESTS:-rope or decode or graph or hf}" > "$out/gpu_tests.txt" 2>&1 \

@@ -28,6 +28,8 @@ PREFILL_VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("gluon_bn64", "gluon", {"block_n": 64}),
     ("gluon_bn64_s4", "gluon", {"block_n": 64, "num_stages": 4}),
     ("gluon_m64_bn64", "gluon", {"rows": 64, "block_n": 64}),  # two CTAs per SM
+    ("gluon_ws", "gluon", {"warp_specialize": True}),  # kernels.prefill_gluon_ws
+    ("gluon_ws_bn64", "gluon", {"warp_specialize": True, "block_n": 64}),
     ("paged", "paged", {}),
     ("paged_lf", "paged", {"largest_first": True}),
     ("paged_fma_lf", "paged", {"fma_softmax": True, "largest_first": True}),

@@ -5,6 +5,7 @@ checked against the torch reference of kernels.prefill_new_kv on varlen batches 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -14,17 +15,20 @@ from tests.kernels.helpers import DEVICE, rel_err, run_without_interpreter, tole
 
 needs_gluon = pytest.mark.skipif(gluon is None, reason="needs a Triton with Gluon")
 
-# Compiles the kernel for sm_90 (no GPU) and prints its TTGIR, shared memory and ptxas's register / spill report:
-# argv = constexprs (JSON), block_n.
+# Compiles the kernel for sm_90 (no GPU) and prints its TTGIR, PTX, shared memory and ptxas's register / spill
+# report: argv = constexprs (JSON), block_n, "ws" for kernels.prefill_gluon_ws's kernel.
 _COMPILE = """
 import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from kernels.prefill_gluon import _prefill_gluon_kernel as kernel
+from kernels.prefill_gluon import _prefill_gluon_kernel
+from kernels.prefill_gluon_ws import LAUNCH_MAXNREG, _prefill_gluon_ws_kernel
 
-constexprs, block_n = json.loads(sys.argv[1]), int(sys.argv[2])
+constexprs, block_n, ws = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "ws"
+kernel = _prefill_gluon_ws_kernel if ws else _prefill_gluon_kernel
+options = {"num_warps": 4, "maxnreg": LAUNCH_MAXNREG} if ws else {"num_warps": constexprs["ROWS"] // 16}
 desc = f"tensordesc<bf16[{block_n}, 128],{gl.NVMMASharedLayout.get_default_for([block_n, 128], gl.bfloat16)!r}>"
 types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "query_start_loc_ptr": "*i32", "k_desc": desc, "v_desc": desc,
          "scale_log2": "fp32"}
@@ -32,15 +36,27 @@ names = kernel.arg_names
 signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in names}
 aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a.endswith("_ptr") or a.startswith("stride")}
 compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": constexprs["ROWS"] // 16})
+                          options=options)
 with tempfile.TemporaryDirectory() as tmp:
     with open(os.path.join(tmp, "k.ptx"), "w") as f:
         f.write(compiled.asm["ptx"])
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.path.join(tmp, "k.o")],
                             capture_output=True, text=True, check=True).stderr
-print(json.dumps({"ttgir": compiled.asm["ttgir"], "shared": compiled.metadata.shared, "ptxas": report}))
+print(json.dumps({"ttgir": compiled.asm["ttgir"], "ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared,
+                  "ptxas": report}))
 """
+
+
+def _compiled(constexprs: dict[str, object], block_n: int, ws: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(run_without_interpreter(_COMPILE, json.dumps(constexprs), str(block_n),
+                                                             "ws" if ws else "plain"))  # fmt: skip
+    out["waits"] = [line.split("pendings = ")[1].split()[0].rstrip("},") for line in out["ttgir"].splitlines()
+                    if "warp_group_dot_wait" in line]  # fmt: skip
+    return out
+
+
+_OVERLAP = ["0", "1", "1", "0", "0"]  # tile 0's Q K^T alone; in the loop (1, 1); the last tile (0, 0)
 
 
 @needs_gluon
@@ -50,15 +66,25 @@ def test_sm90_code_overlaps_the_mmas_and_fits(rows: int, block_n: int) -> None:
     tile j + 1's Q K^T still pending and tile j + 1's Q K^T with tile j's P V pending (1, 1), then the last tile
     (0, 0). Three K/V stages and Q fit the H200's 227 KiB per block (64 rows and 64-key tiles: two blocks in an
     SM's 228 KiB, 1 KiB of it reserved per block), and nothing spills."""
-    constexprs = {"GROUP": 4, "HEAD_DIM": 128, "NUM_STAGES": 3, "ROWS": rows}
-    out = json.loads(run_without_interpreter(_COMPILE, json.dumps(constexprs), str(block_n)))
-    waits = [line.split("pendings = ")[1].split()[0].rstrip("},") for line in out["ttgir"].splitlines()
-             if "warp_group_dot_wait" in line]  # fmt: skip
-    assert waits == ["0", "1", "1", "0", "0"], waits
+    out = _compiled({"GROUP": 4, "HEAD_DIM": 128, "NUM_STAGES": 3, "ROWS": rows}, block_n)
+    assert out["waits"] == _OVERLAP, out["waits"]
     assert out["ttgir"].count("warp_group_dot ") == 4, "Q K^T before and in the loop, P V in the loop and after"
     assert out["shared"] <= 227 * 1024
     if rows == 64 and block_n == 64:
         assert 2 * (out["shared"] + 1024) <= 228 * 1024, out["shared"]
+    assert "0 bytes spill stores" in out["ptxas"] and "0 bytes stack frame" in out["ptxas"], out["ptxas"]
+
+
+@needs_gluon
+@pytest.mark.parametrize("block_n", [128, 64])
+def test_sm90_warp_specialized_code_has_two_consumers_and_a_producer(block_n: int) -> None:
+    """kernels.prefill_gluon_ws: each consumer partition keeps the overlap's waits, the registers are moved
+    between partitions (setmaxnreg: the producer warp down to 24), and nothing spills."""
+    out = _compiled({"GROUP": 4, "HEAD_DIM": 128, "NUM_STAGES": 3}, block_n, ws=True)
+    assert out["waits"] == _OVERLAP * 2, out["waits"]
+    assert "ttg.warp_specialize" in out["ttgir"]
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in out["ptx"]
+    assert out["shared"] <= 227 * 1024
     assert "0 bytes spill stores" in out["ptxas"] and "0 bytes stack frame" in out["ptxas"], out["ptxas"]
 
 
@@ -79,14 +105,15 @@ def test_refuses_what_it_cannot_run() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
 @pytest.mark.parametrize(
-    ("dtype", "group", "head_dim", "block_n", "rows"),
+    ("dtype", "group", "head_dim", "block_n", "rows", "ws"),
     [
-        (torch.bfloat16, 4, 128, 128, 128), (torch.float16, 8, 128, 64, 128), (torch.bfloat16, 1, 64, 128, 128),
-        (torch.bfloat16, 4, 128, 64, 64),
+        (torch.bfloat16, 4, 128, 128, 128, False), (torch.float16, 8, 128, 64, 128, False),
+        (torch.bfloat16, 1, 64, 128, 128, False), (torch.bfloat16, 4, 128, 64, 64, False),
+        (torch.bfloat16, 4, 128, 128, 128, True), (torch.float16, 2, 64, 64, 128, True),
     ],
 )  # fmt: skip
 def test_matches_the_reference_on_varlen_fresh_prompts(
-    dtype: torch.dtype, group: int, head_dim: int, block_n: int, rows: int, gen: torch.Generator
+    dtype: torch.dtype, group: int, head_dim: int, block_n: int, rows: int, ws: bool, gen: torch.Generator
 ) -> None:
     """Prompts shorter than a query tile, across several key tiles, ending mid-tile and at the tensor's end (the
     last tile's rows past it read as zeros by TMA), the 8B shape's 4k, and key tiles that run into the next prompt."""
@@ -101,6 +128,6 @@ def test_matches_the_reference_on_varlen_fresh_prompts(
     blocks = -(-max(lens) // 16)
     cache = torch.zeros(2, blocks * len(lens), 16, kv_heads, head_dim, dtype=dtype, device=DEVICE)
     tables = torch.arange(blocks * len(lens), dtype=torch.int32, device=DEVICE).view(len(lens), blocks)
-    out = prefill_attention_gluon(q, k, v, qsl, 0.088, block_n=block_n, rows=rows)
+    out = prefill_attention_gluon(q, k, v, qsl, 0.088, block_n=block_n, rows=rows, warp_specialize=ws)
     ref = prefill_attention_new_kv_ref(q, k, v, cache, tables, qsl, seq_lens, 0.088)
     assert not out.isnan().any() and rel_err(out, ref) < tolerance(dtype), f"seed {gen.initial_seed()}"

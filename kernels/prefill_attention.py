@@ -80,10 +80,14 @@ def _locate_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_Q: tl.constexpr, SKI
 
 
 @triton.jit
-def _program_tile(LARGEST_FIRST: tl.constexpr):
+def _program_tile(LARGEST_FIRST: tl.constexpr, HEAD_MAJOR: tl.constexpr):
     """(query tile, kv head) of this program. LARGEST_FIRST: grid (kv_head, tile) walked from the last tile,
-    so the longest causal rows start first and the short ones fill the tail; else grid (tile, kv_head)."""
-    if LARGEST_FIRST:
+    so the longest causal rows start first and the short ones fill the tail, or with HEAD_MAJOR grid (tile,
+    kv_head) walked from the last tile (the programs resident at once share one head's K/V in L2); else grid
+    (tile, kv_head)."""
+    if LARGEST_FIRST and HEAD_MAJOR:
+        return tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
+    elif LARGEST_FIRST:
         return tl.num_programs(1) - 1 - tl.program_id(1), tl.program_id(0)
     else:
         return tl.program_id(0), tl.program_id(1)
@@ -118,7 +122,7 @@ def _prefill_kernel(
     SPLIT_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, LARGEST_FIRST: tl.constexpr,
     FMA_SOFTMAX: tl.constexpr, SKIP_DECODE_ROWS: tl.constexpr,
 ):  # fmt: skip
-    tile, kvh = _program_tile(LARGEST_FIRST)
+    tile, kvh = _program_tile(LARGEST_FIRST, False)
     seq, q_start, q_len, q_tile_start = _locate_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_Q, SKIP_DECODE_ROWS)
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len  # cached tokens before this step's queries

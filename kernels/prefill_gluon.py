@@ -32,7 +32,6 @@ try:
         mbarrier,
         tma,
         warpgroup_mma,
-        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -76,20 +75,31 @@ if gluon is not None:
         return q_start, q_len, (tile - (q_start // BLOCK_Q + lo)) * BLOCK_Q
 
     @gluon.jit
-    def _load_tile(k_desc, v_desc, k_smem, v_smem, ready, j, row0, col, NUM_STAGES: gl.constexpr):
-        """TMA of tile j's keys and values (rows ``row0 + j * BLOCK_N``) into stage ``j % NUM_STAGES``."""
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-        s = j % NUM_STAGES
-        mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, col], ready.index(s), k_smem.index(s))
-        tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, col], ready.index(s), v_smem.index(s))
+    def program_tile(HEAD_MAJOR: gl.constexpr):
+        """(query tile, kv head) of this program, the longest causal rows first. HEAD_MAJOR: grid (tile, kv
+        head), so the programs resident at once share one head's K/V in L2; else grid (kv head, tile)."""
+        if HEAD_MAJOR:
+            return gl.num_programs(0) - 1 - gl.program_id(0), gl.program_id(1)
+        else:
+            return gl.num_programs(1) - 1 - gl.program_id(1), gl.program_id(0)
 
     @gluon.jit
-    def _qk(q_smem, k_smem, ready, j, s_shape, NUM_STAGES: gl.constexpr):
-        """Issue tile j's ``Q K^T`` (asynchronous) once its keys have landed (``s_shape``: any tensor of the
-        scores' shape and layout, not read: ``use_acc=False``)."""
-        s = j % NUM_STAGES
-        mbarrier.wait(ready.index(s), (j // NUM_STAGES) & 1)
+    def _load_tile(k_desc, v_desc, k_smem, v_smem, ready, i, num_tiles, row0, col, NUM_STAGES: gl.constexpr):
+        """TMA of the i-th K/V tile a program visits into stage ``i % NUM_STAGES``: the tiles are visited from the
+        causal diagonal's (the last, ``num_tiles - 1``) down to the first (rows ``row0 + tile * BLOCK_N``)."""
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        s = i % NUM_STAGES
+        row = row0 + (num_tiles - 1 - i) * BLOCK_N
+        mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, col], ready.index(s), k_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [row, col], ready.index(s), v_smem.index(s))
+
+    @gluon.jit
+    def _qk(q_smem, k_smem, ready, i, s_shape, NUM_STAGES: gl.constexpr):
+        """Issue the i-th visited tile's ``Q K^T`` (asynchronous) once its keys have landed (``s_shape``: any
+        tensor of the scores' shape and layout, not read: ``use_acc=False``)."""
+        s = i % NUM_STAGES
+        mbarrier.wait(ready.index(s), (i // NUM_STAGES) & 1)
         return warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s_shape, use_acc=False, is_async=True)
 
     @gluon.jit
@@ -105,6 +115,17 @@ if gluon is not None:
     @gluon.jit
     def _rescale(acc, alpha):
         return acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+
+    @gluon.jit
+    def _release(k_desc, v_desc, k_smem, v_smem, ready, empty, i, num_tiles, row0, col, NUM_STAGES: gl.constexpr,
+                 PRODUCER: gl.constexpr):  # fmt: skip
+        """The i-th visited tile's stage is free: tell the producer partition, or refill it with the tile
+        ``NUM_STAGES`` visits on once every warp is past it."""
+        if PRODUCER:
+            mbarrier.arrive(empty.index(i % NUM_STAGES), count=1)
+        elif i + NUM_STAGES < num_tiles:
+            _cta_barrier()
+            _load_tile(k_desc, v_desc, k_smem, v_smem, ready, i + NUM_STAGES, num_tiles, row0, col, NUM_STAGES)
 
     @gluon.jit
     def load_q(q_ptr, q_start, q_len, q_tile_start, kvh, stride_qt, stride_qh, GROUP: gl.constexpr,
@@ -138,31 +159,30 @@ if gluon is not None:
                                                            instr_shape=[16, HEAD_DIM, 16])  # fmt: skip
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         col = kvh * HEAD_DIM
-        acc = warpgroup_mma_init(gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout))  # the loop carries it in flight
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+        # the causal diagonal's tile first (BLOCK_Q <= BLOCK_N: one per query tile), the only one masked
         s = _qk(q_smem, k_smem, ready, 0, gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), NUM_STAGES)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        # every tile but the last is below the causal diagonal (BLOCK_Q <= BLOCK_N: one diagonal tile)
-        for j in range(0, num_tiles - 1):
-            s_next = _qk(q_smem, k_smem, ready, j + 1, s, NUM_STAGES)  # in flight during the softmax
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, scale_log2, p_layout, v_desc.dtype)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # tile j - 1's P V: its stage is free
-            if PRODUCER:
-                mbarrier.arrive(empty.index((j + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=j > 0)
-            elif j + NUM_STAGES - 1 < num_tiles:  # into tile j - 1's stage, once both warpgroups are past it
-                _cta_barrier()
-                _load_tile(k_desc, v_desc, k_smem, v_smem, ready, j + NUM_STAGES - 1, q_start, col, NUM_STAGES)
-            acc = warpgroup_mma(p, v_smem.index(j % NUM_STAGES), _rescale(acc, alpha), is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))  # tile j's P V stays in flight
-        last = num_tiles - 1
         r_s = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        last = num_tiles - 1
         s = gl.where(last * BLOCK_N + cols[None, :] <= (q_tile_start + r_s // GROUP)[:, None], s, float("-inf"))
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, scale_log2, p_layout, v_desc.dtype)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        # FlashAttention-3's order: both MMAs retire inside the iteration (an MMA in flight across the loop's
+        # back edge makes ptxas serialize every wgmma, C7514), tile i's softmax overlapping tile i - 1's P V
+        for i in range(1, num_tiles):
+            s = _qk(q_smem, k_smem, ready, i, s, NUM_STAGES)
+            acc = warpgroup_mma(p, v_smem.index((i - 1) % NUM_STAGES), _rescale(acc, alpha), is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # tile i's Q K^T; tile i - 1's P V in flight
+            p_next, alpha, m_i, l_i = _softmax(s, m_i, l_i, scale_log2, p_layout, v_desc.dtype)
+            acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))  # P is read until its MMA retires
+            p = p_next
+            _release(k_desc, v_desc, k_smem, v_smem, ready, empty, i - 1, num_tiles, q_start, col, NUM_STAGES,
+                     PRODUCER)  # fmt: skip
         acc = warpgroup_mma(p, v_smem.index(last % NUM_STAGES), _rescale(acc, alpha), is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))
 
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
@@ -178,11 +198,11 @@ if gluon is not None:
         q_ptr, k_desc, v_desc, out_ptr, query_start_loc_ptr, num_seqs, scale_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, ROWS: gl.constexpr,
+        HEAD_MAJOR: gl.constexpr,
     ):  # fmt: skip
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         BLOCK_Q: gl.constexpr = ROWS // GROUP
-        kvh = gl.program_id(0)
-        tile = gl.num_programs(1) - 1 - gl.program_id(1)  # the longest causal rows first
+        tile, kvh = program_tile(HEAD_MAJOR)
         q_start, q_len, q_tile_start = _locate(tile, query_start_loc_ptr, num_seqs, BLOCK_Q)
         if q_tile_start < q_len:
             q_smem = load_q(q_ptr, q_start, q_len, q_tile_start, kvh, stride_qt, stride_qh, GROUP, HEAD_DIM, ROWS,
@@ -196,9 +216,10 @@ if gluon is not None:
             _cta_barrier()  # Q in shared memory from every warp before either warpgroup's first MMA
 
             num_tiles = gl.cdiv(gl.minimum(q_tile_start + BLOCK_Q, q_len), BLOCK_N)  # causal: to the last query
-            for i in gl.static_range(NUM_STAGES - 1):
+            for i in gl.static_range(NUM_STAGES):
                 if i < num_tiles:
-                    _load_tile(k_desc, v_desc, k_smem, v_smem, ready, i, q_start, kvh * HEAD_DIM, NUM_STAGES)
+                    _load_tile(k_desc, v_desc, k_smem, v_smem, ready, i, num_tiles, q_start, kvh * HEAD_DIM,
+                               NUM_STAGES)  # fmt: skip
             attend(q_smem, k_smem, v_smem, ready, ready, k_desc, v_desc, out_ptr, scale_log2, q_start, q_len,
                    q_tile_start, kvh, num_tiles, stride_ot, stride_oh, GROUP, NUM_STAGES, 0, False)  # fmt: skip
             for i in gl.static_range(NUM_STAGES):
@@ -215,6 +236,7 @@ def prefill_attention_gluon(
     block_n: int = BLOCK_N,
     rows: int = ROWS,  # 128 or 64 query rows a program
     warp_specialize: bool = False,  # kernels.prefill_gluon_ws: a producer warp, two one-warpgroup consumers (128 rows)
+    head_major: bool = False,  # the grid walks one KV head's tiles before the next (L2 reuse of its K/V)
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over themselves (seq_len == q_len for every sequence):
     :func:`kernels.prefill_new_kv.prefill_attention_new_kv_ref` with empty prefixes."""
@@ -246,17 +268,18 @@ def prefill_attention_gluon(
         TensorDescriptor(t, flat, [t.stride(0), 1], [block_n, head_dim], layout) for t in (key, value)
     ]  # fmt: skip
     block_q = rows // group
-    grid = (num_kv_heads, num_tokens // block_q + num_seqs)
+    num_tiles = num_tokens // block_q + num_seqs
+    grid = (num_tiles, num_kv_heads) if head_major else (num_kv_heads, num_tiles)
     args = (query, descs[0], descs[1], out, query_start_loc, num_seqs, scale * _LOG2E,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1))  # fmt: skip
     if warp_specialize:
         from kernels.prefill_gluon_ws import LAUNCH_MAXNREG, _prefill_gluon_ws_kernel
 
-        _prefill_gluon_ws_kernel[grid](*args, GROUP=group, HEAD_DIM=head_dim, NUM_STAGES=num_stages, num_warps=4,
-                                       maxnreg=LAUNCH_MAXNREG)  # fmt: skip
+        _prefill_gluon_ws_kernel[grid](*args, GROUP=group, HEAD_DIM=head_dim, NUM_STAGES=num_stages, HEAD_MAJOR=head_major,
+                                       num_warps=4, maxnreg=LAUNCH_MAXNREG)  # fmt: skip
     else:
         _prefill_gluon_kernel[grid](*args, GROUP=group, HEAD_DIM=head_dim, NUM_STAGES=num_stages, ROWS=rows,
-                                    num_warps=rows // 16)  # fmt: skip
+                                    HEAD_MAJOR=head_major, num_warps=rows // 16)  # fmt: skip
     return out
 
 

@@ -13,7 +13,7 @@ if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-    from kernels.prefill_gluon import _cta_barrier, _load_tile, _locate, attend, load_q
+    from kernels.prefill_gluon import _cta_barrier, _load_tile, _locate, attend, load_q, program_tile
 
     # registers a thread of the consumer worker and of the producer get (maxnreg LAUNCH_MAXNREG over 12 warps:
     # the default consumer gets what is left, 240 too)
@@ -46,21 +46,20 @@ if gluon is not None:
         (q_smem, k_smem, v_smem, ready, empty, k_desc, v_desc, out_ptr, scale_log2, q_start, q_len, q_tile_start,
          kvh, num_tiles, stride_ot, stride_oh, GROUP, NUM_STAGES) = args  # fmt: skip
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
-        for j in range(0, num_tiles):
-            if j >= NUM_STAGES:
-                mbarrier.wait(empty.index(j % NUM_STAGES), (j // NUM_STAGES - 1) & 1)
-            _load_tile(k_desc, v_desc, k_smem, v_smem, ready, j, q_start, kvh * HEAD_DIM, NUM_STAGES)
+        for i in range(0, num_tiles):
+            if i >= NUM_STAGES:
+                mbarrier.wait(empty.index(i % NUM_STAGES), (i // NUM_STAGES - 1) & 1)
+            _load_tile(k_desc, v_desc, k_smem, v_smem, ready, i, num_tiles, q_start, kvh * HEAD_DIM, NUM_STAGES)
 
     @gluon.jit
     def _prefill_gluon_ws_kernel(
         q_ptr, k_desc, v_desc, out_ptr, query_start_loc_ptr, num_seqs, scale_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
-        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HEAD_MAJOR: gl.constexpr,
     ):  # fmt: skip
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         BLOCK_Q: gl.constexpr = 128 // GROUP
-        kvh = gl.program_id(0)
-        tile = gl.num_programs(1) - 1 - gl.program_id(1)  # the longest causal rows first
+        tile, kvh = program_tile(HEAD_MAJOR)
         q_start, q_len, q_tile_start = _locate(tile, query_start_loc_ptr, num_seqs, BLOCK_Q)
         q_smem = load_q(q_ptr, q_start, q_len, q_tile_start, kvh, stride_qt, stride_qh, GROUP, HEAD_DIM, 128, 4)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)

@@ -146,9 +146,9 @@ def _prefill_new_kv_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, LARGEST_FIRST: tl.constexpr,
-    SKIP_DECODE_ROWS: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr, SKIP_DECODE_ROWS: tl.constexpr,
 ):  # fmt: skip
-    tile, kvh = _program_tile(LARGEST_FIRST)
+    tile, kvh = _program_tile(LARGEST_FIRST, HEAD_MAJOR)
     seq, q_start, q_len, q_tile_start = _locate_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_Q, SKIP_DECODE_ROWS)
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
@@ -247,6 +247,7 @@ def _prefill_attention_new_kv(
     num_stages: int | None = None,  # None: NEW_KV_NUM_STAGES, or what fits
     use_tma: bool | None = None,  # None: where the GPU and the tensors allow it (can_use_tma)
     largest_first: bool = True,
+    head_major: bool = False,  # with largest_first: the grid by KV head (_program_tile)
     skip_decode_rows: bool = False,  # one-token sequences' rows are left unwritten (paged_decode_rows' then)
 ) -> torch.Tensor:
     require_triton("prefill_attention_new_kv")
@@ -277,8 +278,9 @@ def _prefill_attention_new_kv(
         kn_desc = TensorDescriptor(key, flat, [key.stride(0), 1], [block_n, head_dim])
         vn_desc = TensorDescriptor(value, flat, [value.stride(0), 1], [block_n, head_dim])
     num_tiles = num_tokens // block_q + num_seqs  # bound on sum(cdiv(q_len, block_q)); no device sync
-    largest_first = largest_first and num_tiles < _MAX_GRID_Y
-    grid = (num_kv_heads, num_tiles) if largest_first else (num_tiles, num_kv_heads)
+    head_major = head_major and largest_first
+    largest_first = largest_first and (head_major or num_tiles < _MAX_GRID_Y)
+    grid = (num_kv_heads, num_tiles) if largest_first and not head_major else (num_tiles, num_kv_heads)
     _prefill_new_kv_kernel[grid](
         query, k_cache, v_cache, key, value, kn_desc, vn_desc, block_tables, query_start_loc, seq_lens, out,
         scale * _LOG2E, sliding_window or 0, num_seqs,
@@ -287,7 +289,8 @@ def _prefill_attention_new_kv(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
         USE_TMA=use_tma, DOT_PRECISION=_dot_precision(query),
-        UPCAST=_upcast(query), LARGEST_FIRST=largest_first, SKIP_DECODE_ROWS=skip_decode_rows,
+        UPCAST=_upcast(query), LARGEST_FIRST=largest_first, HEAD_MAJOR=head_major,
+        SKIP_DECODE_ROWS=skip_decode_rows,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

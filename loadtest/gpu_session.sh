@@ -183,11 +183,13 @@ elif [ "$stage" = bt ]; then
       r[w].get('mfu')) for w in ('mixed-128', 'mixed')])" "$out/bt-$tokens.json" "$tokens" || tail -5 "$out/bt-$tokens.txt"
   done
 elif [ "$stage" = gl ]; then
-  python -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_gluon.py -m gpu > "$out/gpu_tests.txt" 2>&1 \
+  python -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_gluon.py tests/kernels/test_prefill_new_kv.py \
+    -k "gluon or order" > "$out/gpu_tests.txt" 2>&1 \
     && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   { grep -E "^(FAILED|ERROR)|Error" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
   python -m loadtest.kernels_bench --sweep --only prefill --prefill-cases 4k 8k \
-    --variants gluon gluon_bn64 gluon_bn64_s4 gluon_m64_bn64 gluon_ws gluon_ws_bn64 --out "$out/gluon.json" 2>&1 | grep -A11 "prefill variants"
+    --variants ${GL_VARIANTS:-gluon gluon_bn64 gluon_m64_bn64 gluon_ws gluon_ws_bn64 gluon_hm gluon_ws_hm} \
+    --out "$out/gluon.json" 2>&1 | grep -A14 "prefill variants"
 elif [ "$stage" = dr ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_decode_rope.py tests/engine/test_gpu.py -m gpu \
     -k "${DR_TESTS:-rope or decode or graph or hf}" > "$out/gpu_tests.txt" 2>&1 \

@@ -23,6 +23,7 @@ from loadtest.kernel_bench_common import BLOCK_SIZE, DTYPE, HEAD_DIM, NUM_HEADS,
 # the paged kernel at block_n 128 (255 regs + 40 B stack) and 128 rows on 4 warps (either kernel).
 PREFILL_VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("default", "new_kv", {}),
+    ("new_kv_hm", "new_kv", {"head_major": True}),  # the grid by KV head: one head's K/V in L2 at a time
     # kernels.prefill_gluon (Hopper, fresh prompts only: the cases without a cached prefix)
     ("gluon", "gluon", {}),
     ("gluon_bn64", "gluon", {"block_n": 64}),
@@ -30,6 +31,9 @@ PREFILL_VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("gluon_m64_bn64", "gluon", {"rows": 64, "block_n": 64}),  # two CTAs per SM
     ("gluon_ws", "gluon", {"warp_specialize": True}),  # kernels.prefill_gluon_ws
     ("gluon_ws_bn64", "gluon", {"warp_specialize": True, "block_n": 64}),
+    ("gluon_hm", "gluon", {"head_major": True}),  # the grid by KV head: one head's K/V in L2 at a time
+    ("gluon_m64_bn64_hm", "gluon", {"rows": 64, "block_n": 64, "head_major": True}),
+    ("gluon_ws_hm", "gluon", {"warp_specialize": True, "head_major": True}),
     ("paged", "paged", {}),
     ("paged_lf", "paged", {"largest_first": True}),
     ("paged_fma_lf", "paged", {"fma_softmax": True, "largest_first": True}),

@@ -56,19 +56,22 @@ def _compiled(constexprs: dict[str, object], block_n: int, ws: bool = False) -> 
     return out
 
 
-_OVERLAP = ["0", "1", "1", "0", "0"]  # tile 0's Q K^T alone; in the loop (1, 1); the last tile (0, 0)
+_OVERLAP = ["0", "1", "0", "0"]  # the diagonal tile's Q K^T alone; in the loop (1, 0); the last P V (0)
+_SERIALIZED = "C7514"  # ptxas: "wgmma.mma_async instructions are serialized" (the overlap lost)
 
 
 @needs_gluon
 @pytest.mark.parametrize(("rows", "block_n"), [(128, 128), (128, 64), (64, 64)])
 def test_sm90_code_overlaps_the_mmas_and_fits(rows: int, block_n: int) -> None:
-    """The waits as written: tile 0's Q K^T waited for alone (0 pending), then in the loop tile j - 1's P V with
-    tile j + 1's Q K^T still pending and tile j + 1's Q K^T with tile j's P V pending (1, 1), then the last tile
-    (0, 0). Three K/V stages and Q fit the H200's 227 KiB per block (64 rows and 64-key tiles: two blocks in an
-    SM's 228 KiB, 1 KiB of it reserved per block), and nothing spills."""
-    out = _compiled({"GROUP": 4, "HEAD_DIM": 128, "NUM_STAGES": 3, "ROWS": rows}, block_n)
+    """The waits as written: the diagonal tile's Q K^T waited for alone (0 pending), then in the loop tile i's
+    Q K^T with tile i - 1's P V still pending (1) and that P V after tile i's softmax (0), then the last P V (0).
+    No MMA is in flight across the loop's back edge, so ptxas keeps them asynchronous (no C7514). Three K/V stages
+    and Q fit the H200's 227 KiB per block (64 rows and 64-key tiles: two blocks in an SM's 228 KiB, 1 KiB of it
+    reserved per block), and nothing spills."""
+    out = _compiled({"GROUP": 4, "HEAD_DIM": 128, "NUM_STAGES": 3, "ROWS": rows, "HEAD_MAJOR": False}, block_n)
     assert out["waits"] == _OVERLAP, out["waits"]
     assert out["ttgir"].count("warp_group_dot ") == 4, "Q K^T before and in the loop, P V in the loop and after"
+    assert _SERIALIZED not in out["ptxas"], out["ptxas"]
     assert out["shared"] <= 227 * 1024
     if rows == 64 and block_n == 64:
         assert 2 * (out["shared"] + 1024) <= 228 * 1024, out["shared"]
@@ -80,10 +83,11 @@ def test_sm90_code_overlaps_the_mmas_and_fits(rows: int, block_n: int) -> None:
 def test_sm90_warp_specialized_code_has_two_consumers_and_a_producer(block_n: int) -> None:
     """kernels.prefill_gluon_ws: each consumer partition keeps the overlap's waits, the registers are moved
     between partitions (setmaxnreg: the producer warp down to 24), and nothing spills."""
-    out = _compiled({"GROUP": 4, "HEAD_DIM": 128, "NUM_STAGES": 3}, block_n, ws=True)
+    out = _compiled({"GROUP": 4, "HEAD_DIM": 128, "NUM_STAGES": 3, "HEAD_MAJOR": True}, block_n, ws=True)
     assert out["waits"] == _OVERLAP * 2, out["waits"]
     assert "ttg.warp_specialize" in out["ttgir"]
     assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in out["ptx"]
+    assert _SERIALIZED not in out["ptxas"], out["ptxas"]
     assert out["shared"] <= 227 * 1024
     assert "0 bytes spill stores" in out["ptxas"] and "0 bytes stack frame" in out["ptxas"], out["ptxas"]
 
@@ -105,15 +109,23 @@ def test_refuses_what_it_cannot_run() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
 @pytest.mark.parametrize(
-    ("dtype", "group", "head_dim", "block_n", "rows", "ws"),
+    ("dtype", "group", "head_dim", "block_n", "rows", "ws", "head_major"),
     [
-        (torch.bfloat16, 4, 128, 128, 128, False), (torch.float16, 8, 128, 64, 128, False),
-        (torch.bfloat16, 1, 64, 128, 128, False), (torch.bfloat16, 4, 128, 64, 64, False),
-        (torch.bfloat16, 4, 128, 128, 128, True), (torch.float16, 2, 64, 64, 128, True),
+        (torch.bfloat16, 4, 128, 128, 128, False, False), (torch.float16, 8, 128, 64, 128, False, True),
+        (torch.bfloat16, 1, 64, 128, 128, False, False), (torch.bfloat16, 4, 128, 64, 64, False, True),
+        (torch.bfloat16, 4, 128, 128, 128, True, False), (torch.float16, 2, 64, 64, 128, True, False),
+        (torch.bfloat16, 4, 128, 128, 128, True, True),
     ],
 )  # fmt: skip
 def test_matches_the_reference_on_varlen_fresh_prompts(
-    dtype: torch.dtype, group: int, head_dim: int, block_n: int, rows: int, ws: bool, gen: torch.Generator
+    dtype: torch.dtype,
+    group: int,
+    head_dim: int,
+    block_n: int,
+    rows: int,
+    ws: bool,
+    head_major: bool,
+    gen: torch.Generator,
 ) -> None:
     """Prompts shorter than a query tile, across several key tiles, ending mid-tile and at the tensor's end (the
     last tile's rows past it read as zeros by TMA), the 8B shape's 4k, and key tiles that run into the next prompt."""
@@ -128,6 +140,7 @@ def test_matches_the_reference_on_varlen_fresh_prompts(
     blocks = -(-max(lens) // 16)
     cache = torch.zeros(2, blocks * len(lens), 16, kv_heads, head_dim, dtype=dtype, device=DEVICE)
     tables = torch.arange(blocks * len(lens), dtype=torch.int32, device=DEVICE).view(len(lens), blocks)
-    out = prefill_attention_gluon(q, k, v, qsl, 0.088, block_n=block_n, rows=rows, warp_specialize=ws)
+    out = prefill_attention_gluon(q, k, v, qsl, 0.088, block_n=block_n, rows=rows, warp_specialize=ws,
+                                  head_major=head_major)
     ref = prefill_attention_new_kv_ref(q, k, v, cache, tables, qsl, seq_lens, 0.088)
     assert not out.isnan().any() and rel_err(out, ref) < tolerance(dtype), f"seed {gen.initial_seed()}"

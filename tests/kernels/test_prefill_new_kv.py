@@ -77,14 +77,19 @@ def test_new_kv_mixed_batch_matches_ref(
     assert rel_err(out, ref) < tolerance(dtype), f"seed {gen.initial_seed()}"
 
 
-@pytest.mark.parametrize(("block_m", "block_n", "largest_first"), [(64, 32, True), (32, 64, False)])
-def test_new_kv_tiles_and_order(block_m: int, block_n: int, largest_first: bool, gen: torch.Generator) -> None:
-    """Other tiles, a prefix longer than the KV tile (several whole cached tiles), both launch orders."""
+@pytest.mark.parametrize(
+    ("block_m", "block_n", "largest_first", "head_major"), [(64, 32, True, False), (32, 64, False, False),
+                                                            (32, 32, True, True)]
+)  # fmt: skip
+def test_new_kv_tiles_and_order(
+    block_m: int, block_n: int, largest_first: bool, head_major: bool, gen: torch.Generator
+) -> None:
+    """Other tiles, a prefix longer than the KV tile (several whole cached tiles), the three launch orders."""
     rows = [(0, 70), (50, 30), (130, 7), (3, 1)]
     query, key, value, cache, tables, qsl, seq_lens = _batch(rows, 4, torch.float32, gen)
     out = _prefill_attention_new_kv(
         query, key, value, cache, tables, qsl, seq_lens, 0.2, None, block_m=block_m, block_n=block_n,
-        largest_first=largest_first,
+        largest_first=largest_first, head_major=head_major,
     )  # fmt: skip
     ref = prefill_attention_new_kv_ref(query, key, value, cache, tables, qsl, seq_lens, 0.2)
     assert rel_err(out, ref) < tolerance(torch.float32), f"seed {gen.initial_seed()}"

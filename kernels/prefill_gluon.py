@@ -60,9 +60,10 @@ def gluon_available(query: torch.Tensor) -> bool:
 if gluon is not None:
 
     @gluon.jit
-    def _locate(tile, query_start_loc_ptr, num_seqs, BLOCK_Q: gl.constexpr):
-        """The sequence owning query tile ``tile``, its first row and length, the tile's first token (as
-        ``kernels.prefill_attention._locate_tile``: tiles are numbered q_start // BLOCK_Q + seq on)."""
+    def _locate(tile, query_start_loc_ptr, seq_lens_ptr, num_seqs, BLOCK_Q: gl.constexpr, FRESH_ONLY: gl.constexpr):
+        """The sequence owning query tile ``tile``: its first row, its length and the tile's first token (as
+        ``kernels.prefill_attention._locate_tile``: tiles are numbered q_start // BLOCK_Q + seq on). FRESH_ONLY:
+        a sequence with a cached prefix or one new token reads as none (:func:`takes_sequence`)."""
         lo = 0
         hi = num_seqs
         while hi - lo > 1:
@@ -72,6 +73,8 @@ if gluon is not None:
             hi = gl.where(first <= tile, hi, mid)
         q_start = gl.load(query_start_loc_ptr + lo)
         q_len = gl.load(query_start_loc_ptr + lo + 1) - q_start
+        if FRESH_ONLY:
+            q_len = gl.where((gl.load(seq_lens_ptr + lo) == q_len) & (q_len > 1), q_len, 0)
         return q_start, q_len, (tile - (q_start // BLOCK_Q + lo)) * BLOCK_Q
 
     @gluon.jit
@@ -195,15 +198,15 @@ if gluon is not None:
 
     @gluon.jit
     def _prefill_gluon_kernel(
-        q_ptr, k_desc, v_desc, out_ptr, query_start_loc_ptr, num_seqs, scale_log2,
+        q_ptr, k_desc, v_desc, out_ptr, query_start_loc_ptr, seq_lens_ptr, num_seqs, scale_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, ROWS: gl.constexpr,
-        HEAD_MAJOR: gl.constexpr,
+        HEAD_MAJOR: gl.constexpr, FRESH_ONLY: gl.constexpr,
     ):  # fmt: skip
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         BLOCK_Q: gl.constexpr = ROWS // GROUP
         tile, kvh = program_tile(HEAD_MAJOR)
-        q_start, q_len, q_tile_start = _locate(tile, query_start_loc_ptr, num_seqs, BLOCK_Q)
+        q_start, q_len, q_tile_start = _locate(tile, query_start_loc_ptr, seq_lens_ptr, num_seqs, BLOCK_Q, FRESH_ONLY)
         if q_tile_start < q_len:
             q_smem = load_q(q_ptr, q_start, q_len, q_tile_start, kvh, stride_qt, stride_qh, GROUP, HEAD_DIM, ROWS,
                             ROWS // 16)  # fmt: skip
@@ -227,38 +230,31 @@ if gluon is not None:
 
 
 def prefill_attention_gluon(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences back to back, no cached prefix
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences back to back
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]: this step's keys (rotated)
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
+    seq_lens: torch.Tensor | None = None,  # [num_seqs] int32: given, only the fresh sequences (takes_sequence)
+    out: torch.Tensor | None = None,  # written in place (the other sequences' rows left as they are)
+    *,
     num_stages: int = NUM_STAGES,
     block_n: int = BLOCK_N,
-    rows: int = ROWS,  # 128 or 64 query rows a program
-    warp_specialize: bool = False,  # kernels.prefill_gluon_ws: a producer warp, two one-warpgroup consumers (128 rows)
-    head_major: bool = False,  # the grid walks one KV head's tiles before the next (L2 reuse of its K/V)
+    rows: int = ROWS,  # 128 or 64 (one partition only) query rows a program
+    warp_specialize: bool = True,  # kernels.prefill_gluon_ws: a producer warp, two one-warpgroup consumers
+    head_major: bool = True,  # the grid walks one KV head's tiles before the next (L2 reuse of its K/V)
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over themselves (seq_len == q_len for every sequence):
-    :func:`kernels.prefill_new_kv.prefill_attention_new_kv_ref` with empty prefixes."""
+    """Causal attention of each sequence's new tokens over themselves: with ``seq_lens``, of the sequences
+    :func:`takes_sequence` names (no cached prefix, more than one token), else of every sequence (all fresh).
+    Equals :func:`kernels.prefill_new_kv.prefill_attention_new_kv_ref` on those rows."""
     require_triton("prefill_attention_gluon")
     if not gluon_available(query):
         raise ValueError("prefill_attention_gluon: needs Gluon, an sm_90 GPU, bf16/fp16 and head_dim 64 or 128")
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
-    if group * num_kv_heads != num_heads or group & (group - 1) or group > 16:
-        raise ValueError(f"query heads per KV head must be a power of two <= 16, got {num_heads} / {num_kv_heads}")
-    if num_stages < 3:  # tile j + 1's Q K^T is issued before tile j - 1's stage is refilled
-        raise ValueError(f"num_stages must be >= 3, got {num_stages}")
-    if rows not in (64, 128) or block_n < rows // group or (warp_specialize and rows != 128):
-        raise ValueError(f"rows must be 64 or 128 (128 warp-specialized) and block_n hold a query tile's tokens, got "
-                         f"{rows} and {block_n}")  # fmt: skip
-    if query.stride(2) != 1:
-        raise ValueError(f"query must be contiguous in head_dim, got strides {query.stride()}")
-    for name, t in (("key", key), ("value", value)):
-        if tuple(t.shape) != (num_tokens, num_kv_heads, head_dim) or t.dtype != query.dtype or t.stride(1) != head_dim:
-            raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_dim] {query.dtype} with adjacent heads")
-    out = torch.empty_like(query)
+    _check_args(query, key, value, group, num_stages, block_n, rows, warp_specialize)
+    out = torch.empty_like(query) if out is None else out
     num_seqs = query_start_loc.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -267,20 +263,52 @@ def prefill_attention_gluon(
     descs: list[Any] = [
         TensorDescriptor(t, flat, [t.stride(0), 1], [block_n, head_dim], layout) for t in (key, value)
     ]  # fmt: skip
-    block_q = rows // group
-    num_tiles = num_tokens // block_q + num_seqs
+    num_tiles = num_tokens // (rows // group) + num_seqs  # a bound on the query tiles (no device sync)
     grid = (num_tiles, num_kv_heads) if head_major else (num_kv_heads, num_tiles)
-    args = (query, descs[0], descs[1], out, query_start_loc, num_seqs, scale * _LOG2E,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1))  # fmt: skip
+    args = (query, descs[0], descs[1], out, query_start_loc, query_start_loc if seq_lens is None else seq_lens,
+            num_seqs, scale * _LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1))  # fmt: skip
+    consts = {"GROUP": group, "HEAD_DIM": head_dim, "NUM_STAGES": num_stages, "HEAD_MAJOR": head_major,
+              "FRESH_ONLY": seq_lens is not None}  # fmt: skip
     if warp_specialize:
         from kernels.prefill_gluon_ws import LAUNCH_MAXNREG, _prefill_gluon_ws_kernel
 
-        _prefill_gluon_ws_kernel[grid](*args, GROUP=group, HEAD_DIM=head_dim, NUM_STAGES=num_stages, HEAD_MAJOR=head_major,
-                                       num_warps=4, maxnreg=LAUNCH_MAXNREG)  # fmt: skip
+        _prefill_gluon_ws_kernel[grid](*args, **consts, num_warps=4, maxnreg=LAUNCH_MAXNREG)
     else:
-        _prefill_gluon_kernel[grid](*args, GROUP=group, HEAD_DIM=head_dim, NUM_STAGES=num_stages, ROWS=rows,
-                                    HEAD_MAJOR=head_major, num_warps=rows // 16)  # fmt: skip
+        _prefill_gluon_kernel[grid](*args, **consts, ROWS=rows, num_warps=rows // 16)
     return out
+
+
+def _check_args(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: int, num_stages: int, block_n: int,
+    rows: int, warp_specialize: bool,
+) -> None:  # fmt: skip
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if group * num_kv_heads != num_heads or group & (group - 1) or group > 16:
+        raise ValueError(f"query heads per KV head must be a power of two <= 16, got {num_heads} / {num_kv_heads}")
+    if num_stages < 2:
+        raise ValueError(f"num_stages must be >= 2, got {num_stages}")
+    if rows not in (64, 128) or block_n < rows // group or (warp_specialize and rows != 128):
+        raise ValueError(f"rows must be 64 or 128 (128 warp-specialized) and block_n hold a query tile's tokens, got "
+                         f"{rows} and {block_n}")  # fmt: skip
+    if query.stride(2) != 1:
+        raise ValueError(f"query must be contiguous in head_dim, got strides {query.stride()}")
+    for name, t in (("key", key), ("value", value)):
+        if tuple(t.shape) != (num_tokens, num_kv_heads, head_dim) or t.dtype != query.dtype or t.stride(1) != head_dim:
+            raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_dim] {query.dtype} with adjacent heads")
+
+
+def takes_sequence(q_len: int, seq_len: int) -> bool:
+    """Whether :func:`prefill_attention_gluon` with ``seq_lens`` computes a sequence's rows: a fresh prompt (no
+    cached prefix) of more than one token. The others are ``kernels.prefill_new_kv``'s (``skip_fresh``)."""
+    return seq_len == q_len > 1
+
+
+def engine_can_use(query: torch.Tensor, key: torch.Tensor, sliding_window: int | None) -> bool:
+    """Whether the engine's prefill steps can send their fresh prompts here: an sm_90 GPU with Gluon, 16-bit,
+    head_dim 64 or 128, a power-of-two group of at most 16 query heads per KV head, no sliding window."""
+    group = query.shape[1] // key.shape[1]
+    return sliding_window is None and gluon_available(query) and group <= 16 and group & (group - 1) == 0
 
 
 _GL_DTYPES: dict[torch.dtype, Any] = {} if gluon is None else {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}

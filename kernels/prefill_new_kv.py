@@ -146,11 +146,13 @@ def _prefill_new_kv_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, LARGEST_FIRST: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr, SKIP_DECODE_ROWS: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr, SKIP_DECODE_ROWS: tl.constexpr, SKIP_FRESH: tl.constexpr,
 ):  # fmt: skip
     tile, kvh = _program_tile(LARGEST_FIRST, HEAD_MAJOR)
     seq, q_start, q_len, q_tile_start = _locate_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_Q, SKIP_DECODE_ROWS)
     seq_len = tl.load(seq_lens_ptr + seq)
+    if SKIP_FRESH:  # a fresh prompt of more than one token reads as none: kernels.prefill_gluon's rows
+        q_len = tl.where((seq_len == q_len) & (q_len > 1), 0, q_len)
     context_len = seq_len - q_len
 
     r = tl.arange(0, BLOCK_Q * GROUP_PAD)
@@ -223,11 +225,13 @@ def prefill_attention_new_kv(
     scale: float,
     sliding_window: int | None = None,
     skip_decode_rows: bool = False,  # one-token sequences' rows left unwritten (kernels.paged_attention's then)
+    skip_fresh: bool = False,  # fresh prompts' rows left unwritten (kernels.prefill_gluon.takes_sequence)
+    out: torch.Tensor | None = None,  # written in place; the skipped rows left as they are
 ) -> torch.Tensor:
     """Triton version of :func:`prefill_attention_new_kv_ref`."""
     return _prefill_attention_new_kv(
         query, key, value, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
-        skip_decode_rows=skip_decode_rows,
+        skip_decode_rows=skip_decode_rows, skip_fresh=skip_fresh, out=out,
     )  # fmt: skip
 
 
@@ -249,6 +253,8 @@ def _prefill_attention_new_kv(
     largest_first: bool = True,
     head_major: bool = False,  # with largest_first: the grid by KV head (_program_tile)
     skip_decode_rows: bool = False,  # one-token sequences' rows are left unwritten (paged_decode_rows' then)
+    skip_fresh: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     require_triton("prefill_attention_new_kv")
     check_prefill_inputs(query, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window)
@@ -267,7 +273,10 @@ def _prefill_attention_new_kv(
     group = num_heads // num_kv_heads
     group_pad = next_pow2(group)
     block_q = max(1, block_m // group_pad)
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be {query.dtype} {list(query.shape)} contiguous in head_dim")
     if num_tokens == 0 or num_seqs == 0:
         return out
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -290,7 +299,7 @@ def _prefill_attention_new_kv(
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
         USE_TMA=use_tma, DOT_PRECISION=_dot_precision(query),
         UPCAST=_upcast(query), LARGEST_FIRST=largest_first, HEAD_MAJOR=head_major,
-        SKIP_DECODE_ROWS=skip_decode_rows,
+        SKIP_DECODE_ROWS=skip_decode_rows, SKIP_FRESH=skip_fresh,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -56,8 +56,11 @@
 #   stage dr (~4 min): the decode kernel rotating q / k and storing the new K/V itself (kernels.decode_rope): its GPU
 #                     tests with the engine's decode, graph and HF ones, then batch-1 TPOT for each
 #                     DR_RUNS entry (default "1 0 1": PAGEDSERVE_DECODE_ROPE_MAX_SEQS huge or 0, one process each)
-#   stage gl (~3 min): the Gluon prefill kernel for Hopper (kernels.prefill_gluon): its GPU tests against the
-#                     reference, then the prefill sweep's gluon rows beside the default and SDPA (4k and 8k causal)
+#   stage gl (~4 min): the Gluon prefill kernel for Hopper (kernels.prefill_gluon): its GPU tests against the
+#                     reference with the engine's (graphs, bf16 logits against HF, a 128-wide head model among them),
+#                     then the prefill sweep: the engine's path, new_kv, the gluon rows and SDPA (GL_CASES)
+#   stage ga (~6 min): the suite's mixed-128 and mixed with the Gluon kernel on and off (GA_RUNS, default "1 0 1 0":
+#                     PAGEDSERVE_PREFILL_GLUON, one process a run; GA_WORKLOADS)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -65,7 +68,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, sd, sa, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, sd, sa, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -96,7 +99,7 @@ if [ "$stage" = 1 ]; then
 elif [ "$stage" = t ]; then
   for budget in 2048 8192; do
     CUDA_LAUNCH_BLOCKING=1 python -m pytest -q -p no:cacheprovider -x \
-      "tests/engine/test_gpu.py::test_cuda_graphs_equal_eager[$budget]" > "$out/graphs-$budget.txt" 2>&1 \
+      "tests/engine/test_gpu.py::test_cuda_graphs_equal_eager[folder-$budget]" > "$out/graphs-$budget.txt" 2>&1 \
       && echo "graphs == eager at $budget PASSED" \
       || { echo "graphs == eager at $budget FAILED"; { grep -E "Error|\.py:[0-9]+" "$out/graphs-$budget.txt" || true; } | tail -25; }
   done
@@ -184,12 +187,24 @@ elif [ "$stage" = bt ]; then
   done
 elif [ "$stage" = gl ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_gluon.py tests/kernels/test_prefill_new_kv.py \
-    -k "gluon or order" > "$out/gpu_tests.txt" 2>&1 \
+    tests/engine/test_gpu.py -k "gluon or order or fresh or graphs or bf16_logits or hf" > "$out/gpu_tests.txt" 2>&1 \
     && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   { grep -E "^(FAILED|ERROR)|Error" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
-  python -m loadtest.kernels_bench --sweep --only prefill --prefill-cases 4k 8k \
-    --variants ${GL_VARIANTS:-gluon gluon_bn64 gluon_m64_bn64 gluon_ws gluon_ws_bn64 gluon_hm gluon_ws_hm} \
+  python -m loadtest.kernels_bench --sweep --only prefill --prefill-cases ${GL_CASES:-4k 8k 2k+2k} \
+    --variants ${GL_VARIANTS:-default new_kv gluon gluon_kvh gluon_bn64 gluon_s2 gluon_1p gluon_1p_m64_bn64} \
     --out "$out/gluon.json" 2>&1 | grep -A14 "prefill variants"
+elif [ "$stage" = ga ]; then
+  run=0
+  for gluon in ${GA_RUNS:-1 0 1 0}; do  # PAGEDSERVE_PREFILL_GLUON, one process a run
+    run=$((run + 1))
+    PAGEDSERVE_PREFILL_GLUON=$gluon python -m loadtest.throughput suite --shape 8b --max-model-len 4096 \
+      --max-num-seqs 512 --workloads ${GA_WORKLOADS:-mixed-128 mixed} --commit "$commit" \
+      --out "$out/ga-$gluon-$run.json" > "$out/ga-$gluon-$run.txt" 2>&1 || echo "suite gluon=$gluon FAILED"
+    python -c "import json,sys; r=json.load(open(sys.argv[1])); print('gluon', sys.argv[2], 'run', sys.argv[3], \
+      'matmul', r.get('matmul_tflops'), *[(w, r[w]['elapsed_s'], r[w]['output_tok_s'], r[w].get('mfu'), \
+      r[w].get('first_token_s')) for w in ('mixed-128', 'mixed') if w in r])" "$out/ga-$gluon-$run.json" "$gluon" \
+      "$run" || tail -5 "$out/ga-$gluon-$run.txt"
+  done
 elif [ "$stage" = dr ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_decode_rope.py tests/engine/test_gpu.py -m gpu \
     -k "${DR_TESTS:-rope or decode or graph or hf}" > "$out/gpu_tests.txt" 2>&1 \

@@ -13,27 +13,26 @@ import torch.nn.functional as F
 
 from loadtest.kernel_bench_common import BLOCK_SIZE, DTYPE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, rel_err, time_graph
 
-# (name, kernel, knobs): "gluon" is kernels.prefill_gluon (fresh prompts only), "new_kv" is
-# kernels.prefill_new_kv._prefill_attention_new_kv (this step's K/V from the contiguous tensors, the engine's
-# kernel since e341694; "tma": host tensor descriptors, "ptr": pointer
-# loads), "paged" kernels.prefill_attention._paged_prefill_attention. The first row is the engine's default;
+# (name, kernel, knobs): "engine" is the engine's prefill attention (engine.attention.paged_attention), "gluon"
+# kernels.prefill_gluon (fresh prompts only), "new_kv" kernels.prefill_new_kv._prefill_attention_new_kv (this
+# step's K/V from the contiguous tensors; "tma": host tensor descriptors, "ptr": pointer loads), "paged"
+# kernels.prefill_attention._paged_prefill_attention. The first row is the engine's default;
 # "lf": longest causal tiles launched first; "fma": the tutorial's softmax step below the diagonal (scale in the
 # exponent's FMA, PV accumulated in place); m/bn/w/s: rows, KV tile, warps, stages. The sweep decides the
 # defaults. Compiled for sm_90 with Triton 3.6 (offline, ptxas): no entry below spills. Left out for spilling:
 # the paged kernel at block_n 128 (255 regs + 40 B stack) and 128 rows on 4 warps (either kernel).
 PREFILL_VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
-    ("default", "new_kv", {}),
+    ("default", "engine", {}),  # engine.attention.paged_attention: Gluon for fresh prompts on sm_90, new_kv the rest
+    ("new_kv", "new_kv", {}),
     ("new_kv_hm", "new_kv", {"head_major": True}),  # the grid by KV head: one head's K/V in L2 at a time
-    # kernels.prefill_gluon (Hopper, fresh prompts only: the cases without a cached prefix)
+    # kernels.prefill_gluon (Hopper, fresh prompts only: the cases without a cached prefix); its defaults are
+    # warp-specialized (kernels.prefill_gluon_ws) with the grid by KV head
     ("gluon", "gluon", {}),
+    ("gluon_kvh", "gluon", {"head_major": False}),
     ("gluon_bn64", "gluon", {"block_n": 64}),
-    ("gluon_bn64_s4", "gluon", {"block_n": 64, "num_stages": 4}),
-    ("gluon_m64_bn64", "gluon", {"rows": 64, "block_n": 64}),  # two CTAs per SM
-    ("gluon_ws", "gluon", {"warp_specialize": True}),  # kernels.prefill_gluon_ws
-    ("gluon_ws_bn64", "gluon", {"warp_specialize": True, "block_n": 64}),
-    ("gluon_hm", "gluon", {"head_major": True}),  # the grid by KV head: one head's K/V in L2 at a time
-    ("gluon_m64_bn64_hm", "gluon", {"rows": 64, "block_n": 64, "head_major": True}),
-    ("gluon_ws_hm", "gluon", {"warp_specialize": True, "head_major": True}),
+    ("gluon_s2", "gluon", {"num_stages": 2}),
+    ("gluon_1p", "gluon", {"warp_specialize": False}),  # one partition of two warpgroups, no producer warp
+    ("gluon_1p_m64_bn64", "gluon", {"warp_specialize": False, "rows": 64, "block_n": 64}),  # two CTAs per SM
     ("paged", "paged", {}),
     ("paged_lf", "paged", {"largest_first": True}),
     ("paged_fma_lf", "paged", {"fma_softmax": True, "largest_first": True}),
@@ -187,6 +186,12 @@ def _prefill_call(
         from kernels.prefill_gluon import prefill_attention_gluon
 
         return partial(prefill_attention_gluon, query, key, value, qsl, scale, **knobs)
+    if kernel == "engine":
+        from engine.attention import AttentionMetadata, paged_attention
+
+        lens = seq_lens.tolist()
+        meta = AttentionMetadata(torch.zeros(0), qsl, seq_lens, tables, int(qsl.diff().max()), max(lens), "triton")
+        return partial(paged_attention, query, cache, meta, scale, None, torch.stack([key, value]))
     return partial(_prefill_attention_new_kv, query, key, value, cache, tables, qsl, seq_lens, scale, None, **knobs)
 
 

@@ -37,6 +37,14 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("gpu"), "llama", seed=4, num_hidden_layers=3, **SHAPE)
 
 
+@pytest.fixture(scope="module")
+def folder128(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """head_dim 128 and 4 query heads per KV head (the 8B's): bf16 prefill steps send their fresh prompts to the
+    Gluon kernel on sm_90 (engine.attention.PREFILL_GLUON)."""
+    shape = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=1, head_dim=128)
+    return build_tiny_model(tmp_path_factory.mktemp("gpu128"), "llama", seed=5, num_hidden_layers=2, **shape)
+
+
 def engine_tokens(folder: Path, **kwargs: object) -> list[list[int]]:
     llm = LLM(str(folder), device="cuda", max_model_len=256, gpu_memory_utilization=0.3, **kwargs)  # type: ignore[arg-type]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], SamplingParams(temperature=0, max_tokens=16))
@@ -63,14 +71,19 @@ def test_async_scheduling_equals_sync_on_gpu(folder: Path, dtype: str) -> None:
     assert engine_tokens(folder, dtype=dtype, max_num_batched_tokens=64, async_scheduling=True) == sync
 
 
-@pytest.mark.parametrize("budget", [2048, 8192])  # the step budget's two device defaults (8192 on an H200)
-def test_cuda_graphs_equal_eager(folder: Path, budget: int) -> None:
+@pytest.mark.parametrize(
+    ("model", "budget"), [("folder", 2048), ("folder", 8192), ("folder128", 64), ("folder128", 8192)]
+)  # the step budget's two device defaults (8192 on an H200); folder128 with chunks (64): fresh and cached prefills
+def test_cuda_graphs_equal_eager(model: str, budget: int, request: pytest.FixtureRequest) -> None:
+    folder = request.getfixturevalue(model)
     eager = engine_tokens(folder, dtype="bfloat16", enforce_eager=True, max_num_batched_tokens=budget)
     graphs = engine_tokens(folder, dtype="bfloat16", enforce_eager=False, max_num_batched_tokens=budget)
     assert graphs == eager
 
 
-def test_bf16_logits_close_to_hf(folder: Path) -> None:
+@pytest.mark.parametrize("model", ["folder", "folder128"])
+def test_bf16_logits_close_to_hf(model: str, request: pytest.FixtureRequest) -> None:
+    folder = request.getfixturevalue(model)
     from engine.loader import load_hf_config, load_model
     from engine.parallel import ParallelState
     from modelfiles import resolve

@@ -51,10 +51,12 @@ SPLIT_DECODE_ROWS = os.environ.get("PAGEDSERVE_SPLIT_DECODE_ROWS", "0") == "1"
 # off. So small batches only (SMALL_BATCH_MAX_SEQS of the decode plan); PAGEDSERVE_DECODE_ROPE_MAX_SEQS sets it (0: never).
 DECODE_ROPE_MAX_SEQS = int(os.environ.get("PAGEDSERVE_DECODE_ROPE_MAX_SEQS", str(SMALL_BATCH_MAX_SEQS)))
 
-# A prefill step's fresh prompts (no cached prefix, more than one token) through the Gluon kernel for Hopper
-# (kernels.prefill_gluon: warp-specialized, FlashAttention-3's MMA overlap), the rest of the step through
-# prefill_new_kv, which skips those rows; both write one output. Where the Gluon kernel cannot run (not sm_90, a
-# sliding window, fp32, other head sizes or groups) prefill_new_kv takes every row. H200 (8B heads, bf16), 4k / 8k
+# A prefill step's fresh prompts at its end (engine.inputs.fresh_suffix: no cached prefix, more than one token)
+# through the Gluon kernel for Hopper (kernels.prefill_gluon: warp-specialized, FlashAttention-3's MMA overlap),
+# the sequences before them through prefill_new_kv, each launch on its own slice of one output (a kernel that
+# skipped the other's rows on the device would still launch idle programs for them: ~6 us a wave of them on the
+# H200). Where the Gluon kernel cannot run (not sm_90, a sliding window, fp32, other head sizes or groups) and in
+# the prefill graphs (any mix of rows, so no host split) prefill_new_kv takes every row. H200 (8B heads, bf16), 4k / 8k
 # causal: 571-590 / 598-637 TFLOP/s against SDPA's 527 / 613 (cuDNN) and prefill_new_kv's 447 / 533.
 # PAGEDSERVE_PREFILL_GLUON=0 turns it off.
 PREFILL_GLUON = os.environ.get("PAGEDSERVE_PREFILL_GLUON", "1") == "1"
@@ -71,6 +73,7 @@ class AttentionMetadata:
     max_query_len: int  # 1 = decode-only step (CUDA graphs, decode kernel)
     max_seq_len: int
     backend: str = "torch"
+    fresh: tuple[int, int] | None = None  # engine.inputs.fresh_suffix: (first sequence, first token), or None
 
     @property
     def num_seqs(self) -> int:
@@ -149,17 +152,16 @@ def paged_attention(
     if meta.backend == "triton":
         from kernels.paged_attention import paged_decode_attention, paged_decode_rows
         from kernels.prefill_attention import paged_prefill_attention
-        from kernels.prefill_gluon import engine_can_use, prefill_attention_gluon
         from kernels.prefill_new_kv import prefill_attention_new_kv
 
         if meta.is_decode_only:
             return paged_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
         tables, qsl, lens, split = meta.block_tables, meta.query_start_loc, meta.seq_lens, SPLIT_DECODE_ROWS
-        if new_kv is not None:
-            fresh = PREFILL_GLUON and engine_can_use(query, new_kv[0], sliding_window)
-            out = prefill_attention_gluon(query, new_kv[0], new_kv[1], qsl, scale, lens) if fresh else None
+        if new_kv is not None and meta.fresh is not None and PREFILL_GLUON:
+            out = _fresh_then_rest(query, new_kv, kv_cache, meta, scale, sliding_window)
+        elif new_kv is not None:
             out = prefill_attention_new_kv(
-                query, new_kv[0], new_kv[1], kv_cache, tables, qsl, lens, scale, sliding_window, split, fresh, out
+                query, new_kv[0], new_kv[1], kv_cache, tables, qsl, lens, scale, sliding_window, split
             )
         else:
             out = paged_prefill_attention(query, kv_cache, tables, qsl, lens, scale, sliding_window, split)
@@ -171,3 +173,34 @@ def paged_attention(
     return paged_prefill_attention_ref(
         query, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, sliding_window
     )
+
+
+def _fresh_then_rest(
+    query: torch.Tensor,
+    new_kv: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """A prefill step whose last sequences are fresh prompts (``meta.fresh``): those through the Gluon kernel where
+    it can run them, the sequences before them through prefill_new_kv (its decode rows left to
+    ``paged_decode_rows`` with SPLIT_DECODE_ROWS), into one output."""
+    from kernels.prefill_gluon import engine_can_use, prefill_attention_gluon
+    from kernels.prefill_new_kv import prefill_attention_new_kv
+
+    assert meta.fresh is not None
+    seq0, tok0 = meta.fresh
+    key, value = new_kv[0], new_kv[1]
+    tables, qsl, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
+    if not engine_can_use(query, key, sliding_window):
+        seq0, tok0 = meta.num_seqs, query.shape[0]
+    out = torch.empty_like(query)
+    if seq0 > 0:
+        prefill_attention_new_kv(
+            query[:tok0], key[:tok0], value[:tok0], kv_cache, tables[:seq0], qsl[: seq0 + 1], lens[:seq0], scale,
+            sliding_window, SPLIT_DECODE_ROWS, out=out[:tok0],
+        )  # fmt: skip
+    if seq0 < meta.num_seqs:
+        prefill_attention_gluon(query, key, value, qsl, scale, out=out, first=(seq0, tok0))
+    return out

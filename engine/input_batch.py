@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.inputs import IN_FLIGHT_INPUT, StepInputs, extend_token_ids
+from engine.inputs import IN_FLIGHT_INPUT, StepInputs, extend_token_ids, fresh_suffix
 from engine.request import Request
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -172,6 +172,7 @@ class InputBatch:
             max_query_len=int(num_new.max()) if num_seqs else 0,
             max_seq_len=int(seq_lens.max()) if num_seqs else 0,
             blocks_to_copy=out.blocks_to_copy,
+            fresh=fresh_suffix(query_start_loc, seq_lens) if num_tokens > num_seqs else None,
             blocks_to_swap_out=out.blocks_to_swap_out,
             blocks_to_swap_in=out.blocks_to_swap_in,
         )

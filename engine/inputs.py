@@ -30,6 +30,7 @@ class StepInputs:
     max_query_len: int
     max_seq_len: int
     blocks_to_copy: list[tuple[int, int]]
+    fresh: tuple[int, int] | None = None  # (first sequence, first token) of the fresh_suffix, None: none
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), run first
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), then these
 
@@ -50,6 +51,20 @@ class TokenFill:
 # Host-side stand-in for an input token that is known only on the device (``TokenFill`` overwrites it before
 # the forward pass). Any valid id works; no request ever holds it.
 IN_FLIGHT_INPUT = 0
+
+
+def fresh_suffix(query_start_loc: np.ndarray, seq_lens: np.ndarray) -> tuple[int, int] | None:
+    """``(first sequence, first token)`` of the step's last run of fresh prompts (more than one new token, no
+    cached prefix), which the attention can hand to ``kernels.prefill_gluon`` whole; ``None`` if the step ends
+    with any other sequence (a decode row, a chunk after a cached prefix, a one-token prompt). New requests come
+    after the running ones in a step, so this is usually all of its new prompts."""
+    q_lens = np.diff(query_start_loc)
+    fresh = (q_lens > 1) & (seq_lens == q_lens)
+    if len(fresh) == 0 or not fresh[-1]:
+        return None
+    stale = np.flatnonzero(~fresh)
+    first = int(stale[-1]) + 1 if len(stale) else 0
+    return first, int(query_start_loc[first])
 
 
 def extend_token_ids(input_ids: list[int], request: Request, start: int, end: int) -> None:
@@ -118,6 +133,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
         max_query_len=max_query_len,
         max_seq_len=max(seq_lens, default=0),
         blocks_to_copy=out.blocks_to_copy,
+        fresh=fresh_suffix(np.array(query_start_loc), np.array(seq_lens)) if max_query_len > 1 else None,
         blocks_to_swap_out=out.blocks_to_swap_out,
         blocks_to_swap_in=out.blocks_to_swap_in,
     )

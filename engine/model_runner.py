@@ -226,6 +226,7 @@ class ModelRunner:
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             backend=self.backend,
+            fresh=inputs.fresh,
         )
 
     @torch.inference_mode()

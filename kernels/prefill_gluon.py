@@ -60,22 +60,20 @@ def gluon_available(query: torch.Tensor) -> bool:
 if gluon is not None:
 
     @gluon.jit
-    def _locate(tile, query_start_loc_ptr, seq_lens_ptr, num_seqs, BLOCK_Q: gl.constexpr, FRESH_ONLY: gl.constexpr):
-        """The sequence owning query tile ``tile``: its first row, its length and the tile's first token (as
-        ``kernels.prefill_attention._locate_tile``: tiles are numbered q_start // BLOCK_Q + seq on). FRESH_ONLY:
-        a sequence with a cached prefix or one new token reads as none (:func:`takes_sequence`)."""
-        lo = 0
+    def _locate(tile, query_start_loc_ptr, seq0, tok0, num_seqs, BLOCK_Q: gl.constexpr):
+        """The sequence owning query tile ``tile`` of the sequences from ``seq0`` on (their first token ``tok0``):
+        its first row, its length and the tile's first token. As ``kernels.prefill_attention._locate_tile``, tiles
+        are numbered (q_start - tok0) // BLOCK_Q + seq - seq0 on."""
+        lo = seq0
         hi = num_seqs
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            first = gl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            first = (gl.load(query_start_loc_ptr + mid) - tok0) // BLOCK_Q + mid - seq0
             lo = gl.where(first <= tile, mid, lo)
             hi = gl.where(first <= tile, hi, mid)
         q_start = gl.load(query_start_loc_ptr + lo)
         q_len = gl.load(query_start_loc_ptr + lo + 1) - q_start
-        if FRESH_ONLY:
-            q_len = gl.where((gl.load(seq_lens_ptr + lo) == q_len) & (q_len > 1), q_len, 0)
-        return q_start, q_len, (tile - (q_start // BLOCK_Q + lo)) * BLOCK_Q
+        return q_start, q_len, (tile - ((q_start - tok0) // BLOCK_Q + lo - seq0)) * BLOCK_Q
 
     @gluon.jit
     def program_tile(HEAD_MAJOR: gl.constexpr):
@@ -198,15 +196,15 @@ if gluon is not None:
 
     @gluon.jit
     def _prefill_gluon_kernel(
-        q_ptr, k_desc, v_desc, out_ptr, query_start_loc_ptr, seq_lens_ptr, num_seqs, scale_log2,
+        q_ptr, k_desc, v_desc, out_ptr, query_start_loc_ptr, seq0, tok0, num_seqs, scale_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, ROWS: gl.constexpr,
-        HEAD_MAJOR: gl.constexpr, FRESH_ONLY: gl.constexpr,
+        HEAD_MAJOR: gl.constexpr,
     ):  # fmt: skip
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         BLOCK_Q: gl.constexpr = ROWS // GROUP
         tile, kvh = program_tile(HEAD_MAJOR)
-        q_start, q_len, q_tile_start = _locate(tile, query_start_loc_ptr, seq_lens_ptr, num_seqs, BLOCK_Q, FRESH_ONLY)
+        q_start, q_len, q_tile_start = _locate(tile, query_start_loc_ptr, seq0, tok0, num_seqs, BLOCK_Q)
         if q_tile_start < q_len:
             q_smem = load_q(q_ptr, q_start, q_len, q_tile_start, kvh, stride_qt, stride_qh, GROUP, HEAD_DIM, ROWS,
                             ROWS // 16)  # fmt: skip
@@ -235,8 +233,8 @@ def prefill_attention_gluon(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
-    seq_lens: torch.Tensor | None = None,  # [num_seqs] int32: given, only the fresh sequences (takes_sequence)
-    out: torch.Tensor | None = None,  # written in place (the other sequences' rows left as they are)
+    out: torch.Tensor | None = None,  # written in place (the rows of sequences before ``first`` left as they are)
+    first: tuple[int, int] = (0, 0),  # (sequence, its first token): attend from this sequence on
     *,
     num_stages: int = NUM_STAGES,
     block_n: int = BLOCK_N,
@@ -244,9 +242,9 @@ def prefill_attention_gluon(
     warp_specialize: bool = True,  # kernels.prefill_gluon_ws: a producer warp, two one-warpgroup consumers
     head_major: bool = True,  # the grid walks one KV head's tiles before the next (L2 reuse of its K/V)
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over themselves: with ``seq_lens``, of the sequences
-    :func:`takes_sequence` names (no cached prefix, more than one token), else of every sequence (all fresh).
-    Equals :func:`kernels.prefill_new_kv.prefill_attention_new_kv_ref` on those rows."""
+    """Causal attention of each sequence's new tokens over themselves, from sequence ``first[0]`` (whose first
+    row is ``first[1]``) on: fresh prompts, no cached prefix. Equals
+    :func:`kernels.prefill_new_kv.prefill_attention_new_kv_ref` with empty prefixes on those rows."""
     require_triton("prefill_attention_gluon")
     if not gluon_available(query):
         raise ValueError("prefill_attention_gluon: needs Gluon, an sm_90 GPU, bf16/fp16 and head_dim 64 or 128")
@@ -256,19 +254,19 @@ def prefill_attention_gluon(
     _check_args(query, key, value, group, num_stages, block_n, rows, warp_specialize)
     out = torch.empty_like(query) if out is None else out
     num_seqs = query_start_loc.shape[0] - 1
-    if num_tokens == 0 or num_seqs == 0:
+    seq0, tok0 = first
+    if num_tokens == tok0 or num_seqs == seq0:
         return out
     layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], _GL_DTYPES[query.dtype])
     flat = [num_tokens, num_kv_heads * head_dim]
     descs: list[Any] = [
         TensorDescriptor(t, flat, [t.stride(0), 1], [block_n, head_dim], layout) for t in (key, value)
     ]  # fmt: skip
-    num_tiles = num_tokens // (rows // group) + num_seqs  # a bound on the query tiles (no device sync)
+    num_tiles = (num_tokens - tok0) // (rows // group) + num_seqs - seq0  # a bound on the query tiles (no sync)
     grid = (num_tiles, num_kv_heads) if head_major else (num_kv_heads, num_tiles)
-    args = (query, descs[0], descs[1], out, query_start_loc, query_start_loc if seq_lens is None else seq_lens,
-            num_seqs, scale * _LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1))  # fmt: skip
-    consts = {"GROUP": group, "HEAD_DIM": head_dim, "NUM_STAGES": num_stages, "HEAD_MAJOR": head_major,
-              "FRESH_ONLY": seq_lens is not None}  # fmt: skip
+    args = (query, descs[0], descs[1], out, query_start_loc, seq0, tok0, num_seqs, scale * _LOG2E,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1))  # fmt: skip
+    consts = {"GROUP": group, "HEAD_DIM": head_dim, "NUM_STAGES": num_stages, "HEAD_MAJOR": head_major}
     if warp_specialize:
         from kernels.prefill_gluon_ws import LAUNCH_MAXNREG, _prefill_gluon_ws_kernel
 
@@ -296,12 +294,6 @@ def _check_args(
     for name, t in (("key", key), ("value", value)):
         if tuple(t.shape) != (num_tokens, num_kv_heads, head_dim) or t.dtype != query.dtype or t.stride(1) != head_dim:
             raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_dim] {query.dtype} with adjacent heads")
-
-
-def takes_sequence(q_len: int, seq_len: int) -> bool:
-    """Whether :func:`prefill_attention_gluon` with ``seq_lens`` computes a sequence's rows: a fresh prompt (no
-    cached prefix) of more than one token. The others are ``kernels.prefill_new_kv``'s (``skip_fresh``)."""
-    return seq_len == q_len > 1
 
 
 def engine_can_use(query: torch.Tensor, key: torch.Tensor, sliding_window: int | None) -> bool:

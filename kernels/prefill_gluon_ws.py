@@ -53,16 +53,14 @@ if gluon is not None:
 
     @gluon.jit
     def _prefill_gluon_ws_kernel(
-        q_ptr, k_desc, v_desc, out_ptr, query_start_loc_ptr, seq_lens_ptr, num_seqs, scale_log2,
+        q_ptr, k_desc, v_desc, out_ptr, query_start_loc_ptr, seq0, tok0, num_seqs, scale_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HEAD_MAJOR: gl.constexpr,
-        FRESH_ONLY: gl.constexpr,
     ):  # fmt: skip
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         BLOCK_Q: gl.constexpr = 128 // GROUP
         tile, kvh = program_tile(HEAD_MAJOR)
-        q_start, q_len, q_tile_start = _locate(tile, query_start_loc_ptr, seq_lens_ptr, num_seqs, BLOCK_Q,
-                                               FRESH_ONLY)  # fmt: skip
+        q_start, q_len, q_tile_start = _locate(tile, query_start_loc_ptr, seq0, tok0, num_seqs, BLOCK_Q)
         q_smem = load_q(q_ptr, q_start, q_len, q_tile_start, kvh, stride_qt, stride_qh, GROUP, HEAD_DIM, 128, 4)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)

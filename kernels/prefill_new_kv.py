@@ -146,13 +146,11 @@ def _prefill_new_kv_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, LARGEST_FIRST: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr, SKIP_DECODE_ROWS: tl.constexpr, SKIP_FRESH: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr, SKIP_DECODE_ROWS: tl.constexpr,
 ):  # fmt: skip
     tile, kvh = _program_tile(LARGEST_FIRST, HEAD_MAJOR)
     seq, q_start, q_len, q_tile_start = _locate_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_Q, SKIP_DECODE_ROWS)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if SKIP_FRESH:  # a fresh prompt of more than one token reads as none: kernels.prefill_gluon's rows
-        q_len = tl.where((seq_len == q_len) & (q_len > 1), 0, q_len)
     context_len = seq_len - q_len
 
     r = tl.arange(0, BLOCK_Q * GROUP_PAD)
@@ -225,13 +223,12 @@ def prefill_attention_new_kv(
     scale: float,
     sliding_window: int | None = None,
     skip_decode_rows: bool = False,  # one-token sequences' rows left unwritten (kernels.paged_attention's then)
-    skip_fresh: bool = False,  # fresh prompts' rows left unwritten (kernels.prefill_gluon.takes_sequence)
-    out: torch.Tensor | None = None,  # written in place; the skipped rows left as they are
+    out: torch.Tensor | None = None,  # written in place (skipped rows left as they are)
 ) -> torch.Tensor:
     """Triton version of :func:`prefill_attention_new_kv_ref`."""
     return _prefill_attention_new_kv(
         query, key, value, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
-        skip_decode_rows=skip_decode_rows, skip_fresh=skip_fresh, out=out,
+        skip_decode_rows=skip_decode_rows, out=out,
     )  # fmt: skip
 
 
@@ -253,7 +250,6 @@ def _prefill_attention_new_kv(
     largest_first: bool = True,
     head_major: bool = False,  # with largest_first: the grid by KV head (_program_tile)
     skip_decode_rows: bool = False,  # one-token sequences' rows are left unwritten (paged_decode_rows' then)
-    skip_fresh: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     require_triton("prefill_attention_new_kv")
@@ -299,7 +295,7 @@ def _prefill_attention_new_kv(
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
         USE_TMA=use_tma, DOT_PRECISION=_dot_precision(query),
         UPCAST=_upcast(query), LARGEST_FIRST=largest_first, HEAD_MAJOR=head_major,
-        SKIP_DECODE_ROWS=skip_decode_rows, SKIP_FRESH=skip_fresh,
+        SKIP_DECODE_ROWS=skip_decode_rows,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

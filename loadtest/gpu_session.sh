@@ -187,7 +187,7 @@ elif [ "$stage" = bt ]; then
   done
 elif [ "$stage" = gl ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_gluon.py tests/kernels/test_prefill_new_kv.py \
-    tests/engine/test_gpu.py -k "gluon or order or fresh or graphs or bf16_logits or hf" > "$out/gpu_tests.txt" 2>&1 \
+    tests/engine/test_gpu.py -k "gluon or order or given_output or graphs or bf16_logits or hf" > "$out/gpu_tests.txt" 2>&1 \
     && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   { grep -E "^(FAILED|ERROR)|Error" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
   python -m loadtest.kernels_bench --sweep --only prefill --prefill-cases ${GL_CASES:-4k 8k 2k+2k} \

@@ -188,9 +188,13 @@ def _prefill_call(
         return partial(prefill_attention_gluon, query, key, value, qsl, scale, **knobs)
     if kernel == "engine":
         from engine.attention import AttentionMetadata, paged_attention
+        from engine.inputs import fresh_suffix
 
-        lens = seq_lens.tolist()
-        meta = AttentionMetadata(torch.zeros(0), qsl, seq_lens, tables, int(qsl.diff().max()), max(lens), "triton")
+        lens, starts = seq_lens.cpu().numpy(), qsl.cpu().numpy()
+        fresh = fresh_suffix(starts, lens)  # as the step's inputs would carry it
+        meta = AttentionMetadata(
+            torch.zeros(0), qsl, seq_lens, tables, int(qsl.diff().max()), int(lens.max()), "triton", fresh
+        )
         return partial(paged_attention, query, cache, meta, scale, None, torch.stack([key, value]))
     return partial(_prefill_attention_new_kv, query, key, value, cache, tables, qsl, seq_lens, scale, None, **knobs)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from dataclasses import fields
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,7 +16,7 @@ from cache.kv import KVCacheManager
 from cache.swap import SwapKVCacheManager
 from engine.config import SchedulerConfig
 from engine.input_batch import InputBatch
-from engine.inputs import StepInputs, build_step_inputs
+from engine.inputs import StepInputs, build_step_inputs, fresh_suffix
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -31,6 +32,25 @@ def assert_same_inputs(got: StepInputs, want: StepInputs) -> None:
             assert a.is_contiguous() and torch.equal(a, b), f.name
         else:
             assert a == b, f.name
+
+
+@pytest.mark.parametrize(
+    ("rows", "want"),
+    [
+        ([(0, 5), (0, 7)], (0, 0)),  # all fresh
+        ([(9, 1), (3, 4), (0, 5), (0, 2)], (2, 5)),  # a decode row and a chunk after its prefix, then two prompts
+        ([(0, 5), (9, 1), (0, 3)], (2, 6)),  # a fresh prompt before a decode row stays with the rest
+        ([(0, 5), (0, 1)], None),  # a one-token prompt last
+        ([(0, 5), (4, 4)], None),  # a prefix-cache hit last
+        ([], None),
+    ],
+)
+def test_fresh_suffix_is_the_last_run_of_fresh_prompts(
+    rows: list[tuple[int, int]], want: tuple[int, int] | None
+) -> None:
+    """(first sequence, first token) of the step's trailing fresh prompts: rows are (cached, new) tokens."""
+    qsl = np.concatenate([[0], np.cumsum([n for _, n in rows], dtype=np.int64)]).astype(np.int32)
+    assert fresh_suffix(qsl, np.array([c + n for c, n in rows], dtype=np.int64)) == want
 
 
 def add_group(sched: Scheduler, rng: random.Random, group_id: str, prefixes: list[list[int]]) -> None:

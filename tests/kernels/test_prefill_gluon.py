@@ -30,8 +30,8 @@ constexprs, block_n, ws = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 kernel = _prefill_gluon_ws_kernel if ws else _prefill_gluon_kernel
 options = {"num_warps": 4, "maxnreg": LAUNCH_MAXNREG} if ws else {"num_warps": constexprs["ROWS"] // 16}
 desc = f"tensordesc<bf16[{block_n}, 128],{gl.NVMMASharedLayout.get_default_for([block_n, 128], gl.bfloat16)!r}>"
-types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
-         "k_desc": desc, "v_desc": desc, "scale_log2": "fp32"}
+types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "query_start_loc_ptr": "*i32", "k_desc": desc, "v_desc": desc,
+         "scale_log2": "fp32"}
 names = kernel.arg_names
 signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in names}
 aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a.endswith("_ptr") or a.startswith("stride")}
@@ -68,9 +68,7 @@ def test_sm90_code_overlaps_the_mmas_and_fits(rows: int, block_n: int) -> None:
     No MMA is in flight across the loop's back edge, so ptxas keeps them asynchronous (no C7514). Three K/V stages
     and Q fit the H200's 227 KiB per block (64 rows and 64-key tiles: two blocks in an SM's 228 KiB, 1 KiB of it
     reserved per block), and nothing spills."""
-    out = _compiled(
-        {"GROUP": 4, "HEAD_DIM": 128, "NUM_STAGES": 3, "ROWS": rows, "HEAD_MAJOR": False, "FRESH_ONLY": True}, block_n
-    )
+    out = _compiled({"GROUP": 4, "HEAD_DIM": 128, "NUM_STAGES": 3, "ROWS": rows, "HEAD_MAJOR": False}, block_n)
     assert out["waits"] == _OVERLAP, out["waits"]
     assert out["ttgir"].count("warp_group_dot ") == 4, "Q K^T before and in the loop, P V in the loop and after"
     assert _SERIALIZED not in out["ptxas"], out["ptxas"]
@@ -85,9 +83,7 @@ def test_sm90_code_overlaps_the_mmas_and_fits(rows: int, block_n: int) -> None:
 def test_sm90_warp_specialized_code_has_two_consumers_and_a_producer(block_n: int) -> None:
     """kernels.prefill_gluon_ws: each consumer partition keeps the overlap's waits, the registers are moved
     between partitions (setmaxnreg: the producer warp down to 24), and nothing spills."""
-    out = _compiled(
-        {"GROUP": 4, "HEAD_DIM": 128, "NUM_STAGES": 3, "HEAD_MAJOR": True, "FRESH_ONLY": True}, block_n, ws=True
-    )
+    out = _compiled({"GROUP": 4, "HEAD_DIM": 128, "NUM_STAGES": 3, "HEAD_MAJOR": True}, block_n, ws=True)
     assert out["waits"] == _OVERLAP * 2, out["waits"]
     assert "ttg.warp_specialize" in out["ttgir"]
     assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in out["ptx"]
@@ -155,13 +151,19 @@ def test_matches_the_reference_on_varlen_fresh_prompts(
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
 @pytest.mark.parametrize("group", [4, 1])
 def test_engine_step_splits_fresh_prompts_from_the_rest(group: int, gen: torch.Generator) -> None:
-    """engine.attention.paged_attention on a mixed step (fresh prompts, chunks after a cached prefix, decode rows,
-    a 1-token prompt): the Gluon kernel takes the fresh prompts, prefill_new_kv the rest, into one output that
-    equals the reference everywhere; with PREFILL_GLUON off, prefill_new_kv alone gives the same."""
+    """engine.attention.paged_attention on a prefill step (decode rows, a 1-token prompt, chunks after a cached
+    prefix, fresh prompts before and after them): the trailing fresh prompts (engine.inputs.fresh_suffix) through
+    the Gluon kernel, the sequences before them through prefill_new_kv, into one output equal to the reference;
+    without the split (fresh None, as in the prefill graphs) prefill_new_kv alone gives the same."""
+    import dataclasses
+
+    import numpy as np
+
     import engine.attention as attention
+    from engine.inputs import fresh_suffix
     from kernels.prefill_new_kv import prefill_attention_new_kv_ref
 
-    rows = [(0, 700), (300, 1), (0, 1), (129, 260), (0, 2), (64, 64), (2000, 1), (0, 131)]  # (cached, new)
+    rows = [(300, 1), (0, 700), (0, 1), (129, 260), (2000, 1), (64, 64), (0, 2), (0, 131), (0, 1500)]  # (cached, new)
     kv_heads, head_dim, block = 8, 128, 16
     lens = [c + q for c, q in rows]
     n = sum(q for _, q in rows)
@@ -170,15 +172,18 @@ def test_engine_step_splits_fresh_prompts_from_the_rest(group: int, gen: torch.G
     tables = torch.randperm(blocks * len(rows), generator=gen).to(torch.int32).view(len(rows), blocks).to(DEVICE)
     q = torch.randn(n, group * kv_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     new_kv = torch.randn(2, n, kv_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
-    qsl = torch.tensor([0, *torch.tensor([q for _, q in rows]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    starts = np.concatenate([[0], np.cumsum([q for _, q in rows])]).astype(np.int32)
+    fresh = fresh_suffix(starts, np.array(lens))
+    assert fresh == (6, int(starts[6]))
+    qsl = torch.from_numpy(starts).to(DEVICE)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    meta = attention.AttentionMetadata(torch.zeros(0), qsl, seq_lens, tables, 700, max(lens), "triton")
+    meta = attention.AttentionMetadata(torch.zeros(0), qsl, seq_lens, tables, 1500, max(lens), "triton", fresh)
     ref = prefill_attention_new_kv_ref(q, new_kv[0], new_kv[1], cache, tables, qsl, seq_lens, 0.088)
     out = attention.paged_attention(q, cache, meta, 0.088, None, new_kv)
     assert not out.isnan().any() and rel_err(out, ref) < tolerance(torch.bfloat16), f"seed {gen.initial_seed()}"
-    attention.PREFILL_GLUON = False
-    try:
-        alone = attention.paged_attention(q, cache, meta, 0.088, None, new_kv)
-    finally:
-        attention.PREFILL_GLUON = True
+    alone = attention.paged_attention(q, cache, dataclasses.replace(meta, fresh=None), 0.088, None, new_kv)
     assert rel_err(alone, ref) < tolerance(torch.bfloat16)
+    only = attention.paged_attention(q[starts[6] :], cache, dataclasses.replace(
+        meta, query_start_loc=qsl[6:] - starts[6], seq_lens=seq_lens[6:], block_tables=tables[6:], fresh=(0, 0)
+    ), 0.088, None, new_kv[:, starts[6] :])  # fmt: skip
+    assert torch.equal(only, out[starts[6] :]), "the Gluon kernel's rows depend on the rows before them"

@@ -291,4 +291,5 @@ def _dummy_prefill(lens: list[int], block_size: int) -> StepInputs:
         max_query_len=max(lens),
         max_seq_len=max(lens),
         blocks_to_copy=[],
+        fresh=(0, 0) if min(lens) > 1 else None,  # fresh prompts: the profile compiles the Gluon prefill too
     )

@@ -7,7 +7,7 @@ its ``empty`` barrier; the producer waits for both before loading the stage agai
 
 from __future__ import annotations
 
-from kernels.prefill_gluon import gluon
+from kernels.prefill_gluon import SHAPE_ARGS, gluon
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -51,7 +51,7 @@ if gluon is not None:
                 mbarrier.wait(empty.index(i % NUM_STAGES), (i // NUM_STAGES - 1) & 1)
             _load_tile(k_desc, v_desc, k_smem, v_smem, ready, i, num_tiles, q_start, kvh * HEAD_DIM, NUM_STAGES)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=SHAPE_ARGS)
     def _prefill_gluon_ws_kernel(
         q_ptr, k_desc, v_desc, out_ptr, query_start_loc_ptr, seq0, tok0, num_seqs, scale_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,

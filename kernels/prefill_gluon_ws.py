@@ -2,7 +2,9 @@
 the K/V loads (TMA), and the 128-row query tile is two consumer partitions of one warpgroup each (rows 0-63 and
 64-127), which the warp schedulers run independently, so one's softmax can overlap the other's MMAs (FA3's
 ping-pong, here unforced), and neither stops for a refill. The consumers free a K/V stage by an arrival each on
-its ``empty`` barrier; the producer waits for both before loading the stage again. Experimental: a sweep row.
+its ``empty`` barrier; the producer waits for both before loading the stage again. The engine's default
+(``prefill_attention_gluon(warp_specialize=True)``): 584-587 / 637-647 TFLOP/s at 4k / 8k causal on the H200
+against 440 / 473 for one partition of two warpgroups.
 """
 
 from __future__ import annotations

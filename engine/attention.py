@@ -56,8 +56,9 @@ DECODE_ROPE_MAX_SEQS = int(os.environ.get("PAGEDSERVE_DECODE_ROPE_MAX_SEQS", str
 # the sequences before them through prefill_new_kv, each launch on its own slice of one output (a kernel that
 # skipped the other's rows on the device would still launch idle programs for them: ~6 us a wave of them on the
 # H200). Where the Gluon kernel cannot run (not sm_90, a sliding window, fp32, other head sizes or groups) and in
-# the prefill graphs (any mix of rows, so no host split) prefill_new_kv takes every row. H200 (8B heads, bf16), 4k / 8k
-# causal: 571-590 / 598-637 TFLOP/s against SDPA's 527 / 613 (cuDNN) and prefill_new_kv's 447 / 533.
+# the prefill graphs (any mix of rows, so no host split) prefill_new_kv takes every row. H200 (8B heads, bf16,
+# 965d186), 4k / 8k causal: this path 585 / 664 TFLOP/s against SDPA's 533 / 605 (cuDNN) and prefill_new_kv's
+# 457 / 513; `mixed` 13.903 / 14.044 s on against 14.126 / 14.164 s off (566a56c, one process a run, alternating).
 # PAGEDSERVE_PREFILL_GLUON=0 turns it off.
 PREFILL_GLUON = os.environ.get("PAGEDSERVE_PREFILL_GLUON", "1") == "1"
 

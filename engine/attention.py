@@ -153,12 +153,18 @@ def paged_attention(
     if meta.backend == "triton":
         from kernels.paged_attention import paged_decode_attention, paged_decode_rows
         from kernels.prefill_attention import paged_prefill_attention
+        from kernels.prefill_gluon import engine_can_use
         from kernels.prefill_new_kv import prefill_attention_new_kv
 
         if meta.is_decode_only:
             return paged_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
         tables, qsl, lens, split = meta.block_tables, meta.query_start_loc, meta.seq_lens, SPLIT_DECODE_ROWS
-        if new_kv is not None and meta.fresh is not None and PREFILL_GLUON:
+        if (
+            new_kv is not None
+            and meta.fresh is not None
+            and PREFILL_GLUON
+            and engine_can_use(query, new_kv[0], sliding_window)
+        ):
             out = _fresh_then_rest(query, new_kv, kv_cache, meta, scale, sliding_window)
         elif new_kv is not None:
             out = prefill_attention_new_kv(
@@ -184,24 +190,21 @@ def _fresh_then_rest(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """A prefill step whose last sequences are fresh prompts (``meta.fresh``): those through the Gluon kernel where
-    it can run them, the sequences before them through prefill_new_kv (its decode rows left to
+    """A prefill step whose last sequences are fresh prompts (``meta.fresh``): those through the Gluon kernel, the
+    sequences before them through prefill_new_kv (its decode rows left to
     ``paged_decode_rows`` with SPLIT_DECODE_ROWS), into one output."""
-    from kernels.prefill_gluon import engine_can_use, prefill_attention_gluon
+    from kernels.prefill_gluon import prefill_attention_gluon
     from kernels.prefill_new_kv import prefill_attention_new_kv
 
     assert meta.fresh is not None
     seq0, tok0 = meta.fresh
     key, value = new_kv[0], new_kv[1]
     tables, qsl, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
-    if not engine_can_use(query, key, sliding_window):
-        seq0, tok0 = meta.num_seqs, query.shape[0]
     out = torch.empty_like(query)
     if seq0 > 0:
         prefill_attention_new_kv(
             query[:tok0], key[:tok0], value[:tok0], kv_cache, tables[:seq0], qsl[: seq0 + 1], lens[:seq0], scale,
             sliding_window, SPLIT_DECODE_ROWS, out=out[:tok0],
         )  # fmt: skip
-    if seq0 < meta.num_seqs:
-        prefill_attention_gluon(query, key, value, qsl, scale, out=out, first=(seq0, tok0))
+    prefill_attention_gluon(query, key, value, qsl, scale, out=out, first=(seq0, tok0))
     return out

@@ -61,6 +61,8 @@
 #                     then the prefill sweep: the engine's path, new_kv, the gluon rows and SDPA (GL_CASES)
 #   stage ga (~6 min): the suite's mixed-128 and mixed with the Gluon kernel on and off (GA_RUNS, default "1 0 1 0":
 #                     PAGEDSERVE_PREFILL_GLUON, one process a run; GA_WORKLOADS)
+#   stage gp (~3 min): the 8B layer GEMMs at `mixed`'s M under cuBLAS and cuBLASLt, summed over `mixed`'s steps
+#                     (loadtest.gemm_probe; GP_ARGS, e.g. "--autotune 256" for Inductor's max-autotune pick)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -68,7 +70,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, sd, sa, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, sd, sa, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -205,6 +207,9 @@ elif [ "$stage" = ga ]; then
       r[w].get('first_token_s')) for w in ('mixed-128', 'mixed') if w in r])" "$out/ga-$gluon-$run.json" "$gluon" \
       "$run" || tail -5 "$out/ga-$gluon-$run.txt"
   done
+elif [ "$stage" = gp ]; then
+  # the 8B layer GEMMs at `mixed`'s M under each BLAS backend, and their sum over `mixed`'s steps
+  python -m loadtest.gemm_probe ${GP_ARGS:-} --out "$out/gemm.json" 2>&1 | tail -60
 elif [ "$stage" = dr ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_decode_rope.py tests/engine/test_gpu.py -m gpu \
     -k "${DR_TESTS:-rope or decode or graph or hf}" > "$out/gpu_tests.txt" 2>&1 \

@@ -51,8 +51,14 @@ def time_layer(
     return time_graph(calls, reps=10)
 
 
+def graph_batch(m: int) -> int:
+    """The decode graph a batch of ``m`` replays (``engine.cuda_graphs.batch_size_ladder``: 1, 2, 4, 8, then 16s)."""
+    return next(s for s in (1, 2, 4, 8) if s >= m) if m <= 8 else -(-m // 16) * 16
+
+
 def estimate_mixed(per_m: dict[int, float]) -> float:
-    """Seconds of one layer's GEMMs x 32 layers over `mixed`'s steps, linear between the measured M."""
+    """Seconds of one layer's GEMMs x 32 layers over `mixed`'s steps (decode batches padded to their graph's),
+    linear between the measured M."""
     ms = sorted(per_m)
 
     def at(m: int) -> float:
@@ -62,7 +68,7 @@ def estimate_mixed(per_m: dict[int, float]) -> float:
             return per_m[lo]
         return per_m[lo] + (per_m[hi] - per_m[lo]) * (m - lo) / (hi - lo)
 
-    total = PREFILL_STEPS * at(PREFILL_M) + sum(at(m) for m in range(1, DECODE_MAX + 1))
+    total = PREFILL_STEPS * at(PREFILL_M) + sum(at(graph_batch(m)) for m in range(1, DECODE_MAX + 1))
     return 32 * total
 
 

@@ -8,24 +8,52 @@ Every row of a decode-only step is its sequence's last token, so the graph also 
 all its rows (LM head, the tensor-parallel gather, the float32 cast) into one static ``[max_bs, vocab]``
 buffer that every graph shares: only one graph replays at a time, and the sampler reads the rows before
 the next replay is queued on the same stream.
+
+A larger graph is not always slower: cuBLAS picks its GEMM kernel by shape, and some batch sizes get a poor one.
+On an H200 (8B layer GEMMs, ``loadtest.gemm_probe``, 2026-12-04) a layer's four GEMMs took 420 us at M = 448
+against 302 at 464 and 307 at 512 (gate_up alone: 281 against 165 and 159 us), 305 at 400 against 275 at 432.
+So after capturing, each graph's replay is timed on its dummy inputs (start-up, ~1 s for an 8B model), and a batch replays the fastest
+graph that fits it when that one is faster than the smallest by more than ROUTE_MARGIN (:func:`route_batches`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import statistics
 from typing import Any
 
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.inputs import StepInputs
+from engine.parallel import ParallelState
 
 logger = logging.getLogger(__name__)
+
+
+# A batch replays a larger graph than the smallest that fits only when that graph's replay is at least this much
+# faster (the timings are one start-up measurement; noise between equal graphs stays under it)
+ROUTE_MARGIN = 0.03
+ROUTE_REPLAYS = 3  # timed replays per graph (the median counts), after one untimed
+# PAGEDSERVE_DECODE_GRAPH_ROUTE=0: every batch replays the smallest graph that fits (no timing at start)
+ROUTE = os.environ.get("PAGEDSERVE_DECODE_GRAPH_ROUTE", "1") == "1"
 
 
 def batch_size_ladder(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 16, 16))
     return sorted({min(s, max_num_seqs) for s in sizes})
+
+
+def route_batches(times: dict[int, float], margin: float = ROUTE_MARGIN) -> dict[int, int]:
+    """For each ladder size, the size whose graph a batch that fits it replays: the fastest of it and the larger
+    sizes, if that one is more than ``margin`` faster than it; ties go to the smaller size."""
+    sizes = sorted(times)
+    route = {}
+    for i, size in enumerate(sizes):
+        best = min(sizes[i:], key=lambda s: (times[s], s))
+        route[size] = best if times[best] < (1.0 - margin) * times[size] else size
+    return route
 
 
 class DecodeGraphs:
@@ -47,6 +75,7 @@ class DecodeGraphs:
         self.row_ids = torch.arange(max_bs, dtype=torch.long)  # host side: logits_indices of a full decode step
         self.logits = torch.empty(0, device=device)  # [max_bs, vocab] float32, allocated before the first capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.route = {s: s for s in self.sizes}  # ladder size -> the graph its batches replay (route_batches)
         self.pool: Any = None  # the captures' memory pool (the prefill graphs share it)
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -65,7 +94,9 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)  # type: ignore[no-any-return]  # [bs, vocab] float32
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, parallel: ParallelState | None = None) -> None:
+        """Capture every size of the ladder, then (ROUTE) time them and route batches (every rank of a
+        tensor-parallel group takes the same route: the ranks' times are summed first)."""
         pool = None
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
             for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
@@ -88,6 +119,29 @@ class DecodeGraphs:
             *self.logits.shape,
             self.logits.numel() * 4 / 2**20,
         )
+        if ROUTE:
+            self.route = route_batches(self._replay_times(parallel or ParallelState()))
+            moved = {s: r for s, r in self.route.items() if r != s}
+            if moved:
+                logger.info("decode batches replay a larger graph where it is faster (size: graph): %s", moved)
+
+    def _replay_times(self, parallel: ParallelState) -> dict[int, float]:
+        """Each graph's median replay time on its dummy inputs (padding rows only: slot -1, one token)."""
+        times = torch.zeros(len(self.sizes), dtype=torch.float32, device=self.device)
+        for i, bs in enumerate(self.sizes):
+            self.graphs[bs].replay()  # untimed
+            events = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(ROUTE_REPLAYS)
+            ]
+            for start, end in events:
+                start.record()
+                self.graphs[bs].replay()
+                end.record()
+            torch.cuda.synchronize()
+            times[i] = statistics.median(start.elapsed_time(end) for start, end in events)
+        parallel.all_reduce(times)
+        return dict(zip(self.sizes, times.tolist(), strict=True))
 
     def can_run(self, inputs: StepInputs) -> bool:
         return (
@@ -100,7 +154,7 @@ class DecodeGraphs:
         """Float32 logits ``[num_sampling, vocab]`` of a decode-only step (``input_ids`` already on the
         device). Usually a view of the shared static buffer: valid until the next replay."""
         n = inputs.num_tokens
-        bs = next(s for s in self.sizes if s >= n)
+        bs = self.route[next(s for s in self.sizes if s >= n)]
         width = inputs.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(inputs.positions, non_blocking=True)

@@ -151,7 +151,7 @@ class ModelRunner:
             max_blocks = -(-max_len // spec.block_size)
             max_seqs = config.scheduler.max_num_seqs
             self.graphs = DecodeGraphs(self.model, self.backend, max_seqs, max_blocks, self.device)
-            self.graphs.capture()
+            self.graphs.capture(parallel)
             self.prefill_graphs = PrefillGraphs(self.model, self.backend, max_seqs, max_blocks, self.device)
             self.prefill_graphs.capture(self.graphs.logits, self.graphs.pool)
         logger.info(

@@ -63,6 +63,9 @@
 #                     PAGEDSERVE_PREFILL_GLUON, one process a run; GA_WORKLOADS)
 #   stage gp (~3 min): the 8B layer GEMMs at `mixed`'s M under cuBLAS and cuBLASLt, summed over `mixed`'s steps
 #                     (loadtest.gemm_probe; GP_ARGS, e.g. "--autotune 256" for Inductor's max-autotune pick)
+#   stage gr (~10 min): decode batches routed to a faster larger graph (engine.cuda_graphs.route_batches): the
+#                     engine's graph GPU tests, then the suite's `mixed` (MFU) for each PAGEDSERVE_DECODE_GRAPH_ROUTE
+#                     in GR_RUNS (default "1 0 1 0", one process a run), then TPOT at GR_CONCURRENCY streams on / off
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -70,7 +73,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, sd, sa, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, sd, sa, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -210,6 +213,26 @@ elif [ "$stage" = ga ]; then
 elif [ "$stage" = gp ]; then
   # the 8B layer GEMMs at `mixed`'s M under each BLAS backend, and their sum over `mixed`'s steps
   python -m loadtest.gemm_probe ${GP_ARGS:-} --out "$out/gemm.json" 2>&1 | tail -60
+elif [ "$stage" = gr ]; then
+  python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py -k "${GR_TESTS:-graph or hf}" > "$out/gpu_tests.txt" 2>&1 \
+    && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
+  { grep -E "^(FAILED|ERROR)|Error" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
+  run=0
+  for route in ${GR_RUNS:-1 0 1 0}; do
+    run=$((run + 1))
+    PAGEDSERVE_DECODE_GRAPH_ROUTE=$route python -m loadtest.throughput suite --shape 8b --max-model-len 4096 \
+      --max-num-seqs 512 --workloads mixed --commit "$commit" --out "$out/gr-$route-$run.json" > "$out/gr-$route-$run.txt" 2>&1 \
+      || echo "suite route=$route FAILED"
+    grep -o "replay a larger graph.*" "$out/gr-$route-$run.txt" | head -1 || true
+    python -c "import json,sys; r=json.load(open(sys.argv[1])); m=r['mixed']; print('route', sys.argv[2], 'run', \
+      sys.argv[3], 'matmul', r.get('matmul_tflops'), 'mixed', m['elapsed_s'], m['output_tok_s'], m.get('mfu'))" \
+      "$out/gr-$route-$run.json" "$route" "$run" || tail -5 "$out/gr-$route-$run.txt"
+  done
+  for route in ${GR_SWEEP_RUNS:-1 0}; do
+    PAGEDSERVE_DECODE_GRAPH_ROUTE=$route python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 \
+      --max-num-seqs 512 --concurrency ${GR_CONCURRENCY:-400 448} --commit "$commit" --out "$out/gr-sweep-$route.json" \
+      2>&1 | tail -3; echo " route=$route"
+  done
 elif [ "$stage" = dr ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_decode_rope.py tests/engine/test_gpu.py -m gpu \
     -k "${DR_TESTS:-rope or decode or graph or hf}" > "$out/gpu_tests.txt" 2>&1 \

@@ -81,6 +81,26 @@ def test_cuda_graphs_equal_eager(model: str, budget: int, request: pytest.Fixtur
     assert graphs == eager
 
 
+def test_decode_batches_routed_to_the_largest_graph_give_the_same_tokens(folder: Path) -> None:
+    """``DecodeGraphs.route`` sends every batch to the largest graph (all padding rows): the same tokens as the
+    smallest graph that fits, and the largest graph did replay (its padding rows' logits were written)."""
+    llm = LLM(str(folder), device="cuda", max_model_len=256, gpu_memory_utilization=0.3, dtype="bfloat16")
+    graphs = llm.engine.executor.runner.graphs  # type: ignore[attr-defined]
+    requests = [{"prompt_token_ids": p} for p in prompts()]
+
+    def tokens() -> list[list[int]]:
+        outs = llm.generate(requests, SamplingParams(temperature=0, max_tokens=16))  # type: ignore[arg-type]
+        return [o.outputs[0].token_ids for o in outs]
+
+    graphs.route = {s: s for s in graphs.sizes}
+    graphs.logits.fill_(float("nan"))
+    own = tokens()
+    assert torch.isnan(graphs.logits[-1]).all()  # no batch of the largest size ran
+    graphs.route = {s: graphs.sizes[-1] for s in graphs.sizes}
+    assert tokens() == own
+    assert torch.isfinite(graphs.logits[-1]).all()
+
+
 @pytest.mark.parametrize("model", ["folder", "folder128"])
 def test_bf16_logits_close_to_hf(model: str, request: pytest.FixtureRequest) -> None:
     folder = request.getfixturevalue(model)

@@ -223,9 +223,9 @@ elif [ "$stage" = gr ]; then
     PAGEDSERVE_DECODE_GRAPH_ROUTE=$route python -m loadtest.throughput suite --shape 8b --max-model-len 4096 \
       --max-num-seqs 512 --workloads mixed --commit "$commit" --out "$out/gr-$route-$run.json" > "$out/gr-$route-$run.txt" 2>&1 \
       || echo "suite route=$route FAILED"
-    grep -o "replay a larger graph.*" "$out/gr-$route-$run.txt" | head -1 || true
     python -c "import json,sys; r=json.load(open(sys.argv[1])); m=r['mixed']; print('route', sys.argv[2], 'run', \
-      sys.argv[3], 'matmul', r.get('matmul_tflops'), 'mixed', m['elapsed_s'], m['output_tok_s'], m.get('mfu'))" \
+      sys.argv[3], 'matmul', r.get('matmul_tflops'), 'mixed', m['elapsed_s'], m['output_tok_s'], m.get('mfu'), \
+      'moved', r.get('decode_graph_route'))" \
       "$out/gr-$route-$run.json" "$route" "$run" || tail -5 "$out/gr-$route-$run.txt"
   done
   for route in ${GR_SWEEP_RUNS:-1 0}; do

@@ -209,6 +209,13 @@ def git_commit() -> str:
         return "unknown"
 
 
+def moved_graph_route(engine: Engine) -> dict[int, int] | None:
+    """The decode batch sizes that replay a larger graph (``engine.cuda_graphs.route_batches``), or None
+    without graphs (CPU, eager, the multi-process executor)."""
+    graphs = getattr(getattr(engine.executor, "runner", None), "graphs", None)
+    return None if graphs is None else {s: r for s, r in graphs.route.items() if r != s}
+
+
 def suite(args: argparse.Namespace) -> dict[str, Any]:
     """Everything issue 5 asks for, on one engine: ceilings, latency, mixed-128, mixed, shared-prefix on/off,
     then the HF baseline on mixed-128 after the engine is freed."""
@@ -221,6 +228,7 @@ def suite(args: argparse.Namespace) -> dict[str, Any]:
     engine = build_engine(args)
     res["engine_start_s"] = round(time.perf_counter() - t, 1)
     res["kv_blocks"] = engine.kv.num_blocks
+    res["decode_graph_route"] = moved_graph_route(engine)
     vocab = engine.vocab_size
     warm = [BenchRequest(r.prompt_token_ids[::-1], r.max_tokens) for r in make_workload("mixed", vocab, 16)]
     run_engine(engine, warm, "warm")

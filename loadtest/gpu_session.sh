@@ -231,7 +231,9 @@ elif [ "$stage" = gr ]; then
   for route in ${GR_SWEEP_RUNS:-1 0}; do
     PAGEDSERVE_DECODE_GRAPH_ROUTE=$route python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 \
       --max-num-seqs 512 --concurrency ${GR_CONCURRENCY:-400 448} --commit "$commit" --out "$out/gr-sweep-$route.json" \
-      2>&1 | tail -3; echo " route=$route"
+      > /dev/null 2>&1 || echo "sweep route=$route FAILED"
+    python -c "import json,sys; r=json.load(open(sys.argv[1])); print('route', sys.argv[2], [(l['concurrency'], \
+      l.get('tpot_ms'), l.get('output_tok_s')) for l in r['levels']])" "$out/gr-sweep-$route.json" "$route" || true
   done
 elif [ "$stage" = dr ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_decode_rope.py tests/engine/test_gpu.py -m gpu \

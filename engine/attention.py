@@ -61,6 +61,12 @@ DECODE_ROPE_MAX_SEQS = int(os.environ.get("PAGEDSERVE_DECODE_ROPE_MAX_SEQS", str
 # 457 / 513; `mixed` 13.903 / 14.044 s on against 14.126 / 14.164 s off (566a56c, one process a run, alternating).
 # PAGEDSERVE_PREFILL_GLUON=0 turns it off.
 PREFILL_GLUON = os.environ.get("PAGEDSERVE_PREFILL_GLUON", "1") == "1"
+# A prefill step's leading one-token sequences (engine.inputs.leading_decode_rows: the running requests' decodes
+# come first in a step) through the decode kernel on their slice, when there are at least this many: from the decode
+# plan's large batches on, whose kernel variants the decode graphs' warm-up compiled (with the tables' widths aligned,
+# engine.inputs.TABLE_WIDTH_ALIGN), so no step compiles one mid-run. Fewer rows stay with the prefill kernels.
+# PAGEDSERVE_DECODE_ROWS_MIN=0 turns it off.
+DECODE_ROWS_MIN = int(os.environ.get("PAGEDSERVE_DECODE_ROWS_MIN", str(SMALL_BATCH_MAX_SEQS + 1))) or 1 << 62
 
 
 @dataclass
@@ -75,6 +81,7 @@ class AttentionMetadata:
     max_seq_len: int
     backend: str = "torch"
     fresh: tuple[int, int] | None = None  # engine.inputs.fresh_suffix: (first sequence, first token), or None
+    decode_rows: int = 0  # engine.inputs.leading_decode_rows of a step that is not decode-only
 
     @property
     def num_seqs(self) -> int:
@@ -159,13 +166,15 @@ def paged_attention(
         if meta.is_decode_only:
             return paged_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
         tables, qsl, lens, split = meta.block_tables, meta.query_start_loc, meta.seq_lens, SPLIT_DECODE_ROWS
-        if (
+        gluon = (
             new_kv is not None
             and meta.fresh is not None
             and PREFILL_GLUON
             and engine_can_use(query, new_kv[0], sliding_window)
-        ):
-            out = _fresh_then_rest(query, new_kv, kv_cache, meta, scale, sliding_window)
+        )
+        decode_rows = meta.decode_rows if meta.decode_rows >= DECODE_ROWS_MIN else 0
+        if new_kv is not None and (gluon or decode_rows):
+            out = _split_step(query, new_kv, kv_cache, meta, scale, sliding_window, decode_rows, gluon)
         elif new_kv is not None:
             out = prefill_attention_new_kv(
                 query, new_kv[0], new_kv[1], kv_cache, tables, qsl, lens, scale, sliding_window, split
@@ -182,29 +191,37 @@ def paged_attention(
     )
 
 
-def _fresh_then_rest(
+def _split_step(
     query: torch.Tensor,
     new_kv: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    decode_rows: int,
+    gluon: bool,
 ) -> torch.Tensor:
-    """A prefill step whose last sequences are fresh prompts (``meta.fresh``): those through the Gluon kernel, the
-    sequences before them through prefill_new_kv (its decode rows left to
-    ``paged_decode_rows`` with SPLIT_DECODE_ROWS), into one output."""
+    """A prefill step cut by sequences into one output: its first ``decode_rows`` sequences (one token each)
+    through the decode kernel, its trailing fresh prompts (``meta.fresh``, when ``gluon``) through the Gluon
+    kernel, the sequences between through prefill_new_kv (decode rows there left to ``paged_decode_rows`` with
+    SPLIT_DECODE_ROWS)."""
+    from kernels.paged_attention import paged_decode_attention
     from kernels.prefill_gluon import prefill_attention_gluon
     from kernels.prefill_new_kv import prefill_attention_new_kv
 
-    assert meta.fresh is not None
-    seq0, tok0 = meta.fresh
+    d = decode_rows
     key, value = new_kv[0], new_kv[1]
     tables, qsl, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
+    seq0, tok0 = meta.fresh if gluon and meta.fresh is not None else (meta.num_seqs, query.shape[0])
     out = torch.empty_like(query)
-    if seq0 > 0:
+    if d > 0:  # one token each: sequence i is row i
+        paged_decode_attention(query[:d], kv_cache, tables[:d], lens[:d], scale, sliding_window, out=out[:d])
+    if seq0 > d:
+        between = qsl[d : seq0 + 1] - d if d > 0 else qsl[: seq0 + 1]
         prefill_attention_new_kv(
-            query[:tok0], key[:tok0], value[:tok0], kv_cache, tables[:seq0], qsl[: seq0 + 1], lens[:seq0], scale,
-            sliding_window, SPLIT_DECODE_ROWS, out=out[:tok0],
+            query[d:tok0], key[d:tok0], value[d:tok0], kv_cache, tables[d:seq0], between, lens[d:seq0], scale,
+            sliding_window, SPLIT_DECODE_ROWS, out=out[d:tok0],
         )  # fmt: skip
-    prefill_attention_gluon(query, key, value, qsl, scale, out=out, first=(seq0, tok0))
+    if gluon:
+        prefill_attention_gluon(query, key, value, qsl, scale, out=out, first=(seq0, tok0))
     return out

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.inputs import StepInputs
+from engine.inputs import StepInputs, table_width
 from engine.parallel import ParallelState
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,10 @@ class DecodeGraphs:
         self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((max_bs, max_blocks_per_seq), dtype=torch.int32, device=device)
+        # as wide as a prefill step's tables get (engine.inputs.table_width): the decode kernel variants compiled
+        # here are the ones a prefill step's decode rows run (engine.attention.DECODE_ROWS_MIN)
+        width = table_width(max_blocks_per_seq)
+        self.block_tables = torch.zeros((max_bs, width), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.row_ids = torch.arange(max_bs, dtype=torch.long)  # host side: logits_indices of a full decode step
         self.logits = torch.empty(0, device=device)  # [max_bs, vocab] float32, allocated before the first capture

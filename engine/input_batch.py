@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.inputs import IN_FLIGHT_INPUT, StepInputs, extend_token_ids, fresh_suffix
+from engine.inputs import IN_FLIGHT_INPUT, StepInputs, extend_token_ids, fresh_suffix, leading_decode_rows, table_width
 from engine.request import Request
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -33,6 +33,7 @@ class InputBatch:
     def __init__(self, block_size: int, max_num_reqs: int = 256, max_blocks_per_req: int = 64) -> None:
         self.block_size = block_size
         self._table = np.zeros((max(1, max_num_reqs), max(1, max_blocks_per_req)), dtype=np.int32)
+        self.max_width = max(1, max_blocks_per_req)  # a step's table is never padded past it (table_width)
         self._lens = np.zeros(self._table.shape[0], dtype=np.int64)  # [rows] block ids written per row
         # Python mirrors of the row state, compared per chunk (reading numpy scalars is slower)
         self._synced: list[int] = [0] * self._table.shape[0]
@@ -160,6 +161,8 @@ class InputBatch:
         slot_mapping = self._table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = start_pos + num_new
         max_blocks = int(self._lens[row_idx].max()) if num_seqs else 1
+        if num_tokens > num_seqs:
+            max_blocks = table_width(max_blocks, self.max_width)
         logits_indices = query_start_loc[1:][np.array(is_sampling, dtype=bool)].astype(np.int64) - 1
         return StepInputs(
             input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)),
@@ -173,6 +176,7 @@ class InputBatch:
             max_seq_len=int(seq_lens.max()) if num_seqs else 0,
             blocks_to_copy=out.blocks_to_copy,
             fresh=fresh_suffix(query_start_loc, seq_lens) if num_tokens > num_seqs else None,
+            decode_rows=leading_decode_rows(query_start_loc) if num_tokens > num_seqs else 0,
             blocks_to_swap_out=out.blocks_to_swap_out,
             blocks_to_swap_in=out.blocks_to_swap_in,
         )

@@ -31,6 +31,7 @@ class StepInputs:
     max_seq_len: int
     blocks_to_copy: list[tuple[int, int]]
     fresh: tuple[int, int] | None = None  # (first sequence, first token) of the fresh_suffix, None: none
+    decode_rows: int = 0  # a step that is not decode-only: its leading one-token sequences (leading_decode_rows)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), run first
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), then these
 
@@ -51,6 +52,25 @@ class TokenFill:
 # Host-side stand-in for an input token that is known only on the device (``TokenFill`` overwrites it before
 # the forward pass). Any valid id works; no request ever holds it.
 IN_FLIGHT_INPUT = 0
+
+
+# The block tables of a step that is not decode-only are this many columns wide, or a multiple (zeros past each
+# row's blocks): the Triton kernels specialize on the table's row stride being a multiple of 16, so a step of any
+# width runs the variants the decode graphs' warm-up compiled (their tables are max-model-len wide).
+TABLE_WIDTH_ALIGN = 16
+
+
+def table_width(max_blocks: int, cap: int | None = None) -> int:
+    """``max_blocks`` rounded up to TABLE_WIDTH_ALIGN, unless that passes ``cap`` (the widest table allowed)."""
+    width = -(-max(max_blocks, 1) // TABLE_WIDTH_ALIGN) * TABLE_WIDTH_ALIGN
+    return max_blocks if cap is not None and width > cap else width
+
+
+def leading_decode_rows(query_start_loc: np.ndarray) -> int:
+    """How many sequences at the start of a step have one new token: a mixed step's decode rows (the scheduler
+    puts running requests first), which ``engine.attention`` can hand to the decode kernel as a slice."""
+    longer = np.flatnonzero(np.diff(query_start_loc) > 1)
+    return int(longer[0]) if len(longer) else len(query_start_loc) - 1
 
 
 def fresh_suffix(query_start_loc: np.ndarray, seq_lens: np.ndarray) -> tuple[int, int] | None:
@@ -86,9 +106,10 @@ def extend_token_ids(input_ids: list[int], request: Request, start: int, end: in
         input_ids.extend([IN_FLIGHT_INPUT] * num_missing)
 
 
-def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
+def build_step_inputs(out: SchedulerOutput, block_size: int, max_width: int | None = None) -> StepInputs:
     """The step's tensors rebuilt from the requests' lists: the reference ``engine.input_batch.InputBatch``
-    must equal (it keeps the block tables between steps, which is what the engine runs)."""
+    must equal (it keeps the block tables between steps, which is what the engine runs); ``max_width``: its
+    ``max_width`` (tables are not padded past it, :func:`table_width`)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -118,6 +139,8 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
     # Block tables padded with 0, filled in one vectorized write (a nested-list torch.tensor is slow).
     lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
     max_blocks = int(lens.max()) if len(tables) else 1
+    if max_query_len > 1:
+        max_blocks = table_width(max_blocks, max_width)
     padded = np.zeros((len(tables), max_blocks), dtype=np.int32)
     padded[np.arange(max_blocks)[None, :] < lens[:, None]] = np.fromiter(
         itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum())
@@ -134,6 +157,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
         max_seq_len=max(seq_lens, default=0),
         blocks_to_copy=out.blocks_to_copy,
         fresh=fresh_suffix(np.array(query_start_loc), np.array(seq_lens)) if max_query_len > 1 else None,
+        decode_rows=leading_decode_rows(np.array(query_start_loc)) if max_query_len > 1 else 0,
         blocks_to_swap_out=out.blocks_to_swap_out,
         blocks_to_swap_in=out.blocks_to_swap_in,
     )

@@ -227,6 +227,7 @@ class ModelRunner:
             max_seq_len=inputs.max_seq_len,
             backend=self.backend,
             fresh=inputs.fresh,
+            decode_rows=inputs.decode_rows,
         )
 
     @torch.inference_mode()

@@ -204,9 +204,10 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
     scale: float,
     sliding_window: int | None = None,
+    out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim], written in place (a new tensor if None)
 ) -> torch.Tensor:
     """Triton version of :func:`paged_decode_attention_ref`."""
-    return _paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale, sliding_window)
+    return _paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale, sliding_window, out=out)
 
 
 def paged_decode_rows(
@@ -238,7 +239,7 @@ def _paged_decode_attention(
     *,
     reduce_chunk: int = MERGE_CHUNK,  # partitions the second launch's merge loads at once (sweep row auto_rc16)
     query_start_loc: torch.Tensor | None = None,  # [num_seqs + 1]: a mixed step's rows (paged_decode_rows)
-    out: torch.Tensor | None = None,  # with query_start_loc: the step's output, decode rows written in place
+    out: torch.Tensor | None = None,  # written in place; with query_start_loc: the step's output, its decode rows
     rope: DecodeRope | None = None,  # query not rotated: the kernel rotates it and stores the new K/V (decode_rope)
     **knobs: Any,  # plan_decode's block_n, num_stages, partition_size, fused_reduce, dynamic; unset: the defaults
 ) -> torch.Tensor:
@@ -249,7 +250,10 @@ def _paged_decode_attention(
     if query_start_loc is None:
         if query.shape[0] != seq_lens.shape[0]:
             raise ValueError(f"decode takes one query per sequence: {query.shape[0]} queries, {seq_lens.shape[0]} seqs")
-        out = torch.empty_like(query)
+        if out is None:
+            out = torch.empty_like(query)
+        elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
+            raise ValueError(f"out must be {query.dtype} {list(query.shape)} contiguous in head_dim")
     else:
         if rope is not None:
             raise ValueError("rope: decode steps only (a mixed step's rows take kernels.rope_cache first)")

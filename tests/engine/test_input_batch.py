@@ -106,7 +106,7 @@ def run_side_by_side(seed: int, swap: bool, policy: str, overlap: bool) -> int:
         out = sched.schedule()
         launched = None
         if not out.is_empty:
-            assert_same_inputs(batch.build(out), build_step_inputs(out, BLOCK_SIZE))
+            assert_same_inputs(batch.build(out), build_step_inputs(out, BLOCK_SIZE, batch.max_width))
             num_steps += 1
             rows = sched.advance(out)
             # a token id by a fixed rule, EOS now and then
@@ -139,6 +139,28 @@ def test_rows_are_reused_once_requests_leave() -> None:
         sched.add_request(Request(f"r{i}", [5 + i] * 6, SamplingParams(temperature=0.0, max_tokens=3)))
     while sched.num_unfinished:
         out = sched.schedule()
-        assert_same_inputs(batch.build(out), build_step_inputs(out, BLOCK_SIZE))
+        assert_same_inputs(batch.build(out), build_step_inputs(out, BLOCK_SIZE, batch.max_width))
         sched.update(out, {c.request.request_id: (7, None) for c in out.chunks if c.samples})
         assert batch.num_rows <= max(4, sched.config.max_num_seqs)
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "want"),
+    [([1, 1, 5, 1], 2), ([1, 1], 2), ([3, 1, 1], 0), ([], 0), ([1, 2], 1)],
+)
+def test_leading_decode_rows_counts_the_one_token_sequences_before_the_first_longer_one(
+    q_lens: list[int], want: int
+) -> None:
+    from engine.inputs import leading_decode_rows
+
+    assert leading_decode_rows(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)) == want
+
+
+def test_table_width_is_aligned_unless_that_passes_the_cap() -> None:
+    from engine.inputs import TABLE_WIDTH_ALIGN, table_width
+
+    assert table_width(1) == TABLE_WIDTH_ALIGN
+    assert table_width(TABLE_WIDTH_ALIGN + 1) == 2 * TABLE_WIDTH_ALIGN
+    assert table_width(2 * TABLE_WIDTH_ALIGN) == 2 * TABLE_WIDTH_ALIGN
+    assert table_width(20, cap=30) == 20  # 32 would pass the widest table a step may have
+    assert table_width(20, cap=32) == 32

@@ -112,3 +112,47 @@ def test_decode_rows_reject_bad_inputs(gen: torch.Generator) -> None:
         paged_decode_rows(query, cache, tables, seq_lens, qsl, 0.2, None, out[:3])
     with pytest.raises(ValueError, match="shaped like query"):
         paged_decode_rows(query, cache, tables, seq_lens, qsl, 0.2, None, out.float())
+
+
+@pytest.mark.parametrize(("group", "rows_before"), [(4, []), (1, [(0, 9)])])
+def test_engine_step_sends_its_leading_decode_rows_to_the_decode_kernel(
+    group: int, rows_before: list[tuple[int, int]], gen: torch.Generator
+) -> None:
+    """engine.attention.paged_attention on a prefill step that starts with DECODE_ROWS_MIN one-token sequences
+    (engine.inputs.leading_decode_rows): those through the decode kernel on their slice, the rest through
+    prefill_new_kv on its own, into one output equal to the reference; the rest's rows bit-equal to a step
+    without the split, and the decode rows to the decode kernel on them alone. ``rows_before``: a step that
+    starts with a prompt has no leading decode rows, so nothing is split."""
+    import dataclasses
+
+    import numpy as np
+
+    import engine.attention as attention
+    from engine.inputs import leading_decode_rows
+
+    d = attention.DECODE_ROWS_MIN
+    rows = rows_before + [(3 + 7 * i, 1) for i in range(d)] + [(40, 9), (0, 1), (0, 23), (5, 1)]
+    lens = [c + q for c, q in rows]
+    cache, tables = paged_cache(lens, 16, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, gen)
+    starts = np.concatenate([[0], np.cumsum([q for _, q in rows])]).astype(np.int32)
+    found = leading_decode_rows(starts)
+    assert found == (0 if rows_before else d)
+    qsl = torch.from_numpy(starts).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(int(starts[-1]), NUM_KV_HEADS * group, HEAD_DIM, generator=gen).to(torch.bfloat16).to(DEVICE)
+    new_kv = torch.stack(
+        new_kv_from_cache(cache, tables, rows)
+    )  # the cache holds this step's K/V, as write_kv leaves it
+    meta = attention.AttentionMetadata(
+        torch.zeros(0), qsl, seq_lens, tables, 23, max(lens), "triton", None, decode_rows=found
+    )
+    out = attention.paged_attention(query, cache, meta, 0.17, None, new_kv)
+    ref = paged_prefill_attention_ref(query, cache, tables, qsl, seq_lens, 0.17, None)
+    assert rel_err(out, ref) < tolerance(torch.bfloat16), f"seed {gen.initial_seed()}"
+    whole = attention.paged_attention(query, cache, dataclasses.replace(meta, decode_rows=0), 0.17, None, new_kv)
+    if rows_before:
+        assert torch.equal(out, whole)
+        return
+    assert torch.equal(out[d:], whole[d:]), "the rows after the decode rows depend on the split"
+    alone = _paged_decode_attention(query[:d], cache, tables[:d], seq_lens[:d], 0.17, None)
+    assert torch.equal(out[:d], alone)

@@ -149,21 +149,24 @@ def test_matches_the_reference_on_varlen_fresh_prompts(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
-@pytest.mark.parametrize("group", [4, 1])
-def test_engine_step_splits_fresh_prompts_from_the_rest(group: int, gen: torch.Generator) -> None:
+@pytest.mark.parametrize(("group", "lead"), [(4, 0), (1, 0), (4, 20)])
+def test_engine_step_splits_fresh_prompts_from_the_rest(group: int, lead: int, gen: torch.Generator) -> None:
     """engine.attention.paged_attention on a prefill step (decode rows, a 1-token prompt, chunks after a cached
     prefix, fresh prompts before and after them): the trailing fresh prompts (engine.inputs.fresh_suffix) through
     the Gluon kernel, the sequences before them through prefill_new_kv, into one output equal to the reference;
-    without the split (fresh None, as in the prefill graphs) prefill_new_kv alone gives the same."""
+    without the split (fresh None, as in the prefill graphs) prefill_new_kv alone gives the same. ``lead``
+    decode rows first: through the decode kernel (engine.attention.DECODE_ROWS_MIN), three kernels in all."""
     import dataclasses
 
     import numpy as np
 
     import engine.attention as attention
-    from engine.inputs import fresh_suffix
+    from engine.inputs import fresh_suffix, leading_decode_rows
+    from kernels.paged_attention import paged_decode_attention
     from kernels.prefill_new_kv import prefill_attention_new_kv_ref
 
     rows = [(300, 1), (0, 700), (0, 1), (129, 260), (2000, 1), (64, 64), (0, 2), (0, 131), (0, 1500)]  # (cached, new)
+    rows = [(37 * i + 5, 1) for i in range(lead)] + rows
     kv_heads, head_dim, block = 8, 128, 16
     lens = [c + q for c, q in rows]
     n = sum(q for _, q in rows)
@@ -174,16 +177,31 @@ def test_engine_step_splits_fresh_prompts_from_the_rest(group: int, gen: torch.G
     new_kv = torch.randn(2, n, kv_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     starts = np.concatenate([[0], np.cumsum([q for _, q in rows])]).astype(np.int32)
     fresh = fresh_suffix(starts, np.array(lens))
-    assert fresh == (6, int(starts[6]))
+    f = 6 + lead
+    assert fresh == (f, int(starts[f]))
     qsl = torch.from_numpy(starts).to(DEVICE)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    meta = attention.AttentionMetadata(torch.zeros(0), qsl, seq_lens, tables, 1500, max(lens), "triton", fresh)
+    for i, (c, q_len) in enumerate(rows):  # this step's K/V in the cache too, as write_kv leaves it
+        pos = torch.arange(c, c + q_len, device=DEVICE)
+        slots = (tables[i].long()[pos // block], pos % block)
+        cache[0][slots], cache[1][slots] = new_kv[0, starts[i] : starts[i + 1]], new_kv[1, starts[i] : starts[i + 1]]
+    decode_rows = leading_decode_rows(starts)
+    assert decode_rows == max(lead, 1)
+    meta = attention.AttentionMetadata(
+        torch.zeros(0), qsl, seq_lens, tables, 1500, max(lens), "triton", fresh, decode_rows=decode_rows
+    )
     ref = prefill_attention_new_kv_ref(q, new_kv[0], new_kv[1], cache, tables, qsl, seq_lens, 0.088)
     out = attention.paged_attention(q, cache, meta, 0.088, None, new_kv)
     assert not out.isnan().any() and rel_err(out, ref) < tolerance(torch.bfloat16), f"seed {gen.initial_seed()}"
-    alone = attention.paged_attention(q, cache, dataclasses.replace(meta, fresh=None), 0.088, None, new_kv)
+    alone = attention.paged_attention(
+        q, cache, dataclasses.replace(meta, fresh=None, decode_rows=0), 0.088, None, new_kv
+    )
     assert rel_err(alone, ref) < tolerance(torch.bfloat16)
-    only = attention.paged_attention(q[starts[6] :], cache, dataclasses.replace(
-        meta, query_start_loc=qsl[6:] - starts[6], seq_lens=seq_lens[6:], block_tables=tables[6:], fresh=(0, 0)
-    ), 0.088, None, new_kv[:, starts[6] :])  # fmt: skip
-    assert torch.equal(only, out[starts[6] :]), "the Gluon kernel's rows depend on the rows before them"
+    only = attention.paged_attention(q[starts[f] :], cache, dataclasses.replace(
+        meta, query_start_loc=qsl[f:] - starts[f], seq_lens=seq_lens[f:], block_tables=tables[f:], fresh=(0, 0),
+        decode_rows=0,
+    ), 0.088, None, new_kv[:, starts[f] :])  # fmt: skip
+    assert torch.equal(only, out[starts[f] :]), "the Gluon kernel's rows depend on the rows before them"
+    if lead:
+        decoded = paged_decode_attention(q[:lead], cache, tables[:lead], seq_lens[:lead], 0.088)
+        assert torch.equal(out[:lead], decoded), "the leading decode rows did not take the decode kernel"

@@ -66,6 +66,10 @@
 #   stage gr (~10 min): decode batches routed to a faster larger graph (engine.cuda_graphs.route_batches): the
 #                     engine's graph GPU tests, then the suite's `mixed` (MFU) for each PAGEDSERVE_DECODE_GRAPH_ROUTE
 #                     in GR_RUNS (default "1 0 1 0", one process a run), then TPOT at GR_CONCURRENCY streams on / off
+#   stage dx (~9 min): a prefill step's leading decode rows through the decode kernel (engine.attention.DECODE_ROWS_MIN):
+#                     its GPU tests with the engine's, the kernels compiled after the warm-up on `mixed` (compile_census),
+#                     then the suite's `mixed` (MFU) for each entry of DX_RUNS (default "1 0 1 0": on, or
+#                     PAGEDSERVE_DECODE_ROWS_MIN=0), one process a run
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -73,7 +77,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, sd, sa, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, sd, sa, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -234,6 +238,23 @@ elif [ "$stage" = gr ]; then
       > /dev/null 2>&1 || echo "sweep route=$route FAILED"
     python -c "import json,sys; r=json.load(open(sys.argv[1])); print('route', sys.argv[2], [(l['concurrency'], \
       l.get('tpot_ms'), l.get('output_tok_s')) for l in r['levels']])" "$out/gr-sweep-$route.json" "$route" || true
+  done
+elif [ "$stage" = dx ]; then
+  python -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_gluon.py tests/kernels/test_decode_rows.py \
+    tests/engine/test_gpu.py -m gpu -k "${DX_TESTS:-engine_step or graphs or hf or route or bf16}" > "$out/gpu_tests.txt" 2>&1 \
+    && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
+  { grep -E "^(FAILED|ERROR)|Error" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
+  python -m loadtest.compile_census --shape 8b --workload mixed --max-num-seqs 512 \
+    > "$out/census.txt" 2>&1 || echo "census FAILED"; tail -8 "$out/census.txt"
+  run=0
+  for on in ${DX_RUNS:-1 0 1 0}; do
+    run=$((run + 1))
+    PAGEDSERVE_DECODE_ROWS_MIN=$((on ? 17 : 0)) python -m loadtest.throughput suite --shape 8b --max-model-len 4096 \
+      --max-num-seqs 512 --workloads mixed --commit "$commit" --out "$out/dx-$on-$run.json" > "$out/dx-$on-$run.txt" 2>&1 \
+      || echo "suite decode_rows=$on FAILED"
+    python -c "import json,sys; r=json.load(open(sys.argv[1])); m=r['mixed']; print('decode rows', sys.argv[2], 'run', \
+      sys.argv[3], 'matmul', r.get('matmul_tflops'), 'mixed', m['elapsed_s'], m['output_tok_s'], m.get('mfu'))" \
+      "$out/dx-$on-$run.json" "$on" "$run" || tail -5 "$out/dx-$on-$run.txt"
   done
 elif [ "$stage" = dr ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_decode_rope.py tests/engine/test_gpu.py -m gpu \

@@ -217,9 +217,12 @@ def _split_step(
     if d > 0:  # one token each: sequence i is row i
         paged_decode_attention(query[:d], kv_cache, tables[:d], lens[:d], scale, sliding_window, out=out[:d])
     if seq0 > d:
+        # new tensors for the offsets and lengths: a slice of seq_lens starts 16-byte aligned only when d % 4 == 0,
+        # and Triton compiles a variant for an unaligned pointer (the H200's first `mixed` run did, mid-run)
         between = qsl[d : seq0 + 1] - d if d > 0 else qsl[: seq0 + 1]
+        between_lens = lens[d:seq0].clone() if d > 0 else lens[:seq0]
         prefill_attention_new_kv(
-            query[d:tok0], key[d:tok0], value[d:tok0], kv_cache, tables[d:seq0], between, lens[d:seq0], scale,
+            query[d:tok0], key[d:tok0], value[d:tok0], kv_cache, tables[d:seq0], between, between_lens, scale,
             sliding_window, SPLIT_DECODE_ROWS, out=out[d:tok0],
         )  # fmt: skip
     if gluon:

@@ -186,7 +186,7 @@ def test_engine_step_splits_fresh_prompts_from_the_rest(group: int, lead: int, g
         slots = (tables[i].long()[pos // block], pos % block)
         cache[0][slots], cache[1][slots] = new_kv[0, starts[i] : starts[i + 1]], new_kv[1, starts[i] : starts[i + 1]]
     decode_rows = leading_decode_rows(starts)
-    assert decode_rows == max(lead, 1)
+    assert decode_rows == lead + 1  # the rows list starts with a decode row of its own
     meta = attention.AttentionMetadata(
         torch.zeros(0), qsl, seq_lens, tables, 1500, max(lens), "triton", fresh, decode_rows=decode_rows
     )

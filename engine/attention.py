@@ -65,7 +65,11 @@ PREFILL_GLUON = os.environ.get("PAGEDSERVE_PREFILL_GLUON", "1") == "1"
 # come first in a step) through the decode kernel on their slice, when there are at least this many: from the decode
 # plan's large batches on, whose kernel variants the decode graphs' warm-up compiled (with the tables' widths aligned,
 # engine.inputs.TABLE_WIDTH_ALIGN), so no step compiles one mid-run. Fewer rows stay with the prefill kernels.
-# PAGEDSERVE_DECODE_ROWS_MIN=0 turns it off.
+# H200, `mixed` (gpu_session.sh dx, one process a run, alternating): 13.983 / 14.029 / 13.866 s on against 14.191 /
+# 14.271 / 13.943 s off (cbd99ed, 4398876), and loadtest.compile_census finds nothing compiled after the warm-up.
+# It does for eager steps what SPLIT_DECODE_ROWS (above) does on the device, without idle programs on either side;
+# the prefill graphs (any mix of rows in one capture) cannot split on the host. PAGEDSERVE_DECODE_ROWS_MIN=0 turns
+# it off.
 DECODE_ROWS_MIN = int(os.environ.get("PAGEDSERVE_DECODE_ROWS_MIN", str(SMALL_BATCH_MAX_SEQS + 1))) or 1 << 62
 
 

@@ -12,8 +12,10 @@ the next replay is queued on the same stream.
 A larger graph is not always slower: cuBLAS picks its GEMM kernel by shape, and some batch sizes get a poor one.
 On an H200 (8B layer GEMMs, ``loadtest.gemm_probe``, 2026-12-04) a layer's four GEMMs took 420 us at M = 448
 against 302 at 464 and 307 at 512 (gate_up alone: 281 against 165 and 159 us), 305 at 400 against 275 at 432.
-So after capturing, each graph's replay is timed on its dummy inputs (start-up, ~1 s for an 8B model), and a batch replays the fastest
-graph that fits it when that one is faster than the smallest by more than ROUTE_MARGIN (:func:`route_batches`).
+So after capturing, each graph's replay is timed on its dummy inputs (a few replays of each, at start-up), and a
+batch replays the fastest graph that fits it when that one is faster than the smallest by more than ROUTE_MARGIN
+(:func:`route_batches`). On the H200 that took batches of 385-448 to the 432 and 464 graphs: 1.12x the output
+tokens/s at 448 streams, 0.4 % on `mixed` (docs/benchmarks.md, Session 20).
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def route_batches(times: dict[int, float], margin: float = ROUTE_MARGIN) -> dict
 
 
 class DecodeGraphs:
-    """Captured decode graphs for one model; ``run`` replays the smallest one that fits."""
+    """Captured decode graphs for one model; ``run`` replays the one ``route`` names for the smallest size that
+    fits the batch."""
 
     def __init__(self, model: Any, backend: str, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device):
         self.model = model

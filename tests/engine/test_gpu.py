@@ -51,8 +51,18 @@ def engine_tokens(folder: Path, **kwargs: object) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_fp32_greedy_equals_hf_on_gpu(folder: Path, async_scheduling: bool) -> None:
+@pytest.mark.parametrize(
+    ("async_scheduling", "decode_rows_min"), [(False, None), (True, None), (False, 1)], ids=["sync", "async", "split"]
+)
+def test_fp32_greedy_equals_hf_on_gpu(
+    folder: Path, async_scheduling: bool, decode_rows_min: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``split``: every prefill step's leading decode rows through the decode kernel (engine.attention.
+    DECODE_ROWS_MIN, 17 by default, more rows than this test's 12 requests ever decode at once)."""
+    if decode_rows_min is not None:
+        import engine.attention
+
+        monkeypatch.setattr(engine.attention, "DECODE_ROWS_MIN", decode_rows_min)
     hf = load_hf_model(folder).cuda()
     expected = []
     for ids in prompts():

@@ -5,6 +5,7 @@ with the new_kv kernel's engine tests (tests/kernels/test_prefill_new_kv.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -156,3 +157,41 @@ def test_engine_step_sends_its_leading_decode_rows_to_the_decode_kernel(
     assert torch.equal(out[d:], whole[d:]), "the rows after the decode rows depend on the split"
     alone = _paged_decode_attention(query[:d], cache, tables[:d], seq_lens[:d], 0.17, None)
     assert torch.equal(out[:d], alone)
+
+
+def test_engine_with_its_decode_rows_split_gives_the_torch_backends_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole engine on the Triton backend (the interpreter on CPU), fp32, prefill steps of 16 tokens that mix
+    chunks with decode rows: with DECODE_ROWS_MIN at 2 the steps with two or more leading decode rows split (counted
+    at engine.attention._split_step), and the greedy tokens equal the torch backend's (which equal HF's,
+    tests/engine/test_engine_parity.py)."""
+    import random
+
+    import engine.attention as attention
+    from engine import LLM, SamplingParams
+    from tests.helpers import VOCAB_SIZE, build_tiny_model
+
+    folder = build_tiny_model(tmp_path, "llama", seed=3, num_hidden_layers=1)
+    rng = random.Random(0)
+    requests = [
+        {"prompt_token_ids": [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(2, 12))]} for _ in range(10)
+    ]
+
+    def tokens(backend: str) -> list[list[int]]:
+        llm = LLM(str(folder), device="cpu", attention_backend=backend, dtype="float32", max_num_batched_tokens=16,
+                  max_model_len=64, max_num_seqs=16)  # fmt: skip
+        outs = llm.generate(requests, SamplingParams(temperature=0, max_tokens=5))  # type: ignore[arg-type]
+        return [o.outputs[0].token_ids for o in outs]
+
+    split_rows: list[int] = []
+    real = attention._split_step
+
+    def counted(*args: Any) -> torch.Tensor:
+        split_rows.append(args[6])  # decode_rows
+        return real(*args)
+
+    monkeypatch.setattr(attention, "_split_step", counted)
+    monkeypatch.setattr(attention, "DECODE_ROWS_MIN", 2)
+    assert tokens("triton") == tokens("torch")
+    assert split_rows and min(split_rows) >= 2

@@ -24,19 +24,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.cuda_graphs import batch_size_ladder
 from loadtest.kernel_bench_common import ROTATE_BYTES, time_graph
+from loadtest.shapes import measure_matmul_tflops
 
 LAYERS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 M_VALUES = (1, 16, 64, 128, 192, 256, 320, 384, 448, 512, 1024, 2048, 4096, 8192)
 BACKENDS = ("cublas", "cublaslt")
 PREFILL_STEPS, PREFILL_M, DECODE_MAX = 33, 8192, 480  # `mixed` at --max-num-batched-tokens 8192 (see docstring)
-
-
-def matmul_rate(n: int = 8192, reps: int = 20) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    sec = time_graph([lambda: a @ b] * 4, reps)
-    return 2 * n**3 / sec / 1e12
 
 
 def layer_weights(n: int, k: int) -> list[torch.Tensor]:
@@ -52,8 +47,8 @@ def time_layer(
 
 
 def graph_batch(m: int) -> int:
-    """The decode graph a batch of ``m`` replays (``engine.cuda_graphs.batch_size_ladder``: 1, 2, 4, 8, then 16s)."""
-    return next(s for s in (1, 2, 4, 8) if s >= m) if m <= 8 else -(-m // 16) * 16
+    """The decode graph size a batch of ``m`` pads to (the engine's ladder, before any route)."""
+    return next(s for s in batch_size_ladder(DECODE_MAX + 16) if s >= m)
 
 
 def estimate_mixed(per_m: dict[int, float]) -> float:
@@ -73,7 +68,7 @@ def estimate_mixed(per_m: dict[int, float]) -> float:
 
 
 def run(m_values: list[int], backends: list[str], autotune: list[int]) -> dict[str, Any]:
-    rate = matmul_rate()
+    rate = measure_matmul_tflops()  # the suite's ceiling, so the ratios compare with its MFU
     res: dict[str, Any] = {"matmul_tflops": round(rate, 1), "rows": []}
     print(json.dumps({"matmul_tflops": res["matmul_tflops"]}), flush=True)
     weights = {name: layer_weights(n, k) for name, n, k in LAYERS}

@@ -1,0 +1,90 @@
+"""Warm the L2 with bytes a later kernel will read: fire-and-forget prefetches, sm_90 and up.
+
+At batch 1 a decode step's GEMVs are latency-bound: each starts cold, its first weight loads wait a whole HBM
+round trip, and between two of them the small kernels (norm, rotary, attention) leave the HBM idle. A prefetch
+issued a kernel ahead lets the weights stream into the L2 while those run, and the GEMV then reads L2 hits.
+
+Two ways to issue one, both with no result a thread waits on, so the kernel ends as soon as it has issued them
+and the memory system goes on fetching after it:
+
+- ``bulk``: one ``cp.async.bulk.prefetch.L2`` (the TMA unit) per ``chunk`` bytes, a thread each;
+- ``line``: one ``prefetch.global.L2::evict_last`` per 128-byte line, a thread each.
+
+Nothing is written, so a prefetch never changes a result; it only moves time. ``prefetch_l2_ref`` (the CPU
+engine's) does nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import require_triton, tl, triton
+
+MODES = ("bulk", "line")
+LINE_BYTES = 128
+PROGRAM_THREADS = 32  # prefetches (= threads: one warp) a program, so the bytes spread over many SMs
+
+
+@triton.jit
+def _bulk_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, PER_PROGRAM: tl.constexpr):
+    offs = (tl.program_id(0) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)).to(tl.int64) * CHUNK
+    size = tl.maximum(tl.minimum(nbytes - offs, CHUNK), 0).to(tl.int32)  # a multiple of 16: nbytes and CHUNK are
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptr + offs, size],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _line_prefetch_kernel(ptr, nbytes, LINE: tl.constexpr, PER_PROGRAM: tl.constexpr):
+    offs = (tl.program_id(0) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)).to(tl.int64) * LINE
+    inside = (offs < nbytes).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptr + offs, inside],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+def prefetch_l2(t: torch.Tensor, max_bytes: int | None = None, mode: str = "bulk", chunk: int = 8192) -> int:
+    """Prefetches the first ``max_bytes`` (all by default) of ``t``'s bytes into the L2 on the current stream;
+    returns how many it asked for (the bulk mode rounds down to 16 bytes). ``t`` must be contiguous."""
+    require_triton("prefetch_l2")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not t.is_cuda:
+        raise ValueError(f"prefetch_l2 needs a CUDA tensor, got one on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError("prefetch_l2 needs a contiguous tensor")
+    if chunk <= 0 or chunk % 16:
+        raise ValueError(f"chunk must be a positive multiple of 16, got {chunk}")
+    nbytes = t.numel() * t.element_size()
+    if max_bytes is not None:
+        nbytes = min(nbytes, max_bytes)
+    raw = t.view(-1).view(torch.uint8)
+    if mode == "bulk":
+        nbytes -= nbytes % 16
+        if nbytes <= 0 or t.data_ptr() % 16:
+            return 0
+        grid = (-(-nbytes // (chunk * PROGRAM_THREADS)),)
+        _bulk_prefetch_kernel[grid](raw, nbytes, CHUNK=chunk, PER_PROGRAM=PROGRAM_THREADS, num_warps=1)
+        return nbytes
+    if nbytes <= 0:
+        return 0
+    grid = (-(-nbytes // (LINE_BYTES * PROGRAM_THREADS)),)
+    _line_prefetch_kernel[grid](raw, nbytes, LINE=LINE_BYTES, PER_PROGRAM=PROGRAM_THREADS, num_warps=1)
+    return nbytes
+
+
+def prefetch_l2_ref(t: torch.Tensor, max_bytes: int | None = None, mode: str = "bulk", chunk: int = 8192) -> int:
+    """The CPU engine's prefetch: nothing to warm; returns 0."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return 0

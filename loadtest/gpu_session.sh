@@ -75,6 +75,8 @@
 #                     with and without a prefetch (loadtest.prefetch_bench; PF_MICRO=" " skips it), then the int4 and
 #                     bf16 models' batch-1 TPOT (loadtest.int4_bench --only model) for each PF_RUNS entry
 #                     MODE[:KIND[:MB[:CHUNK]]] (default "off side inline off side"), one process each
+#   stage bp (~4 min): batch 1 by kernel: loadtest.prefetch_bench (BP_FILLERS, default "0 10"), then the int4 and the
+#                     bf16 8B shapes' decode steps by kernel (loadtest.step_profile --decode-kernels 50)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -82,7 +84,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, pf, sd, sa, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, pf, bp, sd, sa, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -201,6 +203,12 @@ elif [ "$stage" = pf ]; then
     python -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], 'copy', r.get('copy_tb_s'), \
       *[(k, r[k]['latency']['tpot_ms'], r[k]['latency'].get('ratio_to_floor')) for k in ('int4', 'bf16')], \
       r.get('model_error', ''))" "$out/pf-${entry//:/-}.json" "$entry" || tail -5 "$out/pf-${entry//:/-}.txt"
+  done
+elif [ "$stage" = bp ]; then
+  python -m loadtest.prefetch_bench --fillers-us ${BP_FILLERS:-0 10} --out "$out/prefetch.json" 2>&1 | grep -v '^{' | tail -20
+  for kind in --int4 ""; do
+    python -m loadtest.step_profile --shape 8b --prompt-len 128 --decode-kernels 50 --top ${BP_TOP:-30} $kind \
+      --out "$out/step-profile${kind:+-int4}.json" 2>&1 | grep -v USDT | head -$((${BP_TOP:-30} + 1)) | sed "s/^/${kind:-bf16} /"
   done
 elif [ "$stage" = bt ]; then
   if [ -n "${BT_TESTS:-}" ]; then

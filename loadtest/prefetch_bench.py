@@ -5,7 +5,7 @@ For each 8B layer shape, int4 (group 128, the engine's GEMV) and bf16 (the engin
 graphs cycling weight copies past the L2: a filler kernel (``torch.cuda._sleep``: one thread spinning, what the
 norms, rotary and attention between two projections look like to the HBM: idle) then the GEMM, with no
 prefetch, a prefetch on the same stream before the filler (``inline``) or on a side stream forked there
-(``side``). Printed: the GEMM's microseconds (the pair's time less the filler's alone) in each, and a copy of
+(``side``), and ``hot``: one weight copy every time, so the GEMM reads it from the L2 (a perfect prefetch's gain). Printed: the GEMM's microseconds (the pair's time less the filler's alone) in each, and a copy of
 the same bytes in the same kind of graph.
 """
 
@@ -93,8 +93,10 @@ def bench_shape(name: str, n: int, k: int, fillers_us: list[float], reps: int) -
         filler_s = time_graph([filler] * 16, reps) if cycles else 0.0
         for kind, (gemm, weights, tensors) in kinds.items():
             row: dict[str, Any] = {"shape": name, "kind": kind, "filler_us": round(filler_s * 1e6, 2)}
-            for mode in ("none", "inline", "side"):
-                t = time_graph(_calls(gemm, weights, tensors, mode, filler, side), reps)
+            for mode in ("none", "inline", "side", "hot"):
+                # hot: one weight copy every call, so it stays in the L2 (what a perfect prefetch would give)
+                ws = weights[:1] * len(weights) if mode == "hot" else weights
+                t = time_graph(_calls(gemm, ws, tensors, mode, filler, side), reps)
                 row[mode] = round((t - filler_s) * 1e6, 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -110,13 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("prefetch_bench needs CUDA", flush=True)
         return 2
+    empty = time_graph([lambda: torch.cuda._sleep(0)] * 64, args.reps)
+    print(f"an empty one-thread kernel in a CUDA graph, back to back: {empty * 1e6:.2f} us", flush=True)
     rows = []
     for name, n, k in LAYER_SHAPES_8B:
         rows += bench_shape(name, n, k, args.fillers_us, args.reps)
         torch.cuda.empty_cache()
-    print("shape kind filler_us: none / inline / side (GEMM us)")
+    print("shape kind filler_us: none / inline / side / hot (GEMM us)")
     for r in rows:
-        print(f"{r['shape']} {r['kind']} {r['filler_us']}: {r['none']} / {r['inline']} / {r['side']}")
+        print(f"{r['shape']} {r['kind']} {r['filler_us']}: {r['none']} / {r['inline']} / {r['side']} / {r['hot']}")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
     return 0

@@ -28,7 +28,12 @@ def _engine(args: argparse.Namespace) -> Any:
     from engine.engine import Engine
     from loadtest.shapes import shape_folder
 
-    folder = shape_folder(args.shape, args.max_model_len)
+    if args.int4:
+        from loadtest.int4_model import quantized_shape_folder
+
+        folder = quantized_shape_folder(args.shape, args.max_model_len)
+    else:
+        folder = shape_folder(args.shape, args.max_model_len)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine_args = EngineArgs(
         model=str(folder),
@@ -146,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="8b")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--int4", action="store_true", help="the shape with random 4-bit weights (loadtest.int4_model)")
     p.add_argument("--prompt-len", type=int, default=20)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--top", type=int, default=25)

@@ -70,13 +70,9 @@
 #                     its GPU tests with the engine's, the kernels compiled after the warm-up on `mixed` (compile_census),
 #                     then the suite's `mixed` (MFU) for each entry of DX_RUNS (default "1 0 1 0": on, or
 #                     PAGEDSERVE_DECODE_ROWS_MIN=0), one process a run
-#   stage pf (~8 min): weights prefetched into the L2 a projection ahead at batch 1 (engine.prefetch): its GPU tests
-#                     (PF_TESTS, a -k selection; default also the split fp32 == HF case), the GEMVs after a filler
-#                     with and without a prefetch (loadtest.prefetch_bench; PF_MICRO=" " skips it), then the int4 and
-#                     bf16 models' batch-1 TPOT (loadtest.int4_bench --only model) for each PF_RUNS entry
-#                     MODE[:KIND[:MB[:CHUNK]]] (default "off side inline off side"), one process each
-#   stage bp (~4 min): batch 1 by kernel: loadtest.prefetch_bench (BP_FILLERS, default "0 10"), then the int4 and the
-#                     bf16 8B shapes' decode steps by kernel (loadtest.step_profile --decode-kernels 50)
+#   stage bp (~2 min): batch 1 by kernel: the GEMVs cold, after an L2 prefetch and hot (loadtest.prefetch_bench;
+#                     BP_FILLERS, default "0 10"), then the int4 and the bf16 8B shapes' decode steps by kernel
+#                     (loadtest.step_profile --decode-kernels 50)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -84,7 +80,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, pf, bp, sd, sa, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, sd, sa, v, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -185,24 +181,6 @@ elif [ "$stage" = fn ]; then
   for fused in ${FN_INT4:-}; do
     PAGEDSERVE_FUSED_NORM=$fused python -m loadtest.int4_bench --only model --out "$out/int4-model-$fused.json" \
       2>&1 | grep -v '^{"layer"' | tail -1 | sed "s/^/fused_norm=$fused /"
-  done
-elif [ "$stage" = pf ]; then
-  python -m pytest -q -p no:cacheprovider tests/kernels/test_l2_prefetch.py tests/engine/test_gpu.py -m gpu \
-    -k "${PF_TESTS:-prefetch or split}" > "$out/gpu_tests.txt" 2>&1 \
-    && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
-  { grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
-  if [ -n "${PF_MICRO:-1}" ] && [ "${PF_MICRO:-1}" != " " ]; then
-    python -m loadtest.prefetch_bench --out "$out/prefetch.json" 2>&1 | grep -v '^{' | tail -30
-  fi
-  for entry in ${PF_RUNS:-off side inline off side}; do
-    IFS=: read -r mode kind mb chunk <<< "$entry"
-    [ "$mode" = off ] && mode=""
-    PAGEDSERVE_L2_PREFETCH=$mode PAGEDSERVE_L2_PREFETCH_KIND=${kind:-bulk} PAGEDSERVE_L2_PREFETCH_MB=${mb:-24} \
-      PAGEDSERVE_L2_PREFETCH_CHUNK=${chunk:-8192} python -m loadtest.int4_bench --only model \
-      --out "$out/pf-${entry//:/-}.json" > "$out/pf-${entry//:/-}.txt" 2>&1 || echo "$entry FAILED"
-    python -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], 'copy', r.get('copy_tb_s'), \
-      *[(k, r[k]['latency']['tpot_ms'], r[k]['latency'].get('ratio_to_floor')) for k in ('int4', 'bf16')], \
-      r.get('model_error', ''))" "$out/pf-${entry//:/-}.json" "$entry" || tail -5 "$out/pf-${entry//:/-}.txt"
   done
 elif [ "$stage" = bp ]; then
   python -m loadtest.prefetch_bench --fillers-us ${BP_FILLERS:-0 10} --out "$out/prefetch.json" 2>&1 | grep -v '^{' | tail -20

@@ -1,12 +1,18 @@
-"""What an L2 prefetch a kernel ahead buys a batch-1 GEMV (``kernels.l2_prefetch``, ``engine.prefetch``):
+"""What an L2 prefetch a kernel ahead buys a batch-1 GEMV (``kernels.l2_prefetch``):
 ``python -m loadtest.prefetch_bench [--fillers-us 0 5 10] [--out FILE]`` (GPU).
 
-For each 8B layer shape, int4 (group 128, the engine's GEMV) and bf16 (the engine's dense path), M = 1, in CUDA
-graphs cycling weight copies past the L2: a filler kernel (``torch.cuda._sleep``: one thread spinning, what the
-norms, rotary and attention between two projections look like to the HBM: idle) then the GEMM, with no
-prefetch, a prefetch on the same stream before the filler (``inline``) or on a side stream forked there
-(``side``), and ``hot``: one weight copy every time, so the GEMM reads it from the L2 (a perfect prefetch's gain). Printed: the GEMM's microseconds (the pair's time less the filler's alone) in each, and a copy of
-the same bytes in the same kind of graph.
+For each 8B layer shape, int4 (group 128, the engine's GEMV) and bf16 (cuBLAS ``F.linear``), M = 1, in CUDA
+graphs cycling weight copies past the L2. Each call is a filler kernel (``torch.cuda._sleep``: one thread
+spinning, which is what the norms and attention between two projections look like to the HBM: idle) then the
+GEMM. Four ways to run it:
+
+- ``none``: no prefetch;
+- ``inline``: a prefetch on the same stream before the filler;
+- ``side``: a prefetch on a side stream forked there;
+- ``hot``: one weight copy every time, so the GEMM reads it from the L2 (what a perfect prefetch could give).
+
+Printed: an empty kernel's cost in a graph, then the GEMM's microseconds in each way (the call's time less the
+filler's alone).
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ from engine.layers import (
 from engine.layers.linear import QuantMethod
 from engine.layers.weights import WeightSource, get_weight_loader
 from engine.parallel import ParallelState
-from engine.prefetch import WeightPrefetch, prefetch_on
 from engine.quantization.config import Int4Config
 from engine.quantization.formats import param_name
 from engine.quantization.int4_linear import Int4LinearMethod
@@ -143,44 +142,26 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        stream: Stream,
-        meta: AttentionMetadata,
-        fused: bool = False,
-        pf: WeightPrefetch | None = None,
-    ) -> Stream:
+    def forward(self, positions: torch.Tensor, stream: Stream, meta: AttentionMetadata, fused: bool = False) -> Stream:
         """One layer on the residual stream. ``fused``: the next layer's input norm rides on the GEMVs around it
-        (``kernels.fused_norm``): down_proj adds the residual and sums squares, the next qkv_proj normalizes.
-        ``pf``: before each projection, the next one's weights go to the L2 (``engine.prefetch``)."""
+        (``kernels.fused_norm``): down_proj adds the residual and sums squares, the next qkv_proj normalizes."""
         attn, mlp = self.self_attn, self.mlp
         x, residual, sumsq = stream
-        _before(pf, attn.qkv_proj)
         if sumsq is not None:  # x is the stream after the residual add, whose norm the projection applies
             norm = NormIn(x, sumsq, self.input_layernorm.weight, self.input_layernorm.eps)
             residual = x
-            x = attn.attend(positions, attn.qkv_proj.forward_normed(norm), meta)
+            x = attn.o_proj(attn.attend(positions, attn.qkv_proj.forward_normed(norm), meta))
         else:
             if residual is None:  # the first layer: the embedding is the residual
                 residual, x = x, self.input_layernorm(x)
             else:
                 x, residual = self.input_layernorm(x, residual)
-            x = attn.attend(positions, attn.qkv_proj(x), meta)
-        _before(pf, attn.o_proj)
-        x, residual = self.post_attention_layernorm(attn.o_proj(x), residual)
-        _before(pf, mlp.gate_up_proj)
-        x2 = mlp.gate_up_proj(x)
-        _before(pf, mlp.down_proj)
+            x = attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
         if not fused:
-            return Stream(mlp.down_proj.forward_gated(x2, mlp.act_fn), residual, None)
-        residual, sumsq = mlp.down_proj.forward_residual(x2, residual, mlp.act_fn)
+            return Stream(mlp(x), residual, None)
+        residual, sumsq = mlp.down_proj.forward_residual(mlp.gate_up_proj(x), residual, mlp.act_fn)
         return Stream(residual, residual, sumsq)
-
-
-def _before(pf: WeightPrefetch | None, projection: nn.Module) -> None:
-    if pf is not None:
-        pf.before(projection)
 
 
 class LlamaModel(nn.Module):
@@ -199,33 +180,17 @@ class LlamaModel(nn.Module):
         self.fused_norm_dtypes = half if quant is None else (*half, torch.float32)
         self.fuse_norm = FUSED_NORM[quant is not None]
         self.gemvs_carry_norms: bool | None = None
-        self.weight_prefetch: WeightPrefetch | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         stream = Stream(hidden, None, None)
         fused = self._fused_norms(hidden)
-        pf = self._weight_prefetch() if prefetch_on(hidden) else None
-        if pf is not None:
-            pf.start()
         for layer in self.layers:
-            stream = layer(positions, stream, meta, fused, pf)
+            stream = layer(positions, stream, meta, fused)
         x, residual, sumsq = stream
         out = self.norm(x) if sumsq is not None or residual is None else self.norm(x, residual)[0]
         assert isinstance(out, torch.Tensor)
-        if pf is not None:
-            pf.join()
         return out
-
-    def _weight_prefetch(self) -> WeightPrefetch:
-        if self.weight_prefetch is None:
-            order: list[nn.Module] = []
-            for layer in self.layers:
-                assert isinstance(layer, LlamaDecoderLayer)
-                attn, mlp = layer.self_attn, layer.mlp
-                order += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            self.weight_prefetch = WeightPrefetch(order)
-        return self.weight_prefetch
 
     def _fused_norms(self, hidden: torch.Tensor) -> bool:
         """Whether this step's input norms ride on the GEMVs (``FUSED_NORM_MAX_M`` and ``FUSED_NORM`` say when)."""

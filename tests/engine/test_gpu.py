@@ -421,21 +421,3 @@ def _cuda_meta(meta: Any) -> Any:
         block_tables=meta.block_tables.cuda(),
         backend="triton",
     )
-
-
-@pytest.mark.parametrize("mode", ["side", "inline"])
-def test_l2_prefetch_gives_the_same_tokens(folder: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Weights prefetched into the L2 a projection ahead (engine.prefetch), in every decode step of up to 16
-    rows (so in the decode graphs this test's batches replay): the tokens of the run without, in bf16."""
-    import engine.prefetch
-
-    expected = engine_tokens(folder, dtype="bfloat16", max_num_batched_tokens=64)
-    monkeypatch.setattr(engine.prefetch, "PREFETCH_MODE", mode)
-    monkeypatch.setattr(engine.prefetch, "PREFETCH_MAX_M", 16)
-    monkeypatch.setattr(engine.prefetch, "PREFETCH_BYTES", 1 << 16)  # smaller than a projection: the cap cuts
-    llm = LLM(str(folder), device="cuda", max_model_len=256, gpu_memory_utilization=0.3, max_num_batched_tokens=64)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], SamplingParams(temperature=0, max_tokens=16))
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    model = llm.engine.executor.runner.model.model
-    assert model.weight_prefetch is not None  # the prefetching path ran
-    assert len(model.weight_prefetch.next_of) == 4 * len(model.layers) - 1

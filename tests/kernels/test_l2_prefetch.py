@@ -80,7 +80,7 @@ def test_prefetch_leaves_the_bytes_and_asks_for_what_it_says(
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 def test_prefetch_on_a_side_stream_in_a_cuda_graph(mode: str) -> None:
-    """The engine's use: a branch forked before a kernel and joined at the end, captured and replayed."""
+    """prefetch_bench's side mode: a branch forked before a kernel and joined at the end, captured and replayed."""
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()

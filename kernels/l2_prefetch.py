@@ -30,31 +30,25 @@ LINE_BYTES = 128
 PROGRAM_THREADS = 32  # prefetches (= threads: one warp) a program, so the bytes spread over many SMs
 
 
-@triton.jit
-def _bulk_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, PER_PROGRAM: tl.constexpr):
-    offs = (tl.program_id(0) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)).to(tl.int64) * CHUNK
-    size = tl.maximum(tl.minimum(nbytes - offs, CHUNK), 0).to(tl.int32)  # a multiple of 16: nbytes and CHUNK are
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [ptr + offs, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+# The two instructions, each predicated on its second operand (0: past the end) and returning a dummy register
+# (inline asm must return something).
+_BULK_ASM = tl.constexpr(
+    "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }"
+)
+_LINE_ASM = tl.constexpr(
+    "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }"
+)
 
 
 @triton.jit
-def _line_prefetch_kernel(ptr, nbytes, LINE: tl.constexpr, PER_PROGRAM: tl.constexpr):
-    offs = (tl.program_id(0) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)).to(tl.int64) * LINE
-    inside = (offs < nbytes).to(tl.int32)
+def _prefetch_kernel(ptr, nbytes, STEP: tl.constexpr, PER_PROGRAM: tl.constexpr, BULK: tl.constexpr):
+    """One prefetch a thread, of ``STEP`` bytes from ``ptr + offs``: a bulk one of the bytes left in the chunk
+    (a multiple of 16: nbytes and STEP are), or the line there while it starts inside."""
+    offs = (tl.program_id(0) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)).to(tl.int64) * STEP
+    left = tl.maximum(tl.minimum(nbytes - offs, STEP), 0)  # bytes of this chunk, 0 past the end
+    arg = left.to(tl.int32) if BULK else (left > 0).to(tl.int32)
     tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [ptr + offs, inside],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
+        _BULK_ASM if BULK else _LINE_ASM, "=r,l,r", [ptr + offs, arg], dtype=tl.int32, is_pure=False, pack=1
     )
 
 
@@ -79,12 +73,12 @@ def prefetch_l2(t: torch.Tensor, max_bytes: int | None = None, mode: str = "bulk
         if nbytes <= 0 or t.data_ptr() % 16:
             return 0
         grid = (-(-nbytes // (chunk * PROGRAM_THREADS)),)
-        _bulk_prefetch_kernel[grid](raw, nbytes, CHUNK=chunk, PER_PROGRAM=PROGRAM_THREADS, num_warps=1)
+        _prefetch_kernel[grid](raw, nbytes, STEP=chunk, PER_PROGRAM=PROGRAM_THREADS, BULK=True, num_warps=1)
         return nbytes
     if nbytes <= 0:
         return 0
     grid = (-(-nbytes // (LINE_BYTES * PROGRAM_THREADS)),)
-    _line_prefetch_kernel[grid](raw, nbytes, LINE=LINE_BYTES, PER_PROGRAM=PROGRAM_THREADS, num_warps=1)
+    _prefetch_kernel[grid](raw, nbytes, STEP=LINE_BYTES, PER_PROGRAM=PROGRAM_THREADS, BULK=False, num_warps=1)
     return nbytes
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +27,20 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def tolerance(dtype: torch.dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 1e-2
+
+
+def capture_graph(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``fn`` warmed up on a side stream (as ``torch.cuda.graph`` wants), then captured: the graph and the
+    tensor its replays write."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 def paged_cache(

@@ -16,7 +16,7 @@ from kernels.paged_attention import (
     paged_decode_attention_ref,
 )
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from tests.kernels.helpers import paged_cache, rel_err
+from tests.kernels.helpers import capture_graph, paged_cache, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,14 +75,7 @@ def test_decode_batch1_in_cuda_graph(
     )
     eager = decode()
     assert rel_err(eager, paged_decode_attention_ref(query, cache, tables, seq_lens, scale, sliding_window)) < 1e-2
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up on a side stream, as torch.cuda.graph wants
-        decode()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = decode()
+    graph, captured = capture_graph(decode)
     for _ in range(2):
         captured.fill_(float("nan"))
         graph.replay()

@@ -8,21 +8,19 @@ import pytest
 import torch
 
 from kernels.l2_prefetch import MODES, prefetch_l2, prefetch_l2_ref
-from tests.kernels.helpers import run_without_interpreter
+from tests.kernels.helpers import capture_graph, run_without_interpreter
 
 _PTX_SM90 = """
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.l2_prefetch import _bulk_prefetch_kernel, _line_prefetch_kernel
+from kernels.l2_prefetch import _prefetch_kernel
 
-kernel, constexprs = {
-    "bulk": (_bulk_prefetch_kernel, {"CHUNK": 8192, "PER_PROGRAM": 32}),
-    "line": (_line_prefetch_kernel, {"LINE": 128, "PER_PROGRAM": 32}),
-}[sys.argv[1]]
+bulk = sys.argv[1] == "bulk"
+constexprs = {"STEP": 8192 if bulk else 128, "PER_PROGRAM": 32, "BULK": bulk}
 signature = {"ptr": "*u8", "nbytes": "i64", **{a: "constexpr" for a in constexprs}}
-compiled = triton.compile(ASTSource(kernel, signature, constexprs, {(0,): [["tt.divisibility", 16]]}),
+compiled = triton.compile(ASTSource(_prefetch_kernel, signature, constexprs, {(0,): [["tt.divisibility", 16]]}),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
 assert compiled.asm["cubin"]  # ptxas accepted it
 print(compiled.asm["ptx"])
@@ -93,14 +91,7 @@ def test_prefetch_on_a_side_stream_in_a_cuda_graph(mode: str) -> None:
         torch.cuda.current_stream().wait_stream(side)
         return y
 
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        step()
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = step()
+    graph, y = capture_graph(step)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

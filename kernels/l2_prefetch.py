@@ -16,7 +16,7 @@ Two ways to issue one, both with no result a thread waits on, so the kernel ends
 - ``bulk``: one ``cp.async.bulk.prefetch.L2`` (the TMA unit) per ``chunk`` bytes, a thread each;
 - ``line``: one ``prefetch.global.L2::evict_last`` per 128-byte line, a thread each.
 
-Nothing is written, so a prefetch never changes a result. ``prefetch_l2_ref`` (for CPU callers) does nothing.
+Nothing is written, so a prefetch never changes a result.
 """
 
 from __future__ import annotations
@@ -68,22 +68,14 @@ def prefetch_l2(t: torch.Tensor, max_bytes: int | None = None, mode: str = "bulk
     if max_bytes is not None:
         nbytes = min(nbytes, max_bytes)
     raw = t.view(-1).view(torch.uint8)
-    if mode == "bulk":
+    bulk = mode == "bulk"
+    if bulk:
         nbytes -= nbytes % 16
-        if nbytes <= 0 or t.data_ptr() % 16:
+        if t.data_ptr() % 16:
             return 0
-        grid = (-(-nbytes // (chunk * PROGRAM_THREADS)),)
-        _prefetch_kernel[grid](raw, nbytes, STEP=chunk, PER_PROGRAM=PROGRAM_THREADS, BULK=True, num_warps=1)
-        return nbytes
     if nbytes <= 0:
         return 0
-    grid = (-(-nbytes // (LINE_BYTES * PROGRAM_THREADS)),)
-    _prefetch_kernel[grid](raw, nbytes, STEP=LINE_BYTES, PER_PROGRAM=PROGRAM_THREADS, BULK=False, num_warps=1)
+    step = chunk if bulk else LINE_BYTES
+    grid = (-(-nbytes // (step * PROGRAM_THREADS)),)
+    _prefetch_kernel[grid](raw, nbytes, STEP=step, PER_PROGRAM=PROGRAM_THREADS, BULK=bulk, num_warps=1)
     return nbytes
-
-
-def prefetch_l2_ref(t: torch.Tensor, max_bytes: int | None = None, mode: str = "bulk", chunk: int = 8192) -> int:
-    """The CPU engine's prefetch: nothing to warm; returns 0."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return 0

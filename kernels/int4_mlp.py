@@ -13,12 +13,19 @@ Same weight layout and arithmetic as the GEMVs (``kernels.int4_gemv._factored_ti
 or as subnormals, scale and zero once per group): gate and up are rounded to x's dtype and the activation as
 ``silu_and_mul_ref`` rounds it, so the result differs from two GEMV launches only by the order of fp32 sums.
 Needs no g_idx, group sizes that ``BLOCK_K`` and ``BLOCK_I`` divide, and shapes that the tiles divide;
-:func:`fused_mlp_fits` says whether a layer qualifies (the engine falls back to the two GEMVs).
+:func:`fused_mlp_fits` says whether a layer qualifies.
+
+**Not in the engine: it loses.** H200, Session 22 (docs/benchmarks.md): the best of 19 tiles took 84.8 us against
+40.8 us for the two GEMVs (a copy of the same 92 MB: 24.5 us), and the int4 8B model's batch-1 TPOT rose from ~2.5
+to 3.54 ms. Without split-K, each program's gate/up loop is a long chain of dependent tiles; and the finer the
+intermediate is cut to give the SMs enough programs, the more fp32 atomics the down projection's reduction needs
+(``H`` per program: 3.7 M at ``block_i`` 16). The kernel, its tests and ``loadtest.int4_mlp_bench`` stay so the
+idea can be measured again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -53,22 +60,6 @@ class MlpTile:
 
 
 DEFAULT_TILE = MlpTile()
-
-
-def _pow2_divisor(n: int) -> int:
-    return n & -n
-
-
-def mlp_tile_for(gate_up: Int4Weights, down: Int4Weights, tile: MlpTile = DEFAULT_TILE) -> MlpTile:
-    """``tile`` with each block shrunk (powers of two) until it divides the layer's shapes and groups: the
-    default's blocks on the 8B shapes, smaller ones on small models (:func:`fused_mlp_fits` has the last word)."""
-    hidden, inter = down.qweight.shape[1], down.qweight.shape[0] * PACK
-    return replace(
-        tile,
-        block_i=max(PACK, min(tile.block_i, _pow2_divisor(inter), _pow2_divisor(down.group_size))),
-        block_k=max(PACK, min(tile.block_k, _pow2_divisor(gate_up.group_size))),
-        block_n=min(tile.block_n, _pow2_divisor(hidden)),
-    )
 
 
 def int4_mlp_ref(x: torch.Tensor, gate_up: Int4Weights, down: Int4Weights) -> torch.Tensor:

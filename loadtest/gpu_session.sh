@@ -73,9 +73,8 @@
 #   stage bp (~2 min): batch 1 by kernel: the GEMVs cold, after an L2 prefetch and hot (loadtest.prefetch_bench;
 #                     BP_FILLERS, default "0 10"), then the int4 and the bf16 8B shapes' decode steps by kernel
 #                     (loadtest.step_profile --decode-kernels 50)
-#   stage mlp (~3 min): the int4 MLP in one launch at batch 1 (kernels.int4_mlp): its GPU tests, its tiles against
-#                     the two GEMVs and a copy of the same bytes (loadtest.int4_mlp_bench; MLP_VARIANTS), then the
-#                     int4 model for each PAGEDSERVE_INT4_FUSED_MLP in MLP_RUNS (e.g. "1 0 1 0"), one process each
+#   stage mlp (~1 min): the int4 MLP in one launch at batch 1 (kernels.int4_mlp, not in the engine): its GPU tests,
+#                     its tiles against the two GEMVs and a copy of the same bytes (loadtest.int4_mlp_bench; MLP_VARIANTS)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -197,10 +196,6 @@ elif [ "$stage" = mlp ]; then
   tail -3 "$out/mlp_tests.txt"
   # shellcheck disable=SC2086  # MLP_VARIANTS is a list
   python -m loadtest.int4_mlp_bench ${MLP_VARIANTS:+--variants $MLP_VARIANTS} --out "$out/mlp.json" 2>&1 | grep -v '^{' | tail -30
-  for fused in ${MLP_RUNS:-}; do  # the int4 model (bf16 beside it) with the fused MLP on / off, one process each
-    PAGEDSERVE_INT4_FUSED_MLP=$fused python -m loadtest.int4_bench --only model --out "$out/int4-mlp$fused.json" 2>&1 \
-      | grep -v '^{' | tail -8 | sed "s/^/fused_mlp=$fused /"
-  done
 elif [ "$stage" = bt ]; then
   if [ -n "${BT_TESTS:-}" ]; then
     python -m pytest -q -p no:cacheprovider tests/kernels/test_fused_norm.py tests/kernels/test_gpu.py \

@@ -46,14 +46,6 @@ class GatedQuantMethod(QuantMethod, Protocol):
 
 
 @runtime_checkable
-class MlpQuantMethod(QuantMethod, Protocol):
-    """A ``QuantMethod`` that can run the whole gated MLP ``down(act(gate_up(x)))`` in one launch for some calls
-    (None for the others: the caller runs the two projections)."""
-
-    def apply_mlp(self, gate_up: Any, down: Any, x: torch.Tensor) -> torch.Tensor | None: ...
-
-
-@runtime_checkable
 class NormFusedQuantMethod(QuantMethod, Protocol):
     """A ``QuantMethod`` whose matmul can carry the RMSNorm around it (``kernels.fused_norm``): normalize its
     input as it loads it, or add the residual and sum the squares as it writes its output."""
@@ -259,7 +251,6 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__(self.input_size_per_rank, output_size, bias, parallel, quant, is_row_parallel=True)
         # decided once: a runtime-checkable isinstance costs microseconds, forward_gated runs per layer and step
         self.gated_quant = quant if isinstance(quant, GatedQuantMethod) else None
-        self.mlp_quant = quant if isinstance(quant, MlpQuantMethod) and not bias else None
         # a residual add after the all-reduce and the bias cannot ride on this rank's GEMV
         self.fusable = parallel.world_size == 1 and not bias
 
@@ -287,14 +278,6 @@ class RowParallelLinear(_ParallelLinear):
             assert self.weight is not None
             y = self.parallel.all_reduce(dense_linear_gated(x2, self.weight))
         return y if self.bias is None else y + self.bias
-
-    def forward_mlp(self, gate_up: _ParallelLinear, x: torch.Tensor) -> torch.Tensor | None:
-        """``forward_gated(gate_up(x), silu_and_mul)`` in one launch where this layer's quant method has one for
-        the call (4-bit weights at one token: ``kernels.int4_mlp``); None otherwise, nothing run."""
-        if self.mlp_quant is None or gate_up.bias is not None or gate_up.quant is not self.quant:
-            return None
-        y = self.mlp_quant.apply_mlp(gate_up, self, x)
-        return None if y is None else self.parallel.all_reduce(y)
 
     def forward_residual(
         self, x: torch.Tensor, residual: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -129,8 +129,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down_proj.forward_mlp(self.gate_up_proj, x)  # one launch where the weights have one (int4, M = 1)
-        return y if y is not None else self.down_proj.forward_gated(self.gate_up_proj(x), self.act_fn)
+        return self.down_proj.forward_gated(self.gate_up_proj(x), self.act_fn)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -4,12 +4,10 @@ than ``DEQUANT_MIN_M`` tokens run the fused int4 GEMM; larger ones dequantize th
 scratch buffer shared by all layers and call cuBLAS (``kernels.int4_dequant`` says why). The MLP's down
 projection takes gate_up's output itself (``apply_gated``): below ``DEQUANT_MIN_M`` tokens the GEMM applies
 the activation as it loads x (``kernels.int4_gemm.int4_gemm_gated``), with the dense layers' switch
-(``kernels.gemv.GEMV_GATED``, PAGEDSERVE_GEMV_GATED=0 turns both off). At one token on CUDA the whole MLP is
-one launch (``apply_mlp``, ``kernels.int4_mlp``) with PAGEDSERVE_INT4_FUSED_MLP=1."""
+(``kernels.gemv.GEMV_GATED``, PAGEDSERVE_GEMV_GATED=0 turns both off)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -24,11 +22,7 @@ from kernels._triton import HAS_TRITON
 from kernels.fused_norm import NormIn, materialize, residual_sum_ref
 from kernels.int4_dequant import DEQUANT_MIN_M, PACK, DequantScratch, int4_dequant_linear
 from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_normed, int4_gemm_ref, int4_gemm_residual
-from kernels.int4_mlp import Int4Weights, fused_mlp_fits, int4_mlp, mlp_tile_for
 
-# The batch-1 MLP in one launch (kernels.int4_mlp) instead of gate_up's GEMV and the gated down GEMV; read per
-# call (tests switch it). Off until an H200 run shows it faster (PAGEDSERVE_INT4_FUSED_MLP=1 turns it on).
-FUSED_MLP = os.environ.get("PAGEDSERVE_INT4_FUSED_MLP", "0") == "1"
 SYMMETRIC_ZERO = 8  # the zero code of symmetric 4-bit weights (signed values stored with an offset of 8)
 
 
@@ -135,22 +129,6 @@ class Int4LinearMethod:
         if dense_gemv.GEMV_GATED and x2.shape[0] < DEQUANT_MIN_M:  # read per call: tests switch it
             return int4_gemm_gated(x2, layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.g_idx)
         return self.apply_triton(layer, act(x2))
-
-    def apply_mlp(self, gate_up: Any, down: Any, x: torch.Tensor) -> torch.Tensor | None:
-        """``down(silu_and_mul(gate_up(x)))`` in one launch where one fits (``apply_mlp_triton``); None elsewhere:
-        the caller runs the two projections."""
-        if x.is_cuda and HAS_TRITON:
-            return self.apply_mlp_triton(gate_up, down, x)
-        return None
-
-    def apply_mlp_triton(self, gate_up: Any, down: Any, x: torch.Tensor) -> torch.Tensor | None:
-        """The CUDA path of ``apply_mlp`` (tests run it on CPU under the Triton interpreter): one token, no g_idx,
-        shapes the tile divides (``kernels.int4_mlp.fused_mlp_fits``), FUSED_MLP on."""
-        if not FUSED_MLP or x.shape[0] != 1:
-            return None
-        gu, dn = (Int4Weights(w.qweight, w.scales, w.zeros, w.group_size, w.g_idx) for w in (gate_up, down))
-        tile = mlp_tile_for(gu, dn)
-        return int4_mlp(x, gu, dn, tile) if fused_mlp_fits(x, gu, dn, tile) else None
 
     def apply_normed(self, layer: Any, norm: NormIn) -> torch.Tensor:
         """``apply(layer, rms_norm(norm.h) * norm.weight)``; on CUDA ``apply_normed_triton``."""

@@ -3,7 +3,7 @@ prefill, mixed steps) and under preemption. The reference is transformers runnin
 can on CPU (compressed-tensors, symmetric: its own decompression), else transformers on the checkpoint
 dequantized to fp32 (``dense/``). TP=2 equals TP=1 on quantized checkpoints (gloo, one process per rank). On the
 layers' CUDA path (the Triton kernels, through the interpreter), the down projection applying the activation as
-it loads x gives the tokens of the activation launched first, and so does the one-token MLP in one launch."""
+it loads x gives the tokens of the activation launched first."""
 
 from __future__ import annotations
 
@@ -141,29 +141,6 @@ def test_fused_norms_keep_the_greedy_tokens(tmp_path: Path, monkeypatch: pytest.
         assert bool(calls) == bool(devices)
     assert tokens[()] == tokens[("cuda", "cpu")]
     assert {"int4_gemm_normed", "int4_gemm_residual"} == set(calls)
-
-
-@pytest.mark.slow  # ~3 s: the interpreter runs every projection of two engines
-def test_fused_mlp_keeps_the_greedy_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The quantized layers on their CUDA path (the Triton kernels, run here by the interpreter on CPU) with each
-    one-token MLP in one launch (``kernels.int4_mlp``, PAGEDSERVE_INT4_FUSED_MLP): the greedy tokens equal those of
-    gate_up's GEMV and the gated down GEMV, and the fused kernel ran only when switched on."""
-    fmt, family, options = FORMATS["ct-asym-g32"]
-    folder, _ = build_quantized_model(tmp_path, fmt, family, seed=10, num_hidden_layers=1, **options)
-    for method in ("apply", "apply_gated", "apply_mlp"):
-        monkeypatch.setattr(Int4LinearMethod, method, getattr(Int4LinearMethod, f"{method}_triton"))
-    calls: list[str] = []
-    monkeypatch.setattr(int4_linear, "int4_mlp", _counted(int4_linear.int4_mlp, "int4_mlp", calls))
-    prompts = [{"prompt_token_ids": p} for p in make_prompts(seed=11, n=2)]
-    tokens = {}
-    for fused in (True, False):
-        monkeypatch.setattr(int4_linear, "FUSED_MLP", fused)
-        llm = LLM(str(folder), device="cpu", max_num_seqs=1, max_model_len=64)
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-        tokens[fused] = [o.outputs[0].token_ids for o in outs]
-        assert bool(calls) == fused
-        calls.clear()
-    assert tokens[True] == tokens[False]
 
 
 def _counted(fn: Any, name: str, calls: list[str]) -> Any:

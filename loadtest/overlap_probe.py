@@ -12,6 +12,8 @@ in CUDA graphs, three ways:
   next-layer attention beside half B's.
 
 Nothing else of a step (norms, rotary, sampling) is included: it is a bound on what the overlap could give.
+``--carveouts``: the overlap again with cuBLAS told to leave that many SMs to other kernels
+(``torch._C._set_sm_carveout_experimental``, set while the graph is captured), so attention has SMs of its own.
 """
 
 from __future__ import annotations
@@ -127,7 +129,18 @@ def _time(fn: Any, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def probe(batch: int, ctx: int, reps: int) -> dict[str, Any]:
+def _carved(fn: Any, carveout: int) -> Any:
+    def run() -> None:
+        torch._C._set_sm_carveout_experimental(carveout)
+        try:
+            fn()
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+
+    return run
+
+
+def probe(batch: int, ctx: int, reps: int, carveouts: list[int]) -> dict[str, Any]:
     dev = torch.device("cuda")
     per_seq = -(-ctx // BLOCK_SIZE)
     cache = torch.randn(2, batch * per_seq, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
@@ -140,6 +153,9 @@ def probe(batch: int, ctx: int, reps: int) -> dict[str, Any]:
         "halves": _time(lambda: _serial(halves, layers, cache), reps),
         "overlap": _time(lambda: _overlap(halves, layers, cache, side), reps),
     }
+    for c in carveouts:
+        ms[f"overlap carve{c}"] = _time(_carved(lambda: _overlap(halves, layers, cache, side), c), reps)
+        ms[f"whole carve{c}"] = _time(_carved(lambda: _serial(whole, layers, cache), c), reps)
     attn = _time(lambda: [_attn(_qkv(whole[0], w), whole[0], cache) for w in layers], reps)
     row = {"batch": batch, "ctx": ctx, **{k: round(v, 3) for k, v in ms.items()}, "qkv+attention": round(attn, 3)}
     row["overlap/whole"] = round(ms["overlap"] / ms["whole"], 3)
@@ -150,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.overlap_probe", description=__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--ctx", type=int, nargs="+", default=[256, 800])
+    parser.add_argument("--carveouts", type=int, nargs="*", default=[])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -159,13 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for ctx in args.ctx:
         for batch in args.batches:
-            rows.append(probe(batch, ctx, args.reps))
+            rows.append(probe(batch, ctx, args.reps, args.carveouts))
             torch.cuda.empty_cache()
             print(json.dumps(rows[-1]), flush=True)
     print("32 layers of the 8B shape, ms: whole / halves / overlap (overlap / whole); qkv + attention alone")
     for r in rows:
         print(f"B {r['batch']:4d} ctx {r['ctx']:5d}: {r['whole']:.3f} / {r['halves']:.3f} / {r['overlap']:.3f} "
               f"({r['overlap/whole']:.3f}); {r['qkv+attention']:.3f}")  # fmt: skip
+        for c in args.carveouts:
+            print(f"    carveout {c} SMs: overlap {r[f'overlap carve{c}']:.3f}, whole {r[f'whole carve{c}']:.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
     return 0

@@ -167,12 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--ctx", type=int, nargs="+", default=[256, 800])
     parser.add_argument("--carveouts", type=int, nargs="*", default=[])
+    parser.add_argument("--cublaslt", action="store_true", help="torch's preferred BLAS library: cuBLASLt")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("overlap_probe needs CUDA", flush=True)
         return 2
+    if args.cublaslt:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
     rows = []
     for ctx in args.ctx:
         for batch in args.batches:

@@ -44,13 +44,17 @@ class Model:
         return cls(num_params(shape) - head, head, layers * kv * d * 2 * 2, layers * heads * d * 4)
 
 
+PARTS = ("gemm_prefill_steps", "gemm_decode_steps", "attention_decode_rows", "attention_prompt_rows")
+
+
 @dataclass
 class Totals:
     serial_s: float = 0.0
     overlapped_s: float = 0.0
     steps: int = 0
     tokens: int = 0
-    parts: dict[str, float] = field(default_factory=lambda: {"gemm": 0.0, "attention": 0.0})
+    # the serial bound by part: GEMMs of steps with / without prompt tokens, attention of decode / prompt rows
+    parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
 
 
 @dataclass(eq=False)  # identity: two requests of the same lengths are still two requests
@@ -61,16 +65,25 @@ class Running:
     sampled: int = 0
 
 
-def _step_cost(model: Model, rows: list[tuple[int, int]], sampled: int, rate: float, bw: float) -> tuple[float, ...]:
-    """``rows``: (tokens this step, tokens before them) per request. Returns (gemm s, attention s, overlapped s)."""
+def _attention(model: Model, rows: list[tuple[int, int]]) -> tuple[float, float]:
+    """FLOPs and KV bytes of the attention of ``rows`` (tokens this step, tokens before them)."""
+    flops = sum(model.attn_flops_per_pair * t * (before + (t + 1) / 2) for t, before in rows)
+    return flops, sum(model.kv_bytes_per_token * (before + t) for t, before in rows)
+
+
+def _step_cost(
+    model: Model, rows: list[tuple[int, int]], sampled: int, rate: float, bw: float
+) -> tuple[float, float, float, float]:
+    """``rows``: (tokens this step, tokens before them) per request. Returns the serial bound's GEMM seconds,
+    attention seconds of decode rows and of prompt rows, and the overlapped bound's seconds."""
     tokens = sum(t for t, _ in rows)
     gemm_flops = 2 * tokens * model.layer_params + 2 * sampled * model.head_params
     weight_bytes = 2 * (model.layer_params + model.head_params)
-    attn_flops = sum(model.attn_flops_per_pair * t * (before + (t + 1) / 2) for t, before in rows)
-    kv_bytes = sum(model.kv_bytes_per_token * (before + t) for t, before in rows)
+    dec_flops, dec_bytes = _attention(model, [r for r in rows if r[0] == 1])
+    pre_flops, pre_bytes = _attention(model, [r for r in rows if r[0] > 1])
     gemm = max(gemm_flops / rate, weight_bytes / bw)
-    attn = max(attn_flops / rate, kv_bytes / bw)
-    return gemm, attn, max((gemm_flops + attn_flops) / rate, (weight_bytes + kv_bytes) / bw)
+    overlapped = max((gemm_flops + dec_flops + pre_flops) / rate, (weight_bytes + dec_bytes + pre_bytes) / bw)
+    return gemm, max(dec_flops / rate, dec_bytes / bw), max(pre_flops / rate, pre_bytes / bw), overlapped
 
 
 def simulate(
@@ -103,11 +116,12 @@ def simulate(
                 r.sampled += 1
                 sampled += 1
         running = [r for r in running if r.sampled < r.output]
-        gemm, attn, overlapped = _step_cost(model, rows, sampled, rate, bw)
-        out.serial_s += gemm + attn
+        gemm, attn_dec, attn_pre, overlapped = _step_cost(model, rows, sampled, rate, bw)
+        out.serial_s += gemm + attn_dec + attn_pre
         out.overlapped_s += overlapped
-        out.parts["gemm"] += gemm
-        out.parts["attention"] += attn
+        out.parts["gemm_prefill_steps" if any(t > 1 for t, _ in rows) else "gemm_decode_steps"] += gemm
+        out.parts["attention_decode_rows"] += attn_dec
+        out.parts["attention_prompt_rows"] += attn_pre
         out.steps += 1
     out.tokens = sum(p + o for p, o in lengths)
     return out
@@ -131,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         flops = t.tokens * 2 * num_params(args.shape)
         row = {
             "workload": name, "steps": t.steps, "serial_s": round(t.serial_s, 3),
-            "gemm_s": round(t.parts["gemm"], 3), "attention_s": round(t.parts["attention"], 3),
+            **{f"{k}_s": round(v, 3) for k, v in t.parts.items()},
             "overlapped_s": round(t.overlapped_s, 3), "mfu_serial": round(flops / t.serial_s / rate, 4),
             "mfu_overlapped": round(flops / t.overlapped_s / rate, 4),
         }  # fmt: skip

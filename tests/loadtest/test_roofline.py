@@ -17,8 +17,10 @@ def test_one_request_prefills_then_decodes() -> None:
     # reads, (before + tokens) / 4: 10 / 4, 11 / 4, 12 / 4
     t = simulate([(10, 3)], TOY, budget=8192, max_seqs=4, rate=2.0, bw=4.0)
     assert t.steps == 3  # the prompt's step samples the first token, two decode steps the other two
-    assert t.parts["gemm"] == pytest.approx(11 + 2 + 2)
-    assert t.parts["attention"] == pytest.approx((10 + 11 + 12) / 4)
+    assert t.parts["gemm_prefill_steps"] == pytest.approx(11)
+    assert t.parts["gemm_decode_steps"] == pytest.approx(2 + 2)
+    assert t.parts["attention_prompt_rows"] == pytest.approx(10 / 4)
+    assert t.parts["attention_decode_rows"] == pytest.approx((11 + 12) / 4)
     # overlapped: max(FLOPs / 2, (4 + KV) / 4) a step
     assert t.overlapped_s == pytest.approx(11 + max(2, 15 / 4) + max(2, 16 / 4))
     assert t.tokens == 13
@@ -37,4 +39,4 @@ def test_the_overlapped_bound_is_below_the_serial_one() -> None:
     lengths = [(32 + 7 * i % 500, 16 + 13 * i % 300) for i in range(64)]
     t = simulate(lengths, Model.of("8b"), budget=8192, max_seqs=64, rate=800e12, bw=4.2e12)
     assert 0 < t.overlapped_s <= t.serial_s
-    assert t.serial_s == pytest.approx(t.parts["gemm"] + t.parts["attention"])
+    assert t.serial_s == pytest.approx(sum(t.parts.values()))

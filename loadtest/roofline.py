@@ -133,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="8b")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument(
+        "--longest-first", action="store_true",
+        help="requests ordered by output length, longest first (the engine's priority policy, priority = -max_tokens)",
+    )  # fmt: skip
     parser.add_argument("--matmul-tflops", type=float, default=800.9, help="the suite's 8k x 8k rate (a060183 run)")
     parser.add_argument("--copy-tbs", type=float, default=4.229, help="the suite's copy bandwidth (a060183 run)")
     args = parser.parse_args(argv)
@@ -141,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = int(SHAPES[args.shape]["vocab_size"])  # type: ignore[call-overload]
     for name in args.workload:
         lengths = [(len(r.prompt_token_ids), r.max_tokens) for r in make_workload(name, vocab)]
+        if args.longest_first:
+            lengths.sort(key=lambda pair: -pair[1])  # stable: arrival order among equal lengths
         t = simulate(lengths, model, args.max_num_batched_tokens, args.max_num_seqs, rate, bw)
         flops = t.tokens * 2 * num_params(args.shape)
         row = {

@@ -38,6 +38,34 @@ def category(name: str) -> str:
     return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
 
 
+def idle_gaps(spans: list[tuple[float, float, str]], top: int = 8) -> dict[str, Any]:
+    """Where the device idles between kernels: ``spans`` are kernels' (start us, end us, name) on the device's
+    timeline. Each gap (after the union of the spans so far) is charged to the kernel that ends it and the one
+    before it (so a step boundary shows as a sampling kernel before and the next step's first kernel after), and
+    binned by length."""
+    bins = {"<10us": 0.0, "10-100us": 0.0, "100us-1ms": 0.0, ">=1ms": 0.0}
+    after: dict[str, float] = {}
+    before: dict[str, float] = {}
+    count, end, prev = 0, None, ""
+    for start, stop, name in sorted(spans):
+        if end is not None and start > end:
+            gap = start - end
+            count += 1
+            bins["<10us" if gap < 10 else "10-100us" if gap < 100 else "100us-1ms" if gap < 1000 else ">=1ms"] += gap
+            after[name[:60]] = after.get(name[:60], 0.0) + gap
+            before[prev[:60]] = before.get(prev[:60], 0.0) + gap
+        if end is None or stop > end:
+            end, prev = stop, name
+
+    def biggest(d: dict[str, float]) -> dict[str, float]:
+        return {k: round(v / 1e6, 6) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]}
+
+    return {
+        "gaps": count, "idle_s": round(sum(bins.values()) / 1e6, 6), "by_length_s": {k: round(v / 1e6, 6) for k, v in bins.items()},
+        "before_kernel_s": biggest(after), "after_kernel_s": biggest(before),
+    }  # fmt: skip
+
+
 def profile_run(engine: Any, reqs: list[BenchRequest], top: int) -> dict[str, Any]:
     """The workload's wall time unprofiled, then its kernels' device time by category under the profiler."""
     from torch.autograd import DeviceType
@@ -57,6 +85,11 @@ def profile_run(engine: Any, reqs: list[BenchRequest], top: int) -> dict[str, An
         by_cat[category(e.key)] = by_cat.get(category(e.key), 0.0) + e.self_device_time_total / 1e6
     busy = sum(by_cat.values())
     rows = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    spans = [
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if getattr(e, "device_type", None) == DeviceType.CUDA
+    ]
     return {
         "elapsed_s": plain["elapsed_s"],
         "steps": plain["steps"],
@@ -67,6 +100,7 @@ def profile_run(engine: Any, reqs: list[BenchRequest], top: int) -> dict[str, An
         "device_idle_s": round(wall - busy, 3),
         "by_category_s": {k: round(v, 3) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
         "top": [{"name": e.key[:100], "calls": e.count, "s": round(e.self_device_time_total / 1e6, 4)} for e in rows],
+        "idle_gaps": idle_gaps(spans),
     }
 
 
@@ -82,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     res = profile_run(engine, make_workload(args.workload, vocab, args.num_requests), known.top)
     res.update(workload=args.workload, shape=args.shape, max_num_seqs=args.max_num_seqs)
     engine.shutdown()
-    print(json.dumps({k: v for k, v in res.items() if k != "top"}), flush=True)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("top", "idle_gaps")}), flush=True)
+    print("idle between kernels:", json.dumps(res["idle_gaps"]), flush=True)
     for row in res["top"]:
         print(f"  {row['s']:8.3f} s {row['calls']:7d}x {row['name']}")
     if args.out:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import Engine
-from loadtest.run_profile import category, profile_run
+from loadtest.run_profile import category, idle_gaps, profile_run
 from loadtest.workloads import BenchRequest
 from tests.helpers import build_tiny_model
 
@@ -26,6 +26,23 @@ def test_categories_of_the_engines_kernels() -> None:
     assert category("some_other_kernel") == "other"
 
 
+def test_idle_gaps_are_charged_to_the_kernels_around_them() -> None:
+    spans = [
+        (0.0, 10.0, "a"),
+        (2.0, 30.0, "b"),  # overlaps a: no gap, and the union now ends at 30
+        (35.0, 40.0, "argmax"),  # 5 us after b
+        (240.0, 250.0, "embed"),  # 200 us after argmax: a step boundary
+        (250.0, 260.0, "a"),  # back to back
+        (2260.0, 2261.0, "embed"),  # 2 ms after a
+    ]
+    gaps = idle_gaps(spans)
+    assert gaps["gaps"] == 3 and gaps["idle_s"] == 0.002205
+    assert gaps["by_length_s"] == {"<10us": 5e-06, "10-100us": 0.0, "100us-1ms": 0.0002, ">=1ms": 0.002}
+    assert gaps["before_kernel_s"] == {"embed": 0.0022, "argmax": 5e-06}
+    assert gaps["after_kernel_s"] == {"a": 0.002, "argmax": 0.0002, "b": 5e-06}
+    assert idle_gaps([])["gaps"] == 0
+
+
 def test_profile_run_on_cpu(tmp_path: Path) -> None:
     folder = build_tiny_model(tmp_path, "llama", seed=3)
     config = EngineConfig(
@@ -42,4 +59,4 @@ def test_profile_run_on_cpu(tmp_path: Path) -> None:
         engine.shutdown()
     assert res["steps"] >= 6 and res["elapsed_s"] > 0 and res["profiled_wall_s"] > 0
     assert res["device_busy_s"] == 0 and res["device_idle_s"] == res["profiled_wall_s"]  # no CUDA kernels on CPU
-    assert res["top"] == []
+    assert res["top"] == [] and res["idle_gaps"]["gaps"] == 0

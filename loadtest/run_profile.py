@@ -46,11 +46,15 @@ def idle_gaps(spans: list[tuple[float, float, str]], top: int = 8) -> dict[str, 
     bins = {"<10us": 0.0, "10-100us": 0.0, "100us-1ms": 0.0, ">=1ms": 0.0}
     after: dict[str, float] = {}
     before: dict[str, float] = {}
-    count, end, prev = 0, None, ""
+    count, long_count, end, prev = 0, 0, None, ""
+    longest: list[tuple[float, float]] = []  # (gap us, its start in ms from the first kernel)
+    first = min((s for s, _, _ in spans), default=0.0)
     for start, stop, name in sorted(spans):
         if end is not None and start > end:
             gap = start - end
             count += 1
+            long_count += gap >= 1000
+            longest = sorted([*longest, (gap, (end - first) / 1e3)], reverse=True)[:top]
             bins["<10us" if gap < 10 else "10-100us" if gap < 100 else "100us-1ms" if gap < 1000 else ">=1ms"] += gap
             after[name[:60]] = after.get(name[:60], 0.0) + gap
             before[prev[:60]] = before.get(prev[:60], 0.0) + gap
@@ -61,8 +65,9 @@ def idle_gaps(spans: list[tuple[float, float, str]], top: int = 8) -> dict[str, 
         return {k: round(v / 1e6, 6) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]}
 
     return {
-        "gaps": count, "idle_s": round(sum(bins.values()) / 1e6, 6), "by_length_s": {k: round(v / 1e6, 6) for k, v in bins.items()},
+        "gaps": count, "gaps_over_1ms": long_count, "idle_s": round(sum(bins.values()) / 1e6, 6), "by_length_s": {k: round(v / 1e6, 6) for k, v in bins.items()},
         "before_kernel_s": biggest(after), "after_kernel_s": biggest(before),
+        "longest": [{"us": round(g, 1), "at_ms": round(t, 1)} for g, t in longest],
     }  # fmt: skip
 
 

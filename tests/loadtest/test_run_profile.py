@@ -36,10 +36,11 @@ def test_idle_gaps_are_charged_to_the_kernels_around_them() -> None:
         (2260.0, 2261.0, "embed"),  # 2 ms after a
     ]
     gaps = idle_gaps(spans)
-    assert gaps["gaps"] == 3 and gaps["idle_s"] == 0.002205
+    assert gaps["gaps"] == 3 and gaps["gaps_over_1ms"] == 1 and gaps["idle_s"] == 0.002205
     assert gaps["by_length_s"] == {"<10us": 5e-06, "10-100us": 0.0, "100us-1ms": 0.0002, ">=1ms": 0.002}
     assert gaps["before_kernel_s"] == {"embed": 0.0022, "argmax": 5e-06}
     assert gaps["after_kernel_s"] == {"a": 0.002, "argmax": 0.0002, "b": 5e-06}
+    assert gaps["longest"] == [{"us": 2000.0, "at_ms": 0.3}, {"us": 200.0, "at_ms": 0.0}, {"us": 5.0, "at_ms": 0.0}]
     assert idle_gaps([])["gaps"] == 0
 
 

@@ -11,6 +11,7 @@ kernels, or the host.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from typing import Any
@@ -71,12 +72,40 @@ def idle_gaps(spans: list[tuple[float, float, str]], top: int = 8) -> dict[str, 
     }  # fmt: skip
 
 
+class GcPauses:
+    """Python's garbage collections while it is active: count, total and longest seconds per generation."""
+
+    def __init__(self) -> None:
+        self.stats: dict[int, list[float]] = {}
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.stats.setdefault(info["generation"], []).append(time.perf_counter() - self._t0)
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {
+            f"gen{g}": {"count": len(d), "total_s": round(sum(d), 4), "max_s": round(max(d), 4)}
+            for g, d in sorted(self.stats.items())
+        }
+
+
 def profile_run(engine: Any, reqs: list[BenchRequest], top: int) -> dict[str, Any]:
     """The workload's wall time unprofiled, then its kernels' device time by category under the profiler."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    plain = run_engine(engine, reqs, "plain")
+    with GcPauses() as pauses:
+        plain = run_engine(engine, reqs, "plain")
     engine.kv.reset_prefix_cache()
     activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
@@ -106,23 +135,29 @@ def profile_run(engine: Any, reqs: list[BenchRequest], top: int) -> dict[str, An
         "by_category_s": {k: round(v, 3) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
         "top": [{"name": e.key[:100], "calls": e.count, "s": round(e.self_device_time_total / 1e6, 4)} for e in rows],
         "idle_gaps": idle_gaps(spans),
+        "gc_unprofiled_run": pauses.summary(),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--top", type=int, default=20)
+    extra.add_argument("--gc-freeze", action="store_true", help="gc.collect() then gc.freeze() after the warm-up")
     known, rest = extra.parse_known_args(argv)
     args = parse(["throughput", *rest])  # the bench's engine flags (--shape, --max-num-seqs, ...)
     engine = build_engine(args)
     vocab = engine.vocab_size
     warm = [BenchRequest(r.prompt_token_ids[::-1], r.max_tokens) for r in make_workload("mixed", vocab, 16)]
     run_engine(engine, warm, "warm")  # compiles outside the timed runs, as the suite does
+    if known.gc_freeze:
+        gc.collect()
+        gc.freeze()
     res = profile_run(engine, make_workload(args.workload, vocab, args.num_requests), known.top)
     res.update(workload=args.workload, shape=args.shape, max_num_seqs=args.max_num_seqs)
     engine.shutdown()
-    print(json.dumps({k: v for k, v in res.items() if k not in ("top", "idle_gaps")}), flush=True)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("top", "idle_gaps", "gc_unprofiled_run")}), flush=True)
     print("idle between kernels:", json.dumps(res["idle_gaps"]), flush=True)
+    print("garbage collections in the unprofiled run:", json.dumps(res["gc_unprofiled_run"]), flush=True)
     for row in res["top"]:
         print(f"  {row['s']:8.3f} s {row['calls']:7d}x {row['name']}")
     if args.out:

@@ -3,11 +3,12 @@ categories are named as the engine's kernels are, and nothing is counted busy wi
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import Engine
-from loadtest.run_profile import category, idle_gaps, profile_run
+from loadtest.run_profile import GcPauses, category, idle_gaps, profile_run
 from loadtest.workloads import BenchRequest
 from tests.helpers import build_tiny_model
 
@@ -61,3 +62,10 @@ def test_profile_run_on_cpu(tmp_path: Path) -> None:
     assert res["steps"] >= 6 and res["elapsed_s"] > 0 and res["profiled_wall_s"] > 0
     assert res["device_busy_s"] == 0 and res["device_idle_s"] == res["profiled_wall_s"]  # no CUDA kernels on CPU
     assert res["top"] == [] and res["idle_gaps"]["gaps"] == 0
+
+
+def test_gc_pauses_are_counted() -> None:
+    with GcPauses() as pauses:
+        gc.collect()
+    assert pauses.summary()["gen2"]["count"] == 1
+    assert pauses.summary()["gen2"]["max_s"] >= 0

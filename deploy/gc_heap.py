@@ -14,6 +14,11 @@ streams is ~20 ms on the H200); at 10,000 it saw none, and no pause over 2.3 ms.
 all of them anyway: only cyclic garbage waits for a collection, and 10,000 objects of it is a few MB at most.
 It lives in ``deploy`` (how the roles run), not ``engine``: the API tier imports nothing of the engine.
 
+The offline engines (``engine.LLM``, the benchmarks' engines) freeze their start-up heap too (``freeze_heap``: no
+threshold change in a user's process) and thaw it when they shut down, so a process that builds engine after
+engine can still collect the cycles of the ones it dropped. On the H200 one full collection of the 8B engine's
+heap took 295 ms in the middle of `mixed` (docs/benchmarks.md, Session 22); frozen, none ran.
+
 A young collection still takes 2-8 ms on the H200's host (the stack's front at 256 streams: ~100 per 1,000 steps,
 median 1.8 ms, longest 7.8 ms), which is most of an engine step when it falls in the middle of one. So a process
 with moments it would spend waiting anyway (the front, once a step's pipeline is out and no step is waiting) runs
@@ -28,10 +33,20 @@ import gc
 GEN0_THRESHOLD = 10_000
 
 
-def freeze_startup_heap() -> None:
-    """Collect, freeze what survives, and raise the first generation's threshold (module docstring)."""
+def freeze_heap() -> None:
+    """Collect, then freeze what survives: later collections skip it (``thaw_heap`` undoes it)."""
     gc.collect()
     gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Give every frozen object back to the collector (an offline engine's shutdown)."""
+    gc.unfreeze()
+
+
+def freeze_startup_heap() -> None:
+    """Collect, freeze what survives, and raise the first generation's threshold (module docstring)."""
+    freeze_heap()
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(GEN0_THRESHOLD, gen1, gen2)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from deploy.gc_heap import freeze_heap, thaw_heap
 from engine.args import EngineArgs
 from engine.engine import Engine
 from engine.output_processor import OutputProcessor
@@ -35,7 +36,8 @@ class LLM:
         config = EngineArgs(model=model, **kwargs).create_engine_config()
         offline = dataclasses.replace(config.scheduler, offline=True)  # vLLM's LLM-class defaults (the budget)
         self.engine = Engine(dataclasses.replace(config, scheduler=offline))
-        self._finalizer = weakref.finalize(self, self.engine.shutdown)  # references the engine, not self
+        self._finalizer = weakref.finalize(self, _close, self.engine)  # references the engine, not self
+        freeze_heap()  # the loaded engine out of the collector's reach, as vLLM's engine core does (deploy.gc_heap)
 
     def __enter__(self) -> LLM:
         return self
@@ -138,3 +140,9 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine (its tensor-parallel ranks); idempotent. The ``LLM`` cannot generate afterwards."""
         self._finalizer()
+
+
+def _close(engine: Engine) -> None:
+    """The finalizer: stop the engine and give the frozen heap back to the collector."""
+    engine.shutdown()
+    thaw_heap()

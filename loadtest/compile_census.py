@@ -37,7 +37,7 @@ def _new(before: dict[str, list[str]], after: dict[str, list[str]]) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loadtest.throughput import BenchRequest, build_engine, parse, run_engine
+    from loadtest.throughput import BenchRequest, build_engine, close_engine, parse, run_engine
     from loadtest.workloads import make_workload
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         for kernel, keys in new.items():
             for key in keys[:6]:
                 print(f"  {kernel}: {key[:400]}", flush=True)
-    engine.shutdown()
+    close_engine(engine)
     return 0
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from engine.step_trace import StepRecord
-from loadtest.stack_bench import build_engine, engine_wave, make_prompts
+from loadtest.stack_bench import build_engine, close_engine, engine_wave, make_prompts
 from loadtest.step_stats import decode_step_p50_ms, wave_windows
 
 
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                         wave += 1
                         print(json.dumps(row), flush=True)
                         rows.append(row)
-    engine.shutdown()
+    close_engine(engine)
     if cli.out:
         with open(cli.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from deploy.gc_heap import freeze_heap, thaw_heap
+
 GROUP_SIZE = 128  # of the random int4 model, and of int4_bench's GEMM sweep
 
 
@@ -60,6 +62,7 @@ def bench_model(args: argparse.Namespace, device: torch.device, quantized: bool)
         num_gpu_blocks_override=256 if args.tiny else None,
     )
     engine = Engine(engine_args.create_engine_config())
+    freeze_heap()  # as engine.LLM does (deploy.gc_heap); thawed below, before the next model
     vocab = engine.vocab_size
     latency_req = make_workload("latency", vocab)[0]
     if args.tiny:
@@ -70,7 +73,9 @@ def bench_model(args: argparse.Namespace, device: torch.device, quantized: bool)
         res["mixed"] = run_engine(engine, make_workload("mixed", vocab), "mixed")
     res["weight_gb"] = round(res["weight_gb"], 3)
     print(json.dumps(res), flush=True)
+    engine.shutdown()
     del engine
+    thaw_heap()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from loadtest.throughput import build_engine, parse, run_engine, sync
+from loadtest.throughput import build_engine, close_engine, parse, run_engine, sync
 from loadtest.workloads import BenchRequest, make_workload
 
 # (category, substrings of the kernel's name, lower case), first match wins
@@ -142,19 +142,18 @@ def profile_run(engine: Any, reqs: list[BenchRequest], top: int) -> dict[str, An
 def main(argv: list[str] | None = None) -> int:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--top", type=int, default=20)
-    extra.add_argument("--gc-freeze", action="store_true", help="gc.collect() then gc.freeze() after the warm-up")
+    extra.add_argument("--no-gc-freeze", action="store_true", help="thaw the heap build_engine froze (the A/B)")
     known, rest = extra.parse_known_args(argv)
     args = parse(["throughput", *rest])  # the bench's engine flags (--shape, --max-num-seqs, ...)
     engine = build_engine(args)
     vocab = engine.vocab_size
     warm = [BenchRequest(r.prompt_token_ids[::-1], r.max_tokens) for r in make_workload("mixed", vocab, 16)]
     run_engine(engine, warm, "warm")  # compiles outside the timed runs, as the suite does
-    if known.gc_freeze:
-        gc.collect()
-        gc.freeze()
+    if known.no_gc_freeze:
+        gc.unfreeze()
     res = profile_run(engine, make_workload(args.workload, vocab, args.num_requests), known.top)
     res.update(workload=args.workload, shape=args.shape, max_num_seqs=args.max_num_seqs)
-    engine.shutdown()
+    close_engine(engine)
     print(json.dumps({k: v for k, v in res.items() if k not in ("top", "idle_gaps", "gc_unprofiled_run")}), flush=True)
     print("idle between kernels:", json.dumps(res["idle_gaps"]), flush=True)
     print("garbage collections in the unprofiled run:", json.dumps(res["gc_unprofiled_run"]), flush=True)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import modelfiles
+from deploy.gc_heap import freeze_heap, thaw_heap
 from engine.args import EngineArgs
 from engine.step_trace import ENV_VAR as STEP_TRACE_ENV
 from engine.step_trace import StepRecord, read_trace
@@ -84,9 +85,18 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
 
 
 def build_engine(args: argparse.Namespace) -> Any:
+    """The engine-alone reference, its start-up heap frozen as the stack's core freezes its own (deploy.gc_heap);
+    ``close_engine`` thaws it."""
     from engine.engine import Engine
 
-    return Engine(engine_args(args).create_engine_config())
+    engine = Engine(engine_args(args).create_engine_config())
+    freeze_heap()
+    return engine
+
+
+def close_engine(engine: Any) -> None:
+    engine.shutdown()
+    thaw_heap()
 
 
 def _num_resolved(token_ids: list[int]) -> int:
@@ -170,7 +180,7 @@ def run_engine_only(args: argparse.Namespace) -> dict[str, Any]:
             print(json.dumps({"engine": {k: v for k, v in summary.items() if k != "failures"}}), flush=True)
             res["levels"].append(summary)
     finally:
-        engine.shutdown()
+        close_engine(engine)
     return res
 
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
 
-from deploy.gc_heap import GEN0_THRESHOLD, collect_young_if_due, freeze_startup_heap
+from deploy.gc_heap import GEN0_THRESHOLD, collect_young_if_due, freeze_heap, freeze_startup_heap, thaw_heap
+
+
+class _Node:
+    peer: object = None
 
 
 @pytest.fixture
@@ -27,6 +32,21 @@ def test_freeze_startup_heap_freezes_and_raises_the_first_threshold() -> None:
     assert gc.get_freeze_count() > 0
     assert gc.get_threshold() == (GEN0_THRESHOLD, gen1, gen2)
     assert GEN0_THRESHOLD > 700  # Python's default, which collected ~4 times per front step at 512 streams
+
+
+@pytest.mark.usefixtures("restored_gc")
+def test_freeze_heap_leaves_the_thresholds_and_thaw_heap_undoes_it() -> None:
+    gc.unfreeze()
+    thresholds = gc.get_threshold()
+    garbage = _Node()
+    garbage.peer = garbage  # a cycle: collected before the freeze, not frozen
+    gone = weakref.ref(garbage)
+    del garbage
+    freeze_heap()
+    assert gone() is None
+    assert gc.get_freeze_count() > 0 and gc.get_threshold() == thresholds
+    thaw_heap()
+    assert gc.get_freeze_count() == 0
 
 
 @pytest.mark.usefixtures("restored_gc")

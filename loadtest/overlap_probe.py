@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul
 from kernels.paged_attention import paged_decode_attention
-from loadtest.kernel_bench_common import BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS
+from loadtest.kernel_bench_common import BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, time_graph
 
 HIDDEN, INTER, LAYERS = 4096, 14336, 32
 QKV = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
@@ -105,28 +105,8 @@ def _overlap(
 
 
 def _time(fn: Any, reps: int) -> float:
-    fn()  # compiles the Triton kernels
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):  # cuBLAS's workspace on a side stream, as torch.cuda.graph wants
-        fn()
-    torch.cuda.current_stream().wait_stream(warm)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return sorted(times)[len(times) // 2]
+    """Milliseconds of one ``fn`` replayed from a CUDA graph (``time_graph``: warmed up on a side stream first)."""
+    return time_graph([fn], reps) * 1e3
 
 
 def _carved(fn: Any, carveout: int) -> Any:

@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 
 from engine.step_trace import StepRecord
-from loadtest.stack_bench import build_engine, close_engine, engine_wave, make_prompts
+from loadtest.stack_bench import build_engine, engine_wave, make_prompts
 from loadtest.step_stats import decode_step_p50_ms, wave_windows
+from loadtest.throughput import close_engine
 
 
 def _burn(stop: Any) -> None:

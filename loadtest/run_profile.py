@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import heapq
 import json
 import time
 from typing import Any
@@ -45,20 +46,18 @@ def idle_gaps(spans: list[tuple[float, float, str]], top: int = 8) -> dict[str, 
     before it (so a step boundary shows as a sampling kernel before and the next step's first kernel after), and
     binned by length."""
     bins = {"<10us": 0.0, "10-100us": 0.0, "100us-1ms": 0.0, ">=1ms": 0.0}
-    after: dict[str, float] = {}
-    before: dict[str, float] = {}
-    count, long_count, end, prev = 0, 0, None, ""
-    longest: list[tuple[float, float]] = []  # (gap us, its start in ms from the first kernel)
+    by_next: dict[str, float] = {}  # gap us by the kernel that ends it
+    by_prev: dict[str, float] = {}  # and by the kernel before it
+    gaps: list[tuple[float, float]] = []  # (gap us, its start in ms from the first kernel)
     first = min((s for s, _, _ in spans), default=0.0)
+    end, prev = None, ""
     for start, stop, name in sorted(spans):
         if end is not None and start > end:
             gap = start - end
-            count += 1
-            long_count += gap >= 1000
-            longest = sorted([*longest, (gap, (end - first) / 1e3)], reverse=True)[:top]
+            gaps.append((gap, (end - first) / 1e3))
             bins["<10us" if gap < 10 else "10-100us" if gap < 100 else "100us-1ms" if gap < 1000 else ">=1ms"] += gap
-            after[name[:60]] = after.get(name[:60], 0.0) + gap
-            before[prev[:60]] = before.get(prev[:60], 0.0) + gap
+            by_next[name[:60]] = by_next.get(name[:60], 0.0) + gap
+            by_prev[prev[:60]] = by_prev.get(prev[:60], 0.0) + gap
         if end is None or stop > end:
             end, prev = stop, name
 
@@ -66,9 +65,10 @@ def idle_gaps(spans: list[tuple[float, float, str]], top: int = 8) -> dict[str, 
         return {k: round(v / 1e6, 6) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]}
 
     return {
-        "gaps": count, "gaps_over_1ms": long_count, "idle_s": round(sum(bins.values()) / 1e6, 6), "by_length_s": {k: round(v / 1e6, 6) for k, v in bins.items()},
-        "before_kernel_s": biggest(after), "after_kernel_s": biggest(before),
-        "longest": [{"us": round(g, 1), "at_ms": round(t, 1)} for g, t in longest],
+        "gaps": len(gaps), "gaps_over_1ms": sum(g >= 1000 for g, _ in gaps), "idle_s": round(sum(bins.values()) / 1e6, 6),
+        "by_length_s": {k: round(v / 1e6, 6) for k, v in bins.items()},
+        "before_kernel_s": biggest(by_next), "after_kernel_s": biggest(by_prev),
+        "longest": [{"us": round(g, 1), "at_ms": round(t, 1)} for g, t in heapq.nlargest(top, gaps)],
     }  # fmt: skip
 
 

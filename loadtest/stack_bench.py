@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import modelfiles
-from deploy.gc_heap import freeze_heap, thaw_heap
+from deploy.gc_heap import freeze_heap
 from engine.args import EngineArgs
 from engine.step_trace import ENV_VAR as STEP_TRACE_ENV
 from engine.step_trace import StepRecord, read_trace
@@ -86,17 +86,12 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
 
 def build_engine(args: argparse.Namespace) -> Any:
     """The engine-alone reference, its start-up heap frozen as the stack's core freezes its own (deploy.gc_heap);
-    ``close_engine`` thaws it."""
+    ``loadtest.throughput.close_engine`` thaws it."""
     from engine.engine import Engine
 
     engine = Engine(engine_args(args).create_engine_config())
     freeze_heap()
     return engine
-
-
-def close_engine(engine: Any) -> None:
-    engine.shutdown()
-    thaw_heap()
 
 
 def _num_resolved(token_ids: list[int]) -> int:
@@ -151,6 +146,8 @@ def engine_wave(
 def run_engine_only(args: argparse.Namespace) -> dict[str, Any]:
     """Every level on one engine, after a warm-up at the smallest and largest level."""
     import torch
+
+    from loadtest.throughput import close_engine
 
     t0 = time.perf_counter()
     engine = build_engine(args)

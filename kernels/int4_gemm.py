@@ -21,6 +21,7 @@ from kernels.fused_norm import NormIn, materialize, residual_sum_ref
 from kernels.int4_dequant import MAGIC_BITS, PACK, check_int4_weights, codes_tile, dequant_tile, dequantize_int4
 from kernels.int4_gemv import finish_tile, int4_gemv_launch, split_target
 from kernels.int4_gemv_cols import int4_gemv_cols_launch
+from kernels.int4_gemv_mma import gemv_mma_available, int4_gemv_mma
 from kernels.int4_plan import GEMV_COLS_LIMIT_M, Int4GemmConfig, Int4Launch, num_sms, pick_config
 
 
@@ -172,7 +173,16 @@ def int4_gemm(
     if m == 0 or n == 0:
         return out
     cfg = _pick(x, qweight, scales, group_size, g_idx, config)
-    if cfg.kernel == "gemv_cols":
+    if cfg.kernel == "mma" and gemv_mma_available(x, group_size, g_idx is not None):
+        int4_gemv_mma(
+            x, qweight, scales, zeros, group_size, out,
+            block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, num_warps=cfg.num_warps,
+        )  # fmt: skip
+    elif cfg.kernel == "mma":  # no Gluon here (the CPU interpreter): the GEMV
+        _launch_gemv(x, qweight, scales, zeros, group_size, g_idx, out, _pick(x, qweight, scales, group_size, g_idx,
+                     replace(config or Int4GemmConfig(), kernel="gemv", block_n=None, block_k=None, num_warps=None)),
+                     gated=False)  # fmt: skip
+    elif cfg.kernel == "gemv_cols":
         int4_gemv_cols_launch(
             x, qweight, scales, zeros, group_size, out,
             block_n=cfg.block_n, rows=cfg.block_k // PACK, split_k=cfg.split_k, split_reduce=cfg.split_reduce,

@@ -16,9 +16,9 @@ import torch
 from kernels._triton import next_pow2
 from kernels.int4_dequant import PACK
 
-Kernel = Literal["dot", "gemv", "gemv_cols"]
+Kernel = Literal["dot", "gemv", "gemv_cols", "mma"]
 SplitReduce = Literal["counter", "atomic"]
-KERNELS: tuple[Kernel, ...] = ("dot", "gemv", "gemv_cols")
+KERNELS: tuple[Kernel, ...] = ("dot", "gemv", "gemv_cols", "mma")
 SPLIT_REDUCES: tuple[SplitReduce, ...] = ("counter", "atomic")
 SplitPolicy = Literal["fill", "balance"]
 GEMV_MAX_M = 4  # the default kernel is the GEMV up to this many rows (pick_config says why)
@@ -62,6 +62,13 @@ GEMV_COLS_SPLIT: SplitPolicy = "fill"
 BALANCE_PROGRAM_COST = 0.5  # "balance": a program's fixed cost (prologue, reduction) in K tiles
 GEMV_COLS_STAGES = 2  # gemv_cols pipeline: the next tile's words in flight (sweep rows "cols stages1/3")
 GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thread
+# kernels.int4_gemv_mma (Gluon, tensor cores, M <= 8; not yet measured on a GPU, so not a default): tile
+# (block_n, num_warps) and split-K target. sm_90 SASS of its loop at group 128 (block_k 128): 2.07 instructions a
+# weight at 256 columns and 4 warps (128 registers), 2.80 at 128 columns, 1.91 at 512 (168 registers); the GEMV's
+# are 3.0-5.0. Decided by the sweep's rows "mma ..." against "gemv" (loadtest.int4_gemm_sweep).
+MMA_TILE = (256, 4)
+MMA_PROGRAMS_PER_SM = 4
+MMA_LIMIT_M = 8
 
 
 @dataclass(frozen=True)
@@ -170,6 +177,10 @@ def pick_config(
     atomic results at M = 4-8 and 256 were wrong then, fixed since; M = 256 keeps the counter it was
     measured with)."""
     kernel = user.kernel or (GEMV_KERNEL if m <= GEMV_MAX_M else "dot")
+    if kernel == "mma" and (has_g_idx or group_size % 32 or m > MMA_LIMIT_M):
+        kernel = "gemv" if m <= GEMV_LIMIT_M else "dot"  # act-order, odd groups, more rows: what the MMA can't run
+    if kernel == "mma":
+        return _pick_mma(m, n, k, group_size, num_sms, user)
     if kernel == "gemv_cols" and (has_g_idx or group_size % PACK):
         kernel = "gemv"  # the exact dequantization (g_idx, groups narrower than a word) is the GEMV's
     if kernel == "gemv_cols":
@@ -227,6 +238,22 @@ def _pick_gemv_cols(m: int, n: int, k: int, group_size: int, num_sms: int, user:
         "gemv_cols", block_m, bn, PACK * rows, split, _reduce(user, m, split), user.num_warps or warps,
         user.num_stages or GEMV_COLS_STAGES, unpack_in_registers=False, factored=True,
         paired_nibbles=paired if user.paired_nibbles is None else user.paired_nibbles,
+    )  # fmt: skip
+
+
+def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:
+    """MMA_TILE; block_k: a whole group up to 128 k's (a multiple of 32 dividing the group); split-K filled to
+    MMA_PROGRAMS_PER_SM programs per SM, summed by atomics (the kernel's only reduction)."""
+    bn, warps = user.block_n or MMA_TILE[0], user.num_warps or MMA_TILE[1]
+    bk = user.block_k or min(128, group_size & -group_size)
+    if bk % 32 or group_size % bk or bn % (16 * warps):
+        raise ValueError(
+            f"mma: block_k {bk} must be a multiple of 32 dividing the group, block_n a multiple of 16 * warps"
+        )
+    target = (user.programs_per_sm or MMA_PROGRAMS_PER_SM) * num_sms
+    split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), target, 32)
+    return Int4Launch(
+        "mma", next_pow2(m), bn, bk, split, "atomic", warps, 1, unpack_in_registers=False, factored=True,
     )  # fmt: skip
 
 

@@ -10,6 +10,7 @@ are named after the variants below.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -98,6 +99,14 @@ VARIANTS = [
     Variant("cols balance bn2048 w8", {**COLS, "split_policy": "balance", "block_n": 2048, "num_warps": 8}, (1, 2)),
     Variant("cols unpaired", {**COLS, "paired_nibbles": False}, (1, 2)),  # one shift per nibble
     Variant("cols paired", {**COLS, "paired_nibbles": True}, (4, 8)),
+    # kernels.int4_gemv_mma (Gluon, tensor cores; unmeasured): its default tile, then one field changed each
+    Variant("mma", {"kernel": "mma"}, (1, 8)),
+    Variant("mma pps1", {"kernel": "mma", "programs_per_sm": 1}, (1, 8)),
+    Variant("mma pps2", {"kernel": "mma", "programs_per_sm": 2}, (1, 8)),
+    Variant("mma pps8", {"kernel": "mma", "programs_per_sm": 8}, (1, 2)),
+    Variant("mma bn128", {"kernel": "mma", "block_n": 128}, (1, 8)),
+    Variant("mma bn512", {"kernel": "mma", "block_n": 512}, (1, 8)),
+    Variant("mma w8", {"kernel": "mma", "num_warps": 8}, (1, 8)),
     Variant("dot", {"kernel": "dot"}),
     Variant("dot counter", {"kernel": "dot", "split_reduce": "counter"}, (8, 256)),
     Variant("dot atomic", {"kernel": "dot", "split_reduce": "atomic"}, (8, 256)),
@@ -117,6 +126,10 @@ VARIANTS = [
     Variant("dot bm128", {"kernel": "dot", "block_m": 128}, PREFILL),
 ]
 
+# INT4_SWEEP_ONLY="mma,gemv sub": only the default launch ("fused") and the variants whose names start with one of
+# these (a short device call that times one family against the default)
+ONLY = tuple(p for p in os.environ.get("INT4_SWEEP_ONLY", "").split(",") if p)
+
 Resolved = tuple[Int4GemmConfig, int | None]  # the config and, for a tiled variant, its tile width
 
 
@@ -127,7 +140,7 @@ def variants_at(m: int, n: int, k: int, num_sms: int) -> tuple[dict[str, Resolve
     configs: dict[str, Resolved] = {}
     aliases = {}
     for v in VARIANTS:
-        if not v.m_range[0] <= m <= v.m_range[1]:
+        if not v.m_range[0] <= m <= v.m_range[1] or (ONLY and v.name != FUSED and not v.name.startswith(ONLY)):
             continue
         cfg = Int4GemmConfig(**v.fields)
         launch = pick_config(m, n, k, GROUP_SIZE, num_sms, cfg)

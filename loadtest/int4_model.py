@@ -104,6 +104,8 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     "sub": {"kernels.int4_plan:GEMV_SUBNORMAL": True},  # subnormal codes on every layer
     "narrow": {"kernels.int4_plan:GEMV_WIDE_N": 1 << 30},  # no wide-layer tile: the default before 2026-12-03
     "ungated": {"kernels.gemv:GEMV_GATED": False},  # the activation, then the down projection's GEMV
+    # kernels.int4_gemv_mma at M <= 4 (its norm, activation and residual as their own launches: it fuses none)
+    "mma": {"kernels.int4_plan:GEMV_KERNEL": "mma"},
 }
 
 

@@ -22,7 +22,7 @@ from kernels.int4_dequant import MAGIC_BITS, PACK, check_int4_weights, codes_til
 from kernels.int4_gemv import finish_tile, int4_gemv_launch, split_target
 from kernels.int4_gemv_cols import int4_gemv_cols_launch
 from kernels.int4_gemv_mma import gemv_mma_available, int4_gemv_mma
-from kernels.int4_plan import GEMV_COLS_LIMIT_M, Int4GemmConfig, Int4Launch, num_sms, pick_config
+from kernels.int4_plan import GEMV_COLS_LIMIT_M, GEMV_MAX_M, Int4GemmConfig, Int4Launch, Kernel, num_sms, pick_config
 
 
 def int4_gemm_ref(
@@ -178,10 +178,10 @@ def int4_gemm(
             x, qweight, scales, zeros, group_size, out,
             block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, num_warps=cfg.num_warps,
         )  # fmt: skip
-    elif cfg.kernel == "mma":  # no Gluon here (the CPU interpreter): the GEMV
-        _launch_gemv(x, qweight, scales, zeros, group_size, g_idx, out, _pick(x, qweight, scales, group_size, g_idx,
-                     replace(config or Int4GemmConfig(), kernel="gemv", block_n=None, block_k=None, num_warps=None)),
-                     gated=False)  # fmt: skip
+    elif cfg.kernel == "mma":  # no Gluon here (the CPU interpreter): what runs without it
+        fallback: Kernel = "gemv" if m <= GEMV_MAX_M else "dot"
+        user = replace(config or Int4GemmConfig(), kernel=fallback, block_n=None, block_k=None, num_warps=None)
+        return int4_gemm(x, qweight, scales, zeros, group_size, g_idx, user)
     elif cfg.kernel == "gemv_cols":
         int4_gemv_cols_launch(
             x, qweight, scales, zeros, group_size, out,

@@ -62,11 +62,17 @@ GEMV_COLS_SPLIT: SplitPolicy = "fill"
 BALANCE_PROGRAM_COST = 0.5  # "balance": a program's fixed cost (prologue, reduction) in K tiles
 GEMV_COLS_STAGES = 2  # gemv_cols pipeline: the next tile's words in flight (sweep rows "cols stages1/3")
 GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thread
-# kernels.int4_gemv_mma (Gluon, tensor cores, M <= 8; not yet measured on a GPU, so not a default): tile
-# (block_n, num_warps) and split-K target. sm_90 SASS of its loop at group 128 (block_k 128): 2.07 instructions a
-# weight at 256 columns and 4 warps (128 registers), 2.80 at 128 columns, 1.91 at 512 (168 registers); the GEMV's
-# are 3.0-5.0. Decided by the sweep's rows "mma ..." against "gemv" (loadtest.int4_gemm_sweep).
-MMA_TILE = (256, 4)
+# kernels.int4_gemv_mma (Gluon, tensor cores, M <= 8): the default kernel at MMA_M rows. H200 at 6b4189b
+# (int4_bench --only gemm, rows "mma ..." against "fused", the launch before; us for qkv / o / gate_up / down):
+# M = 2: 10.1 / 7.8 / 29.9 / 17.0 against the GEMV's 13.6 / 9.5 / 44.3 / 24.0; M = 4: 9.9 / 7.9 / 30.2 / 17.2
+# against 20.5 / 13.6 / 72.2 / 38.4; M = 8: 10.2 / 9.2 / 30.7 / 17.6 against tl.dot's 16.4 / 12.6 / 60.8 / 32.5.
+# At M = 1 the GEMV stays (8.8 / 7.2 / 23.5 / 15.6 best against the MMA's 9.6 / 7.2 / 29.2 / 15.6), and it
+# fuses the norms, the activation and the residual, which this kernel does not. Tile (block_n, num_warps):
+# 128 columns won 3 of 4 shapes at M = 2-8 (o: 256, 7.8 against 9.1 us); split-K filled to MMA_PROGRAMS_PER_SM
+# (1 per SM: 1.3-1.4x slower). sm_90 SASS of the loop at group 128: 2.07 instructions a weight at 256 columns,
+# 2.80 at 128 (the GEMV: 3.0-5.0); the kernel's time barely moves from M = 1 to 8.
+MMA_M = (2, 8)
+MMA_TILE = (128, 4)
 MMA_PROGRAMS_PER_SM = 4
 MMA_LIMIT_M = 8
 
@@ -176,7 +182,7 @@ def pick_config(
     reduction beat the counter by 6 % at M = 1, 13 % at M = 2, 33 % at M = 4 and 4-5 % at M = 8-64 (the
     atomic results at M = 4-8 and 256 were wrong then, fixed since; M = 256 keeps the counter it was
     measured with)."""
-    kernel = user.kernel or (GEMV_KERNEL if m <= GEMV_MAX_M else "dot")
+    kernel = user.kernel or ("mma" if MMA_M[0] <= m <= MMA_M[1] else GEMV_KERNEL if m <= GEMV_MAX_M else "dot")
     if kernel == "mma" and (has_g_idx or group_size % 32 or m > MMA_LIMIT_M):
         kernel = "gemv" if m <= GEMV_LIMIT_M else "dot"  # act-order, odd groups, more rows: what the MMA can't run
     if kernel == "mma":

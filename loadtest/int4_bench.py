@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--mixed", action="store_true", help="also the mixed workload's throughput, int4 vs bf16")
+    parser.add_argument("--batches", type=int, nargs="*", help="model: also the time per output token at these batches")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--out", help="write the results here as JSON")
     parser.add_argument("--m", type=int, nargs="+", help=f"GEMM rows to run (default {M_VALUES})")

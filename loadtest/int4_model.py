@@ -46,6 +46,7 @@ def bench_model(args: argparse.Namespace, device: torch.device, quantized: bool)
     from engine.args import EngineArgs
     from engine.engine import Engine
     from loadtest.shapes import shape_folder
+    from loadtest.sweep import run_sweep
     from loadtest.throughput import run_engine, run_latency
     from loadtest.workloads import BenchRequest, make_workload
 
@@ -69,6 +70,8 @@ def bench_model(args: argparse.Namespace, device: torch.device, quantized: bool)
         latency_req = BenchRequest(latency_req.prompt_token_ids[:16], 8)
     res: dict[str, Any] = {"model": "int4" if quantized else "bf16", "weight_gb": _weight_bytes_read(engine) / 1e9}
     res["latency"] = run_latency(engine, latency_req)
+    if getattr(args, "batches", None) and not args.tiny:  # time per output token at a few decode batch sizes
+        res["batches"] = run_sweep(engine, args.batches, 128, 128)
     if args.mixed and not args.tiny:
         res["mixed"] = run_engine(engine, make_workload("mixed", vocab), "mixed")
     res["weight_gb"] = round(res["weight_gb"], 3)
@@ -104,8 +107,9 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     "sub": {"kernels.int4_plan:GEMV_SUBNORMAL": True},  # subnormal codes on every layer
     "narrow": {"kernels.int4_plan:GEMV_WIDE_N": 1 << 30},  # no wide-layer tile: the default before 2026-12-03
     "ungated": {"kernels.gemv:GEMV_GATED": False},  # the activation, then the down projection's GEMV
-    # kernels.int4_gemv_mma at M <= 4 (its norm, activation and residual as their own launches: it fuses none)
-    "mma": {"kernels.int4_plan:GEMV_KERNEL": "mma"},
+    # kernels.int4_gemv_mma at M = 1 too (its norm, activation and residual as their own launches: it fuses none)
+    "mma1": {"kernels.int4_plan:MMA_M": (1, 8)},
+    "nomma": {"kernels.int4_plan:MMA_M": (1 << 30, 1 << 30)},  # the GEMV and tl.dot at M = 2-8, as before 6b4189b
 }
 
 

@@ -23,7 +23,7 @@ from kernels.int4_dequant import (
 )
 from kernels.int4_gemm import int4_gemm, int4_gemm_ref
 from kernels.int4_gemv import SPLIT_MODES, zeroed_scratch
-from kernels.int4_plan import GEMV_MAX_M, Int4GemmConfig, pick_config
+from kernels.int4_plan import GEMV_MAX_M, MMA_M, Int4GemmConfig, pick_config
 from tests.kernels.helpers import DEVICE, int4_weights, rel_err, tolerance, ttgir_sm90
 
 K, N = 128, 48
@@ -182,9 +182,14 @@ def test_atomic_split_reads_every_sum_before_zeroing_it(
 
 
 def test_pick_config_routes_small_m_to_the_gemv() -> None:
+    """M = 1: the GEMV; M = 2-8 (MMA_M): the tensor-core GEMV, where it can run (act-order: the GEMV); above:
+    tl.dot. kernel="gemv" keeps the GEMV up to its limit."""
     auto = Int4GemmConfig()
-    assert pick_config(GEMV_MAX_M, 4096, 4096, 128, 132, auto).kernel == "gemv"
-    assert pick_config(GEMV_MAX_M + 1, 4096, 4096, 128, 132, auto).kernel == "dot"
+    assert pick_config(1, 4096, 4096, 128, 132, auto).kernel == "gemv"
+    assert [pick_config(m, 4096, 4096, 128, 132, auto).kernel for m in range(MMA_M[0], MMA_M[1] + 1)] == ["mma"] * 7
+    assert pick_config(GEMV_MAX_M, 4096, 4096, 128, 132, auto, has_g_idx=True).kernel == "gemv"
+    assert pick_config(GEMV_MAX_M, 4096, 4096, 128, 132, Int4GemmConfig(kernel="gemv")).kernel == "gemv"
+    assert pick_config(MMA_M[1] + 1, 4096, 4096, 128, 132, auto).kernel == "dot"
     gemv = pick_config(1, 4096, 4096, 128, 132, auto)
     assert gemv.factored and gemv.block_k <= 128 and 4096 // gemv.block_n * gemv.split_k >= 132
     assert not pick_config(1, 4096, 4096, 128, 132, auto, has_g_idx=True).factored
@@ -204,9 +209,9 @@ def test_pick_config_defaults_are_the_h200_winners() -> None:
         return c.kernel, c.block_m, c.block_k, c.split_reduce, c.unpack_in_registers, c.split_k > 1
 
     assert pick(1) == ("gemv", 1, 64, "atomic", False, True)
-    assert pick(2) == ("gemv", 2, 64, "atomic", False, True)
-    assert pick(4) == ("gemv", 4, 32, "atomic", False, True)
-    assert pick(8) == ("dot", 16, 64, "atomic", True, True) and pick(64, 4096)[3:] == ("atomic", True, True)
+    assert pick(2) == ("mma", 2, 128, "atomic", False, True)
+    assert pick(8) == ("mma", 8, 128, "atomic", False, True) and pick(64, 4096)[3:] == ("atomic", True, True)
+    assert pick_config(9, 6144, 4096, 128, 132, auto).kernel == "dot"
     assert (
         pick_config(5, 6144, 4096, 128, 132, auto).block_n == pick_config(64, 6144, 4096, 128, 132, auto).block_n == 128
     )
@@ -216,7 +221,7 @@ def test_pick_config_defaults_are_the_h200_winners() -> None:
     prefill = pick_config(4096, 6144, 4096, 128, 132, auto)
     assert (prefill.block_n, prefill.num_warps, prefill.num_stages) == (128, 8, 3)  # what the bench timed
     # the user's reduction wins; nothing split is described as the counter
-    assert pick_config(4, 6144, 4096, 128, 132, Int4GemmConfig(split_reduce="counter")).split_reduce == "counter"
+    assert pick_config(1, 6144, 4096, 128, 132, Int4GemmConfig(split_reduce="counter")).split_reduce == "counter"
     assert pick_config(1, 6144, 4096, 128, 132, Int4GemmConfig(split_k=1)).split_reduce == "counter"
 
 
@@ -226,8 +231,9 @@ def test_pick_config_wide_layers_at_m1_take_the_subnormal_one_warp_tile() -> Non
     auto = Int4GemmConfig()
     wide = pick_config(1, 28672, 4096, 128, 132, auto)
     assert (wide.kernel, wide.subnormal, wide.block_n, wide.num_warps, wide.split_k) == ("gemv", True, 256, 1, 32)
+    assert pick_config(2, 28672, 4096, 128, 132, auto).kernel == "mma"  # M = 2-8: the tensor-core GEMV
     for m, n, k in [(1, 6144, 4096), (1, 4096, 4096), (1, 4096, 14336), (2, 28672, 4096)]:
-        narrow = pick_config(m, n, k, 128, 132, auto)
+        narrow = pick_config(m, n, k, 128, 132, Int4GemmConfig(kernel="gemv") if m > 1 else auto)
         assert (narrow.subnormal, narrow.block_n, narrow.num_warps) == (False, 256, 4), (m, n, k)
     # the user's choices win over the wide-layer defaults; g_idx (no factored path) has no subnormal codes
     user = pick_config(1, 28672, 4096, 128, 132, Int4GemmConfig(subnormal=False, num_warps=4))

@@ -183,6 +183,10 @@ def pick_config(
     atomic results at M = 4-8 and 256 were wrong then, fixed since; M = 256 keeps the counter it was
     measured with)."""
     kernel = user.kernel or ("mma" if MMA_M[0] <= m <= MMA_M[1] else GEMV_KERNEL if m <= GEMV_MAX_M else "dot")
+    if kernel == "mma" and user.split_reduce == "counter":  # a deterministic sum: the MMA has atomics only
+        if user.kernel == "mma":
+            raise ValueError("the mma kernel sums split-K with atomics only (split_reduce='atomic' or None)")
+        kernel = GEMV_KERNEL if m <= GEMV_MAX_M else "dot"
     if kernel == "mma" and (has_g_idx or group_size % 32 or m > MMA_LIMIT_M):
         kernel = "gemv" if m <= GEMV_LIMIT_M else "dot"  # act-order, odd groups, more rows: what the MMA can't run
     if kernel == "mma":

@@ -66,6 +66,11 @@ def test_pick_config() -> None:
     assert pick_config(4, 4096, 4096, 128, 132, MMA, has_g_idx=True).kernel == "gemv"  # act-order
     assert pick_config(1, 4096, 4096, 8, 132, MMA).kernel == "gemv"  # groups narrower than the permutation
     assert pick_config(MMA_LIMIT_M + 1, 4096, 4096, 128, 132, MMA).kernel == "gemv"
+    # a deterministic split-K sum asked for: the launch that has one (the MMA sums with atomics)
+    assert pick_config(4, 4096, 4096, 128, 132, Int4GemmConfig(split_reduce="counter")).kernel == "gemv"
+    assert pick_config(8, 4096, 4096, 128, 132, Int4GemmConfig(split_reduce="counter")).kernel == "dot"
+    with pytest.raises(ValueError, match="atomics only"):
+        pick_config(4, 4096, 4096, 128, 132, Int4GemmConfig(kernel="mma", split_reduce="counter"))
     with pytest.raises(ValueError, match="block_k"):
         pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(kernel="mma", block_k=16))
 

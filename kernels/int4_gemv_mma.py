@@ -1,17 +1,22 @@
-"""The W4A16 GEMM for a few rows (M <= 16) on the tensor cores, in Gluon: the batch-1 decode projections.
+"""The W4A16 GEMM for a few rows (M <= 8) on the tensor cores, in Gluon: small-batch decode projections.
 
 Why another kernel beside the CUDA-core GEMVs (``kernels.int4_gemv``): at M = 1 those spend 3-5 instructions on
 every weight (unpack, convert, multiply-add) and reach only 0.5-0.66 of the copy bandwidth on an H200, at the same
 speed whether the weights come from HBM or the L2 (docs/benchmarks.md, Sessions 11 and 21): the issue rate bounds
-them. A ``tl.dot`` version of this kernel spent 4.8 instructions a weight (sm_90 SASS): Triton took the
-dequantized tile through shared memory to reach the MMA's operand layout. Here Gluon's explicit layouts let every
-thread load exactly the packed words whose codes its MMA fragments hold, so the codes go from the load to the MMA
-in registers (``convert_layout(..., assert_trivial=True)`` checks that at compile time):
+them, we thought. A ``tl.dot`` version of this kernel spent 4.8 instructions a weight (sm_90 SASS): Triton took
+the dequantized tile through shared memory to reach the MMA's operand layout. Here Gluon's explicit layouts let
+every thread load exactly the packed words whose codes its MMA fragments hold, so the codes go from the load to the
+MMA in registers (``convert_layout(..., assert_trivial=True)`` checks that at compile time): 2.1 instructions a
+weight. On the H200 (docs/benchmarks.md, Session 23) it ties the GEMV at M = 1 (so the issue rate was not the
+GEMV's limit there) and takes a third to a half of the GEMV's and tl.dot's time at M = 2-8, where it is the default.
 
-- **Which k a code stands for.** The MMA (m16n8k16) wants lane ``l`` to hold, for column ``l // 4`` of its
-  8-column tile and each 16-deep k step, the k's ``2q, 2q + 1, 2q + 8, 2q + 9`` (``q = l % 4``). A sum over k
-  does not care about k's order, so the kernel gives the MMA a permuted k: the packed word ``i = 4p + q`` of a
-  column (input features ``8i .. 8i + 7``) feeds lane ``q``, and its nibble ``j = 4h + 2 r1 + r0`` stands at
+out^T = W^T x^T: the weights are the MMA's A operand (a warp's tile: 16 output features), x^T its B operand (8
+columns, so M <= 8).
+
+- **Which k a code stands for.** The MMA (m16n8k16) wants lane ``l`` to hold, for output features ``l // 4`` and
+  ``l // 4 + 8`` of its tile and each 16-deep k step, the k's ``2q, 2q + 1, 2q + 8, 2q + 9`` (``q = l % 4``). A sum over k
+  does not care about k's order, so the kernel gives the MMA a permuted k: the packed word ``i = 4p + q`` of an
+  output feature (input features ``8i .. 8i + 7``) feeds lane ``q``, and its nibble ``j = 4h + 2 r1 + r0`` stands at
   MMA position ``32p + 16 r1 + 8 r0 + 2q + h`` (:func:`mma_position`). x is loaded in the same order. The
   permutation stays inside 32 consecutive k's, so inside a quantization group (group sizes that are multiples of
   32; no g_idx).
@@ -19,7 +24,7 @@ in registers (``convert_layout(..., assert_trivial=True)`` checks that at compil
   of 128 (bf16; 1024 for fp16) twice is two halves reading ``base + code``, exactly: one shift and one ``lop3``
   for two weights, no int->float conversion.
 - **Scale and zero per group and column, after the MMA**: ``sum_k (c_k - z) s x_k = s (sum_k (base + c_k) x_k -
-  (base + z) sum_k x_k)``. Each products ``(base + c) x`` is exact in fp32 and the MMA sums in fp32. Not
+  (base + z) sum_k x_k)``, with ``sum_k x_k`` from the MMA too (a tile of ones times x^T). Each product ``(base + c) x`` is exact in fp32 and the MMA sums in fp32. Not
   bit-identical to ``kernels.int4_gemm.int4_gemm_ref``, which rounds every weight to the scales' dtype first;
   like the factored GEMV, closer to the exact sum than that.
 
@@ -50,7 +55,7 @@ PERMUTE_SPAN = 32  # k's permuted among themselves (mma_position); group sizes m
 # 1024's fp16 bits (10 mantissa bits)
 BASE = {torch.bfloat16: (128.0, 0x43004300), torch.float16: (1024.0, 0x64006400)}
 
-# One MMA B register per shift r: nibble r of the word in the low half, nibble r + 4 in the high half, each or-ed
+# One MMA operand register per shift r: nibble r of the word in the low half, nibble r + 4 in the high half, each or-ed
 # with the base's bits ($6): lop3 0xEA is (a & b) | c. Packed two elements an instance (Triton's pack=2): the word
 # comes in twice ($4, $5: the two elements of a join of the word with itself, h = 0 and 1), so output r holds
 # element h = 0 (nibble r) and element h = 1 (nibble r + 4) in one register, the pair the MMA takes.
@@ -73,7 +78,7 @@ def mma_position(k: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_mma_available(x: torch.Tensor, group_size: int, has_g_idx: bool) -> bool:
-    """Whether this kernel can run ``x``: Gluon, an sm_80+ GPU, bf16/fp16, M <= 16, no g_idx, groups of
+    """Whether this kernel can run ``x``: Gluon, an sm_80+ GPU, bf16/fp16, M <= 8, no g_idx, groups of
     multiples of 32 k's."""
     if gluon is None or x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 8:
         return False

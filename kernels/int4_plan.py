@@ -175,7 +175,8 @@ def _reduce(user: Int4GemmConfig, m: int, split: int) -> SplitReduce:
 def pick_config(
     m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig, has_g_idx: bool = False
 ) -> Int4Launch:
-    """The GEMV up to GEMV_MAX_M rows, the tl.dot path above; split-K summed by atomics up to ATOMIC_MAX_M
+    """The tensor-core GEMV at MMA_M rows (2-8; kernels.int4_gemv_mma, Session 23), else the GEMV up to GEMV_MAX_M
+    rows and the tl.dot path above; split-K summed by atomics up to ATOMIC_MAX_M
     rows. The defaults are the winners of one H200 run (``int4_bench --mixed`` at 7f8955d, Llama-3-8B layer
     shapes; per M, the geometric mean over the shapes of time / the best variant's): the GEMV beat tl.dot
     2.8x at M = 1 and 1.4x at M = 4, tl.dot beat the GEMV 1.2x at M = 8 and 2.5x at M = 16; the atomic
@@ -263,7 +264,8 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     target = (user.programs_per_sm or MMA_PROGRAMS_PER_SM) * num_sms
     split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), target, 32)
     return Int4Launch(
-        "mma", next_pow2(m), bn, bk, split, "atomic", warps, 1, unpack_in_registers=False, factored=True,
+        "mma", next_pow2(m), bn, bk, split, "atomic" if split > 1 else "counter", warps, 1,
+        unpack_in_registers=False, factored=True,
     )  # fmt: skip
 
 

@@ -133,9 +133,11 @@ if gluon is not None:
         M, N, K, K_PER_SPLIT, base_bits, base,
         stride_xm, stride_qk, stride_sg, stride_zg, stride_om,
         GROUP_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT: gl.constexpr,
-        EVEN_N: gl.constexpr, IS_BF16: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
+        EVEN_N: gl.constexpr, IS_BF16: gl.constexpr, W_LAYOUT: gl.constexpr, PREFETCH: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
-        """W_LAYOUT: :func:`words_layout`. out^T = W^T x^T: the weights are the MMA's A operand (16 output features a warp's tile, the MMA's
+        """W_LAYOUT: :func:`words_layout`; PREFETCH: the next tile's words are loaded into registers before this
+        tile's MMAs (a two-stage pipeline in registers). out^T = W^T x^T: the weights are the MMA's A operand (16 output features a warp's tile, the MMA's
         rows), x^T its B (8 columns: M <= 8)."""
         P: gl.constexpr = BLOCK_K // 32
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
@@ -157,9 +159,12 @@ if gluon is not None:
         k_end = gl.minimum(k_start + K_PER_SPLIT, K)
         acc = gl.zeros((BLOCK_N, 8), gl.float32, layout=mma)
         ones = gl.full((16 * num_warps, BLOCK_K), 1.0, x_ptr.dtype.element_ty, layout=a_layout)
+        w_ptrs = qw_ptr + (k_start // 8 + word_rows) * stride_qk + w_cols
+        words = gl.load(w_ptrs, mask=(w_cols < N) | EVEN_N, other=0)  # EVEN_N: no mask left to compute
         for k0 in range(k_start, k_end, BLOCK_K):
-            w_ptrs = qw_ptr + (k0 // 8 + word_rows) * stride_qk + w_cols
-            words = gl.load(w_ptrs, mask=(w_cols < N) | EVEN_N, other=0)  # EVEN_N: no mask left to compute
+            if PREFETCH:
+                w_ptrs += BLOCK_K // 8 * stride_qk
+                nxt = gl.load(w_ptrs, mask=((w_cols < N) | EVEN_N) & (k0 + BLOCK_K < k_end), other=0)
             xb = _x_operand(x_ptr, stride_xm, M, k0, k_end, BLOCK_K, b_layout, x_layout)
             d = mma_v2(_weight_operand(words, base_bits, a_layout, IS_BF16), xb, gl.zeros_like(acc))
             # x's row sums from the MMA too (ones times x^T): each thread gets the sums of its own columns
@@ -168,6 +173,11 @@ if gluon is not None:
             s = gl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(gl.float32)
             z = gl.load(z_ptr + g * stride_zg + offs_n, mask=mask_n, other=0).to(gl.float32)
             acc += s[:, None] * (d - (base + z)[:, None] * xs[None, :])
+            if PREFETCH:
+                words = nxt
+            else:
+                w_ptrs += BLOCK_K // 8 * stride_qk
+                words = gl.load(w_ptrs, mask=((w_cols < N) | EVEN_N) & (k0 + BLOCK_K < k_end), other=0)
         offs_m = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
         mask = mask_n[:, None] & (offs_m < M)[None, :]
         out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -237,6 +247,7 @@ def int4_gemv_mma(
     block_k: int,
     split_k: int,
     num_warps: int,
+    prefetch: bool = False,
 ) -> None:
     """Launches on inputs ``kernels.int4_gemm.int4_gemm`` has checked (:func:`gemv_mma_available`);
     ``block_k`` (a multiple of 32) must divide the group, ``block_n`` be a multiple of ``8 * num_warps``."""
@@ -258,5 +269,6 @@ def int4_gemv_mma(
         x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, EVEN_N=n % block_n == 0,
         IS_BF16=x.dtype == torch.bfloat16, W_LAYOUT=words_layout(block_k // PERMUTE_SPAN, block_n, num_warps),
+        PREFETCH=prefetch,
         num_warps=num_warps,
     )  # fmt: skip

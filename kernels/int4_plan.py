@@ -74,6 +74,7 @@ GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thre
 MMA_M = (2, 8)
 MMA_TILE = (128, 4)
 MMA_PROGRAMS_PER_SM = 4
+MMA_STAGES = 1  # 2: the next K tile's words loaded into registers before this tile's MMAs (sweep rows "mma pf ...")
 MMA_LIMIT_M = 8
 
 
@@ -264,7 +265,7 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     target = (user.programs_per_sm or MMA_PROGRAMS_PER_SM) * num_sms
     split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), target, 32)
     return Int4Launch(
-        "mma", next_pow2(m), bn, bk, split, "atomic" if split > 1 else "counter", warps, 1,
+        "mma", next_pow2(m), bn, bk, split, "atomic" if split > 1 else "counter", warps, user.num_stages or MMA_STAGES,
         unpack_in_registers=False, factored=True,
     )  # fmt: skip
 

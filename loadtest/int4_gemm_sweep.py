@@ -107,6 +107,10 @@ VARIANTS = [
     Variant("mma bn128", {"kernel": "mma", "block_n": 128}, (1, 8)),
     Variant("mma bn512", {"kernel": "mma", "block_n": 512}, (1, 8)),
     Variant("mma w8", {"kernel": "mma", "num_warps": 8}, (1, 8)),
+    Variant("mma pf", {"kernel": "mma", "num_stages": 2}, (1, 8)),  # the next tile's words in flight
+    Variant("mma pf pps1", {"kernel": "mma", "num_stages": 2, "programs_per_sm": 1}, (1, 8)),
+    Variant("mma pf pps2", {"kernel": "mma", "num_stages": 2, "programs_per_sm": 2}, (1, 8)),
+    Variant("mma pf bn256", {"kernel": "mma", "num_stages": 2, "block_n": 256}, (1, 8)),
     Variant("dot", {"kernel": "dot"}),
     Variant("dot counter", {"kernel": "dot", "split_reduce": "counter"}, (8, 256)),
     Variant("dot atomic", {"kernel": "dot", "split_reduce": "atomic"}, (8, 256)),

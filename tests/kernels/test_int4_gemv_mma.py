@@ -94,6 +94,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from kernels.int4_gemv_mma import _int4_gemv_mma_kernel, words_layout
 
 c = json.loads(sys.argv[1])
+c.setdefault("PREFETCH", False)
 c["W_LAYOUT"] = words_layout(c["BLOCK_K"] // 32, c["BLOCK_N"], c["num_warps"])
 half = "*bf16" if c["IS_BF16"] else "*fp16"
 types = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "base": "fp32", "x_ptr": half,
@@ -151,6 +152,7 @@ def test_8b_shapes_on_the_gpu(n: int, k: int, gen: torch.Generator) -> None:
         (torch.bfloat16, 5, 4096, 128, Int4GemmConfig(kernel="mma", split_k=1)),  # no split: stores directly
         (torch.bfloat16, 1, 4096, 128, Int4GemmConfig(kernel="mma", block_n=128, num_warps=8)),
         (torch.bfloat16, 2, 4096, 4096, MMA),  # channel-wise
+        (torch.bfloat16, 4, 1000, 128, Int4GemmConfig(kernel="mma", num_stages=2, programs_per_sm=1)),  # prefetch
     ],
 )
 def test_variants_on_the_gpu(

@@ -75,6 +75,7 @@ MMA_M = (2, 8)
 MMA_TILE = (128, 4)
 MMA_PROGRAMS_PER_SM = 4
 MMA_STAGES = 1  # 2: the next K tile's words loaded into registers before this tile's MMAs (sweep rows "mma pf ...")
+MMA_VEC = False  # vector loads of the words (sweep rows "mma ... vec")
 MMA_LIMIT_M = 8
 
 
@@ -108,6 +109,8 @@ class Int4GemmConfig:
     paired_nibbles: bool | None = None
     # gemv (factored): codes read as subnormals (None: GEMV_SUBNORMAL)
     subnormal: bool | None = None
+    # mma: each lane loads its words of a row from adjacent columns in one vector load (None: MMA_VEC)
+    vector_loads: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in (None, *KERNELS):
@@ -148,6 +151,7 @@ class Int4Launch:
     factored: bool
     paired_nibbles: bool = False  # gemv_cols only
     subnormal: bool = False  # factored gemv only
+    vector_loads: bool = False  # mma only
 
 
 @lru_cache(maxsize=8)
@@ -267,6 +271,7 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     return Int4Launch(
         "mma", next_pow2(m), bn, bk, split, "atomic" if split > 1 else "counter", warps, user.num_stages or MMA_STAGES,
         unpack_in_registers=False, factored=True,
+        vector_loads=MMA_VEC if user.vector_loads is None else user.vector_loads,
     )  # fmt: skip
 
 

@@ -95,7 +95,8 @@ from kernels.int4_gemv_mma import _int4_gemv_mma_kernel, words_layout
 
 c = json.loads(sys.argv[1])
 c.setdefault("PREFETCH", False)
-c["W_LAYOUT"] = words_layout(c["BLOCK_K"] // 32, c["BLOCK_N"], c["num_warps"])
+c.setdefault("VEC", False)
+c["W_LAYOUT"] = words_layout(c["BLOCK_K"] // 32, c["BLOCK_N"], c["num_warps"], c["VEC"])
 half = "*bf16" if c["IS_BF16"] else "*fp16"
 types = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "base": "fp32", "x_ptr": half,
          "out_ptr": half, "s_ptr": half}
@@ -153,6 +154,8 @@ def test_8b_shapes_on_the_gpu(n: int, k: int, gen: torch.Generator) -> None:
         (torch.bfloat16, 1, 4096, 128, Int4GemmConfig(kernel="mma", block_n=128, num_warps=8)),
         (torch.bfloat16, 2, 4096, 4096, MMA),  # channel-wise
         (torch.bfloat16, 4, 1000, 128, Int4GemmConfig(kernel="mma", num_stages=2, programs_per_sm=1)),  # prefetch
+        (torch.bfloat16, 3, 1000, 128, Int4GemmConfig(kernel="mma", num_stages=2, vector_loads=True)),
+        (torch.float16, 8, 4096, 64, Int4GemmConfig(kernel="mma", vector_loads=True, block_n=256, split_k=1)),
     ],
 )
 def test_variants_on_the_gpu(

@@ -130,42 +130,16 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(t, (BLOCK_K, 8)), b_layout)
 
     @gluon.jit
-    def _column_of_row(n, BLOCK_N: gl.constexpr, VEC: gl.constexpr):
-        """The tile column (of ``BLOCK_N``) that MMA row ``n`` computes: ``n`` itself, or with VEC the column that
-        lane's vector load put there: row ``n_in + 8a + 16w + 16 W c`` (lane ``n_in``, warp ``w`` of ``W``) is
-        column ``2 (C (8w + n_in) + c) + a``."""
-        if VEC:
-            W: gl.constexpr = gl.num_warps()
-            C: gl.constexpr = BLOCK_N // (16 * W)
-            n = 2 * (C * (8 * ((n // 16) % W) + n % 8) + n // (16 * W)) + (n // 8) % 2
-        return n
-
-    @gluon.jit
-    def _mma_rows(words, VEC: gl.constexpr):
-        """VEC: words ``[P, 4, BN]`` loaded in column order (:func:`_column_of_row`) -> in MMA row order, by
-        renaming registers only."""
-        if VEC:
-            W: gl.constexpr = gl.num_warps()
-            P: gl.constexpr = words.shape[0]
-            BN: gl.constexpr = words.shape[2]
-            C: gl.constexpr = BN // (16 * W)
-            t = gl.permute(gl.reshape(words, (P, 4, W, 8, C, 2)), (0, 1, 4, 2, 5, 3))  # [P, 4, c, w, a, n_in]
-            words = gl.reshape(t, (P, 4, BN))
-        return words
-
-    @gluon.jit
     def _int4_gemv_mma_kernel(
         x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
         M, N, K, K_PER_SPLIT, base_bits, base,
         stride_xm, stride_qk, stride_sg, stride_zg, stride_om,
         GROUP_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT: gl.constexpr,
         EVEN_N: gl.constexpr, IS_BF16: gl.constexpr, W_LAYOUT: gl.constexpr, PREFETCH: gl.constexpr,
-        VEC: gl.constexpr, num_warps: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
         """W_LAYOUT: how the words ``[P, 4, BN]`` are loaded (:func:`words_layout`). PREFETCH: the next tile's words
-        and x are loaded into registers before this tile's MMAs (a two-stage pipeline in registers). VEC: each lane
-        loads its 2 C = BN / (8 num_warps) words of a row from adjacent columns, in one vector load, and the
-        columns are assigned to MMA rows to match (:func:`_mma_rows`)."""
+        and x are loaded into registers before this tile's MMAs (a two-stage pipeline in registers)."""
         P: gl.constexpr = BLOCK_K // 32
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -180,19 +154,19 @@ if gluon is not None:
         offs_wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
         word_rows = gl.expand_dims(4 * offs_p[:, None] + offs_q[None, :], 2)  # [P, 4, 1]
         w_cols = gl.expand_dims(gl.expand_dims(offs_wn, 0), 1)  # [1, 1, BN]
-        offs_n = pid_n * BLOCK_N + _column_of_row(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma)), BLOCK_N, VEC)
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         mask_n = offs_n < N
         k_start = pid_k * K_PER_SPLIT
         k_end = gl.minimum(k_start + K_PER_SPLIT, K)
         acc = gl.zeros((BLOCK_N, 8), gl.float32, layout=mma)
         ones = gl.full((16 * num_warps, BLOCK_K), 1.0, x_ptr.dtype.element_ty, layout=a_layout)
         w_ptrs = qw_ptr + (k_start // 8 + word_rows) * stride_qk + w_cols
-        words = _mma_rows(gl.load(w_ptrs, mask=(w_cols < N) | EVEN_N, other=0), VEC)  # EVEN_N: no mask computed
+        words = gl.load(w_ptrs, mask=(w_cols < N) | EVEN_N, other=0)  # EVEN_N: no mask left to compute
         x = _x_tile(x_ptr, stride_xm, M, k_start, k_end, BLOCK_K, x_layout)
         for k0 in range(k_start, k_end, BLOCK_K):
             if PREFETCH:  # the next tile's words and x in flight during this tile's MMAs
                 w_ptrs += BLOCK_K // 8 * stride_qk
-                nxt = _mma_rows(gl.load(w_ptrs, mask=((w_cols < N) | EVEN_N) & (k0 + BLOCK_K < k_end), other=0), VEC)
+                nxt = gl.load(w_ptrs, mask=((w_cols < N) | EVEN_N) & (k0 + BLOCK_K < k_end), other=0)
                 x_nxt = _x_tile(x_ptr, stride_xm, M, k0 + BLOCK_K, k_end, BLOCK_K, x_layout)
             xb = _x_operand(x, BLOCK_K, b_layout)
             d = mma_v2(_weight_operand(words, base_bits, a_layout, IS_BF16), xb, gl.zeros_like(acc))
@@ -207,7 +181,7 @@ if gluon is not None:
                 x = x_nxt
             else:
                 w_ptrs += BLOCK_K // 8 * stride_qk
-                words = _mma_rows(gl.load(w_ptrs, mask=((w_cols < N) | EVEN_N) & (k0 + BLOCK_K < k_end), other=0), VEC)
+                words = gl.load(w_ptrs, mask=((w_cols < N) | EVEN_N) & (k0 + BLOCK_K < k_end), other=0)
                 x = _x_tile(x_ptr, stride_xm, M, k0 + BLOCK_K, k_end, BLOCK_K, x_layout)
         offs_m = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
         mask = mask_n[:, None] & (offs_m < M)[None, :]
@@ -227,19 +201,13 @@ if gluon is not None:
                 gl.store(cnt_ptr + pid_n, 0)
 
 
-def words_layout(p: int, block_n: int, num_warps: int, vec: bool = False) -> object:
+def words_layout(p: int, block_n: int, num_warps: int) -> object:
     """The packed words ``[P, 4 (q), BN]`` of a tile as the A operand's lanes want them: lane ``l`` holds word row
     ``4p + l % 4`` of output features ``l // 4`` and ``l // 4 + 8`` of its warp's 16, warp ``w`` the features
-    ``16 w ..`` of every ``16 num_warps``. ``vec``: the same words, each lane's ``block_n / (8 num_warps)`` of a
-    row in adjacent columns (``_column_of_row``), as a blocked layout (one vector load)."""
+    ``16 w ..`` of every ``16 num_warps``. One 4-byte load a word: vector loads of adjacent columns, renamed into
+    MMA rows in registers, were no faster on the H200 (docs/benchmarks.md, Session 23)."""
     log2 = {1 << i: i for i in range(16)}
-    if vec:  # registers: R adjacent columns, then the word rows p; lanes: q, then 8 column groups; warps: columns
-        r = block_n // (8 * num_warps)
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1 << i] for i in range(log2[r])] + [[1 << i, 0, 0] for i in range(log2[p])],
-            lane_bases=[[0, 1, 0], [0, 2, 0], [0, 0, r], [0, 0, 2 * r], [0, 0, 4 * r]],
-            warp_bases=[[0, 0, 8 * r << i] for i in range(log2[num_warps])], block_bases=[], shape=[p, 4, block_n],
-        )  # fmt: skip
+    log2 = {1 << i: i for i in range(16)}
     regs = [[0, 0, 8]] + [[0, 0, 16 * num_warps << i] for i in range(log2[block_n // (16 * num_warps)])]
     regs += [[1 << i, 0, 0] for i in range(log2[p])]
     lanes = [[0, 1, 0], [0, 2, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]]
@@ -287,7 +255,6 @@ def int4_gemv_mma(
     split_k: int,
     num_warps: int,
     prefetch: bool = False,
-    vec: bool = False,
 ) -> None:
     """Launches on inputs ``kernels.int4_gemm.int4_gemm`` has checked (:func:`gemv_mma_available`);
     ``block_k`` (a multiple of 32) must divide the group, ``block_n`` be a multiple of ``8 * num_warps``."""
@@ -308,7 +275,7 @@ def int4_gemv_mma(
         m, n, k, k_per_split, bits, base,
         x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, EVEN_N=n % block_n == 0,
-        IS_BF16=x.dtype == torch.bfloat16, W_LAYOUT=words_layout(block_k // PERMUTE_SPAN, block_n, num_warps, vec),
-        PREFETCH=prefetch, VEC=vec,
+        IS_BF16=x.dtype == torch.bfloat16, W_LAYOUT=words_layout(block_k // PERMUTE_SPAN, block_n, num_warps),
+        PREFETCH=prefetch,
         num_warps=num_warps,
     )  # fmt: skip

@@ -68,14 +68,16 @@ GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thre
 # against 20.5 / 13.6 / 72.2 / 38.4; M = 8: 10.2 / 9.2 / 30.7 / 17.6 against tl.dot's 16.4 / 12.6 / 60.8 / 32.5.
 # At M = 1 the GEMV stays (8.8 / 7.2 / 23.5 / 15.6 best against the MMA's 9.6 / 7.2 / 29.2 / 15.6), and it
 # fuses the norms, the activation and the residual, which this kernel does not. Tile (block_n, num_warps):
-# 128 columns won 3 of 4 shapes at M = 2-8 (o: 256, 7.8 against 9.1 us); split-K filled to MMA_PROGRAMS_PER_SM
-# (1 per SM: 1.3-1.4x slower). sm_90 SASS of the loop at group 128: 2.07 instructions a weight at 256 columns,
-# 2.80 at 128 (the GEMV: 3.0-5.0); the kernel's time barely moves from M = 1 to 8.
+# 128 columns won 3 of 4 shapes at M = 2-8. Two more H200 calls (8e09478, 0901915; sweep rows "mma pf ..."):
+# the next tile's words and x loaded ahead (MMA_STAGES 2) with split-K filled to 2 programs per SM was the best
+# row at M = 2, 4 and 8 on every shape but one, the launch before at 1.19-1.23x its time (geometric mean over
+# the shapes); 1 program per SM 1.25-1.31x; 256 columns 1.23-1.24x; vector loads of the words (each lane's
+# columns adjacent, renamed into MMA rows) no faster (1.02-1.12x, removed). sm_90 SASS of the loop at group 128:
+# 2.07 instructions a weight at 256 columns, 2.80 at 128 (the GEMV: 3.0-5.0); its time barely moves from M = 1 to 8.
 MMA_M = (2, 8)
 MMA_TILE = (128, 4)
-MMA_PROGRAMS_PER_SM = 4
-MMA_STAGES = 1  # 2: the next K tile's words loaded into registers before this tile's MMAs (sweep rows "mma pf ...")
-MMA_VEC = False  # vector loads of the words (sweep rows "mma ... vec")
+MMA_PROGRAMS_PER_SM = 2
+MMA_STAGES = 2  # the next K tile's words and x in registers before this tile's MMAs (1: not)
 MMA_LIMIT_M = 8
 
 
@@ -109,8 +111,6 @@ class Int4GemmConfig:
     paired_nibbles: bool | None = None
     # gemv (factored): codes read as subnormals (None: GEMV_SUBNORMAL)
     subnormal: bool | None = None
-    # mma: each lane loads its words of a row from adjacent columns in one vector load (None: MMA_VEC)
-    vector_loads: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in (None, *KERNELS):
@@ -151,7 +151,6 @@ class Int4Launch:
     factored: bool
     paired_nibbles: bool = False  # gemv_cols only
     subnormal: bool = False  # factored gemv only
-    vector_loads: bool = False  # mma only
 
 
 @lru_cache(maxsize=8)
@@ -271,7 +270,6 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     return Int4Launch(
         "mma", next_pow2(m), bn, bk, split, "atomic" if split > 1 else "counter", warps, user.num_stages or MMA_STAGES,
         unpack_in_registers=False, factored=True,
-        vector_loads=MMA_VEC if user.vector_loads is None else user.vector_loads,
     )  # fmt: skip
 
 

@@ -69,15 +69,16 @@ GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thre
 # At M = 1 the GEMV stays (8.8 / 7.2 / 23.5 / 15.6 best against the MMA's 9.6 / 7.2 / 29.2 / 15.6), and it
 # fuses the norms, the activation and the residual, which this kernel does not. Tile (block_n, num_warps):
 # 128 columns won 3 of 4 shapes at M = 2-8. Two more H200 calls (8e09478, 0901915; sweep rows "mma pf ..."):
-# the next tile's words and x loaded ahead (MMA_STAGES 2) with split-K filled to 2 programs per SM was the best
-# row at M = 2, 4 and 8 on every shape but one, the launch before at 1.19-1.23x its time (geometric mean over
-# the shapes); 1 program per SM 1.25-1.31x; 256 columns 1.23-1.24x; vector loads of the words (each lane's
-# columns adjacent, renamed into MMA rows) no faster (1.02-1.12x, removed). sm_90 SASS of the loop at group 128:
-# 2.07 instructions a weight at 256 columns, 2.80 at 128 (the GEMV: 3.0-5.0); its time barely moves from M = 1 to 8.
+# alone, the next tile's words and x loaded ahead (MMA_STAGES 2) with split-K filled to 2 programs per SM was the
+# best row at M = 2, 4 and 8 (this launch took 1.19-1.23x its time); but in the int4 model (5df36b6, int4_bench
+# --batches) it made batches 2 / 4 / 8 slower: 2.932 / 3.003 / 3.196 ms against 2.782 / 2.848 / 3.032 with this
+# launch. So not the default (the model decides; int4_model's variants "mmapf" and "mmapps2" re-check it). Vector
+# loads of the words (each lane's columns adjacent, renamed into MMA rows) were no faster alone (removed).
+# sm_90 SASS of the loop at group 128: 2.07 instructions a weight at 256 columns, 2.80 at 128 (the GEMV: 3.0-5.0).
 MMA_M = (2, 8)
 MMA_TILE = (128, 4)
-MMA_PROGRAMS_PER_SM = 2
-MMA_STAGES = 2  # the next K tile's words and x in registers before this tile's MMAs (1: not)
+MMA_PROGRAMS_PER_SM = 4
+MMA_STAGES = 1  # 2: the next K tile's words and x in registers before this tile's MMAs
 MMA_LIMIT_M = 8
 
 

@@ -165,9 +165,12 @@ if gluon is not None:
         x = _x_tile(x_ptr, stride_xm, M, k_start, k_end, BLOCK_K, x_layout)
         for k0 in range(k_start, k_end, BLOCK_K):
             if PREFETCH:  # the next tile's words and x in flight during this tile's MMAs
-                w_ptrs += BLOCK_K // 8 * stride_qk
-                nxt = gl.load(w_ptrs, mask=((w_cols < N) | EVEN_N) & (k0 + BLOCK_K < k_end), other=0)
+                nxt = gl.load(w_ptrs + BLOCK_K // 8 * stride_qk, mask=((w_cols < N) | EVEN_N) & (k0 + BLOCK_K < k_end),
+                              other=0)  # fmt: skip
                 x_nxt = _x_tile(x_ptr, stride_xm, M, k0 + BLOCK_K, k_end, BLOCK_K, x_layout)
+            else:  # this tile's, loaded here (the loads before the loop are then dead code)
+                words = gl.load(w_ptrs, mask=(w_cols < N) | EVEN_N, other=0)
+                x = _x_tile(x_ptr, stride_xm, M, k0, k_end, BLOCK_K, x_layout)
             xb = _x_operand(x, BLOCK_K, b_layout)
             d = mma_v2(_weight_operand(words, base_bits, a_layout, IS_BF16), xb, gl.zeros_like(acc))
             # x's row sums from the MMA too (ones times x^T): each thread gets the sums of its own columns
@@ -176,13 +179,10 @@ if gluon is not None:
             s = gl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(gl.float32)
             z = gl.load(z_ptr + g * stride_zg + offs_n, mask=mask_n, other=0).to(gl.float32)
             acc += s[:, None] * (d - (base + z)[:, None] * xs[None, :])
+            w_ptrs += BLOCK_K // 8 * stride_qk
             if PREFETCH:
                 words = nxt
                 x = x_nxt
-            else:
-                w_ptrs += BLOCK_K // 8 * stride_qk
-                words = gl.load(w_ptrs, mask=((w_cols < N) | EVEN_N) & (k0 + BLOCK_K < k_end), other=0)
-                x = _x_tile(x_ptr, stride_xm, M, k0 + BLOCK_K, k_end, BLOCK_K, x_layout)
         offs_m = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
         mask = mask_n[:, None] & (offs_m < M)[None, :]
         out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]

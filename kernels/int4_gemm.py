@@ -177,7 +177,6 @@ def int4_gemm(
         int4_gemv_mma(
             x, qweight, scales, zeros, group_size, out,
             block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, num_warps=cfg.num_warps,
-            prefetch=cfg.num_stages > 1,
         )  # fmt: skip
     elif cfg.kernel == "mma":  # no Gluon here (the CPU interpreter): what runs without it
         fallback: Kernel = "gemv" if m <= GEMV_MAX_M else "dot"

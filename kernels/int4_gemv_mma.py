@@ -114,17 +114,15 @@ if gluon is not None:
         return gl.convert_layout(w, w_layout, assert_trivial=True)
 
     @gluon.jit
-    def _x_tile(x_ptr, stride_xm, M, k0, k_end, BLOCK_K: gl.constexpr, x_layout: gl.constexpr):
-        """x's rows ``[8, BLOCK_K]`` from ``k0`` (rows past M and k's past k_end zero)."""
+    def _x_operand(x_ptr, stride_xm, M, k0, k_end, BLOCK_K: gl.constexpr, b_layout: gl.constexpr,
+                   x_layout: gl.constexpr):  # fmt: skip
+        """x's rows ``[8, BLOCK_K]`` from ``k0`` (rows past M and k's past k_end zero), transposed and in MMA
+        positions: the B operand ``[BLOCK_K, 8]``."""
+        P: gl.constexpr = BLOCK_K // 32
         offs_m = gl.arange(0, 8, layout=gl.SliceLayout(1, x_layout))
         offs_k = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
         mask = (offs_m < M)[:, None] & (offs_k < k_end)[None, :]
-        return gl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
-
-    @gluon.jit
-    def _x_operand(x, BLOCK_K: gl.constexpr, b_layout: gl.constexpr):
-        """:func:`_x_tile`'s ``[8, BLOCK_K]`` transposed and in MMA positions: the B operand ``[BLOCK_K, 8]``."""
-        P: gl.constexpr = BLOCK_K // 32
+        x = gl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)  # [8, BK]
         # input feature 32p + 8q + 4h + 2 r1 + r0 -> MMA position 32p + 16 r1 + 8 r0 + 2q + h
         t = gl.permute(gl.reshape(x, (8, P, 4, 2, 2, 2)), (1, 4, 5, 2, 3, 0))  # [P, r1, r0, q, h, 8]
         return gl.convert_layout(gl.reshape(t, (BLOCK_K, 8)), b_layout)
@@ -135,11 +133,10 @@ if gluon is not None:
         M, N, K, K_PER_SPLIT, base_bits, base,
         stride_xm, stride_qk, stride_sg, stride_zg, stride_om,
         GROUP_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT: gl.constexpr,
-        EVEN_N: gl.constexpr, IS_BF16: gl.constexpr, W_LAYOUT: gl.constexpr, PREFETCH: gl.constexpr,
-        num_warps: gl.constexpr,
+        EVEN_N: gl.constexpr, IS_BF16: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """W_LAYOUT: how the words ``[P, 4, BN]`` are loaded (:func:`words_layout`). PREFETCH: the next tile's words
-        and x are loaded into registers before this tile's MMAs (a two-stage pipeline in registers)."""
+        """W_LAYOUT: :func:`words_layout`. out^T = W^T x^T: the weights are the MMA's A operand (16 output features a warp's tile, the MMA's
+        rows), x^T its B (8 columns: M <= 8)."""
         P: gl.constexpr = BLOCK_K // 32
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -160,18 +157,10 @@ if gluon is not None:
         k_end = gl.minimum(k_start + K_PER_SPLIT, K)
         acc = gl.zeros((BLOCK_N, 8), gl.float32, layout=mma)
         ones = gl.full((16 * num_warps, BLOCK_K), 1.0, x_ptr.dtype.element_ty, layout=a_layout)
-        w_ptrs = qw_ptr + (k_start // 8 + word_rows) * stride_qk + w_cols
-        words = gl.load(w_ptrs, mask=(w_cols < N) | EVEN_N, other=0)  # EVEN_N: no mask left to compute
-        x = _x_tile(x_ptr, stride_xm, M, k_start, k_end, BLOCK_K, x_layout)
         for k0 in range(k_start, k_end, BLOCK_K):
-            if PREFETCH:  # the next tile's words and x in flight during this tile's MMAs
-                nxt = gl.load(w_ptrs + BLOCK_K // 8 * stride_qk, mask=((w_cols < N) | EVEN_N) & (k0 + BLOCK_K < k_end),
-                              other=0)  # fmt: skip
-                x_nxt = _x_tile(x_ptr, stride_xm, M, k0 + BLOCK_K, k_end, BLOCK_K, x_layout)
-            else:  # this tile's, loaded here (the loads before the loop are then dead code)
-                words = gl.load(w_ptrs, mask=(w_cols < N) | EVEN_N, other=0)
-                x = _x_tile(x_ptr, stride_xm, M, k0, k_end, BLOCK_K, x_layout)
-            xb = _x_operand(x, BLOCK_K, b_layout)
+            w_ptrs = qw_ptr + (k0 // 8 + word_rows) * stride_qk + w_cols
+            words = gl.load(w_ptrs, mask=(w_cols < N) | EVEN_N, other=0)  # EVEN_N: no mask left to compute
+            xb = _x_operand(x_ptr, stride_xm, M, k0, k_end, BLOCK_K, b_layout, x_layout)
             d = mma_v2(_weight_operand(words, base_bits, a_layout, IS_BF16), xb, gl.zeros_like(acc))
             # x's row sums from the MMA too (ones times x^T): each thread gets the sums of its own columns
             xs = gl.max(mma_v2(ones, xb, gl.zeros((16 * num_warps, 8), gl.float32, layout=mma)), axis=0)
@@ -179,10 +168,6 @@ if gluon is not None:
             s = gl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(gl.float32)
             z = gl.load(z_ptr + g * stride_zg + offs_n, mask=mask_n, other=0).to(gl.float32)
             acc += s[:, None] * (d - (base + z)[:, None] * xs[None, :])
-            w_ptrs += BLOCK_K // 8 * stride_qk
-            if PREFETCH:
-                words = nxt
-                x = x_nxt
         offs_m = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
         mask = mask_n[:, None] & (offs_m < M)[None, :]
         out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -204,9 +189,7 @@ if gluon is not None:
 def words_layout(p: int, block_n: int, num_warps: int) -> object:
     """The packed words ``[P, 4 (q), BN]`` of a tile as the A operand's lanes want them: lane ``l`` holds word row
     ``4p + l % 4`` of output features ``l // 4`` and ``l // 4 + 8`` of its warp's 16, warp ``w`` the features
-    ``16 w ..`` of every ``16 num_warps``. One 4-byte load a word: vector loads of adjacent columns, renamed into
-    MMA rows in registers, were no faster on the H200 (docs/benchmarks.md, Session 23)."""
-    log2 = {1 << i: i for i in range(16)}
+    ``16 w ..`` of every ``16 num_warps``."""
     log2 = {1 << i: i for i in range(16)}
     regs = [[0, 0, 8]] + [[0, 0, 16 * num_warps << i] for i in range(log2[block_n // (16 * num_warps)])]
     regs += [[1 << i, 0, 0] for i in range(log2[p])]
@@ -254,7 +237,6 @@ def int4_gemv_mma(
     block_k: int,
     split_k: int,
     num_warps: int,
-    prefetch: bool = False,
 ) -> None:
     """Launches on inputs ``kernels.int4_gemm.int4_gemm`` has checked (:func:`gemv_mma_available`);
     ``block_k`` (a multiple of 32) must divide the group, ``block_n`` be a multiple of ``8 * num_warps``."""
@@ -276,6 +258,5 @@ def int4_gemv_mma(
         x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, EVEN_N=n % block_n == 0,
         IS_BF16=x.dtype == torch.bfloat16, W_LAYOUT=words_layout(block_k // PERMUTE_SPAN, block_n, num_warps),
-        PREFETCH=prefetch,
         num_warps=num_warps,
     )  # fmt: skip

@@ -68,17 +68,14 @@ GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thre
 # against 20.5 / 13.6 / 72.2 / 38.4; M = 8: 10.2 / 9.2 / 30.7 / 17.6 against tl.dot's 16.4 / 12.6 / 60.8 / 32.5.
 # At M = 1 the GEMV stays (8.8 / 7.2 / 23.5 / 15.6 best against the MMA's 9.6 / 7.2 / 29.2 / 15.6), and it
 # fuses the norms, the activation and the residual, which this kernel does not. Tile (block_n, num_warps):
-# 128 columns won 3 of 4 shapes at M = 2-8. Two more H200 calls (8e09478, 0901915; sweep rows "mma pf ..."):
-# alone, the next tile's words and x loaded ahead (MMA_STAGES 2) with split-K filled to 2 programs per SM was the
-# best row at M = 2, 4 and 8 (this launch took 1.19-1.23x its time); but in the int4 model (5df36b6, int4_bench
-# --batches) it made batches 2 / 4 / 8 slower: 2.932 / 3.003 / 3.196 ms against 2.782 / 2.848 / 3.032 with this
-# launch. So not the default (the model decides; int4_model's variants "mmapf" and "mmapps2" re-check it). Vector
-# loads of the words (each lane's columns adjacent, renamed into MMA rows) were no faster alone (removed).
+# 128 columns won 3 of 4 shapes at M = 2-8. Tried after (Session 23, docs/benchmarks.md) and removed: loading the
+# next tile's words and x ahead, in registers (with 2 programs per SM the best row of the GEMM sweep, 1.19-1.23x
+# faster than this launch alone, but in the int4 model batches 2 / 4 / 8 took 2.93 / 3.01 / 3.18 ms against
+# 2.78 / 2.85 / 3.03 with this one), and vector loads of the words (no faster alone).
 # sm_90 SASS of the loop at group 128: 2.07 instructions a weight at 256 columns, 2.80 at 128 (the GEMV: 3.0-5.0).
 MMA_M = (2, 8)
 MMA_TILE = (128, 4)
 MMA_PROGRAMS_PER_SM = 4
-MMA_STAGES = 1  # 2: the next K tile's words and x in registers before this tile's MMAs
 MMA_LIMIT_M = 8
 
 
@@ -269,7 +266,7 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     target = (user.programs_per_sm or MMA_PROGRAMS_PER_SM) * num_sms
     split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), target, 32)
     return Int4Launch(
-        "mma", next_pow2(m), bn, bk, split, "atomic" if split > 1 else "counter", warps, user.num_stages or MMA_STAGES,
+        "mma", next_pow2(m), bn, bk, split, "atomic" if split > 1 else "counter", warps, 1,
         unpack_in_registers=False, factored=True,
     )  # fmt: skip
 

@@ -100,10 +100,8 @@ VARIANTS = [
     Variant("cols unpaired", {**COLS, "paired_nibbles": False}, (1, 2)),  # one shift per nibble
     Variant("cols paired", {**COLS, "paired_nibbles": True}, (4, 8)),
     # kernels.int4_gemv_mma (Gluon, tensor cores): its default launch at every M up to 8, then one field changed each
-    # (H200, Session 23; removed: 512 columns, 8 programs per SM, vector loads)
+    # (H200, Session 23; removed: 512 columns, 8 programs per SM, vector loads, the next tile loaded ahead)
     Variant("mma", {"kernel": "mma"}, (1, 8)),
-    Variant("mma pf", {"kernel": "mma", "num_stages": 2}, (1, 8)),  # the next tile loaded ahead
-    Variant("mma pf pps2", {"kernel": "mma", "num_stages": 2, "programs_per_sm": 2}, (1, 8)),  # best alone
     Variant("mma pps1", {"kernel": "mma", "programs_per_sm": 1}, (1, 8)),
     Variant("mma pps2", {"kernel": "mma", "programs_per_sm": 2}, (1, 8)),
     Variant("mma bn256", {"kernel": "mma", "block_n": 256}, (1, 8)),

@@ -110,9 +110,6 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     # kernels.int4_gemv_mma at M = 1 too (its norm, activation and residual as their own launches: it fuses none)
     "mma1": {"kernels.int4_plan:MMA_M": (1, 8)},
     "nomma": {"kernels.int4_plan:MMA_M": (1 << 30, 1 << 30)},  # the GEMV and tl.dot at M = 2-8, as before 6b4189b
-    "mmapf": {"kernels.int4_plan:MMA_STAGES": 2},  # the MMA GEMV loads the next tile ahead
-    "mmapps2": {"kernels.int4_plan:MMA_PROGRAMS_PER_SM": 2},
-    "mmapf2": {"kernels.int4_plan:MMA_STAGES": 2, "kernels.int4_plan:MMA_PROGRAMS_PER_SM": 2},
 }
 
 

@@ -94,7 +94,6 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from kernels.int4_gemv_mma import _int4_gemv_mma_kernel, words_layout
 
 c = json.loads(sys.argv[1])
-c.setdefault("PREFETCH", False)
 c["W_LAYOUT"] = words_layout(c["BLOCK_K"] // 32, c["BLOCK_N"], c["num_warps"])
 half = "*bf16" if c["IS_BF16"] else "*fp16"
 types = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "base": "fp32", "x_ptr": half,
@@ -115,15 +114,14 @@ with tempfile.TemporaryDirectory() as tmp:
 
 @pytest.mark.skipif(gluon is None, reason="needs a Triton with Gluon")
 @pytest.mark.parametrize(
-    ("is_bf16", "group", "block_k", "block_n", "split", "prefetch"),
-    [(True, 128, 128, 128, 8, True), (False, 32, 32, 256, 1, False)],
+    ("is_bf16", "group", "block_k", "block_n", "split"), [(True, 128, 128, 128, 8), (False, 32, 32, 256, 1)]
 )
 def test_compiles_for_sm90_with_the_weights_in_registers(
-    is_bf16: bool, group: int, block_k: int, block_n: int, split: int, prefetch: bool
+    is_bf16: bool, group: int, block_k: int, block_n: int, split: int
 ) -> None:
     """``assert_trivial`` in the kernel fails the compile if the codes need any data movement to reach the MMA."""
     constexprs = {"GROUP_SIZE": group, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split, "EVEN_N": True,
-                  "IS_BF16": is_bf16, "PREFETCH": prefetch, "num_warps": 4}  # fmt: skip
+                  "IS_BF16": is_bf16, "num_warps": 4}  # fmt: skip
     report = run_without_interpreter(_COMPILE, json.dumps(constexprs))
     assert "0 bytes spill stores" in report, report
 
@@ -153,8 +151,8 @@ def test_8b_shapes_on_the_gpu(n: int, k: int, gen: torch.Generator) -> None:
         (torch.bfloat16, 5, 4096, 128, Int4GemmConfig(kernel="mma", split_k=1)),  # no split: stores directly
         (torch.bfloat16, 1, 4096, 128, Int4GemmConfig(kernel="mma", block_n=128, num_warps=8)),
         (torch.bfloat16, 2, 4096, 4096, MMA),  # channel-wise
-        (torch.bfloat16, 4, 1000, 128, Int4GemmConfig(kernel="mma", num_stages=2, programs_per_sm=1)),  # prefetch
-        (torch.float16, 8, 4096, 64, Int4GemmConfig(kernel="mma", num_stages=1, block_n=256, split_k=1)),
+        (torch.bfloat16, 4, 1000, 128, Int4GemmConfig(kernel="mma", programs_per_sm=1)),
+        (torch.float16, 8, 4096, 64, Int4GemmConfig(kernel="mma", block_n=256, split_k=1)),
     ],
 )
 def test_variants_on_the_gpu(

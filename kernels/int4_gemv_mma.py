@@ -78,11 +78,12 @@ def mma_position(k: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_mma_available(x: torch.Tensor, group_size: int, has_g_idx: bool) -> bool:
-    """Whether this kernel can run ``x``: Gluon, an sm_80+ GPU, bf16/fp16, M <= 8, no g_idx, groups of
-    multiples of 32 k's."""
+    """Whether this kernel can run ``x``: Gluon, an sm_80+ GPU, bf16/fp16 with unit stride along K, M <= 8, no
+    g_idx, groups of multiples of 32 k's. Where it can't, ``kernels.int4_gemm`` runs the GEMV or tl.dot."""
     if gluon is None or x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 8:
         return False
-    return x.dtype in BASE and x.shape[0] <= MMA_ROWS and not has_g_idx and group_size % PERMUTE_SPAN == 0
+    shape_ok = x.shape[0] <= MMA_ROWS and (x.shape[1] <= 1 or x.stride(1) == 1)
+    return x.dtype in BASE and shape_ok and not has_g_idx and group_size % PERMUTE_SPAN == 0
 
 
 if gluon is not None:

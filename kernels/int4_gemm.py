@@ -195,11 +195,6 @@ def int4_gemm(
     return out
 
 
-# The MMA GEMV applies the activation as it loads x (False: the activation's own launch first; a same-run A/B switch,
-# loadtest.int4_model's variant "mmaungated")
-MMA_GATED = True
-
-
 def int4_gemm_gated(
     x2: torch.Tensor,  # [M, 2K]: gate | up, as the MLP's gate_up projection writes them
     qweight: torch.Tensor,  # [K // 8, N] int32, or a tiled [tiles, K // 8, block_n] (gemv_cols: not gated)
@@ -210,9 +205,8 @@ def int4_gemm_gated(
     config: Int4GemmConfig | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`int4_gemm_gated_ref`: ``int4_gemm(silu_and_mul(x2), ...)``. Where the launch
-    is the GEMV or the MMA GEMV its programs compute the activation of the x they load (so the ``[M, K]``
-    activation is never written); another kernel (tl.dot, gemv_cols) gets the activation from its own launch
-    first."""
+    is the GEMV its programs compute the activation of the x they load (so the ``[M, K]`` activation is never
+    written); another kernel (tl.dot, gemv_cols) gets the activation from its own launch first."""
     require_triton("int4_gemm_gated")
     check_float("x2", x2)
     if qweight.dim() not in (2, 3):
@@ -224,14 +218,6 @@ def int4_gemm_gated(
     _check_inputs(gate, qweight, scales, zeros, group_size, g_idx)
     m, n = x2.shape[0], scales.shape[1]
     cfg = _pick(gate, qweight, scales, group_size, g_idx, config) if m and n else None
-    mma = cfg is not None and cfg.kernel == "mma" and MMA_GATED
-    if cfg is not None and mma and gemv_mma_available(gate, group_size, g_idx is not None):
-        out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-        int4_gemv_mma(
-            x2, qweight, scales, zeros, group_size, out,
-            block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, num_warps=cfg.num_warps, gated=True,
-        )  # fmt: skip
-        return out
     if cfg is not None and cfg.kernel != "gemv":
         # the Triton activation needs unit stride along K (the reference takes any)
         act = silu_and_mul(x2) if x2.is_cuda and x2.stride(1) == 1 else silu_and_mul_ref(x2)

@@ -115,21 +115,15 @@ if gluon is not None:
         return gl.convert_layout(w, w_layout, assert_trivial=True)
 
     @gluon.jit
-    def _x_operand(x_ptr, stride_xm, M, k0, k_end, up_offset, BLOCK_K: gl.constexpr, b_layout: gl.constexpr,
-                   x_layout: gl.constexpr, GATED: gl.constexpr):  # fmt: skip
+    def _x_operand(x_ptr, stride_xm, M, k0, k_end, BLOCK_K: gl.constexpr, b_layout: gl.constexpr,
+                   x_layout: gl.constexpr):  # fmt: skip
         """x's rows ``[8, BLOCK_K]`` from ``k0`` (rows past M and k's past k_end zero), transposed and in MMA
-        positions: the B operand ``[BLOCK_K, 8]``. GATED: x is ``silu(gate) * up`` of the gate at ``x_ptr`` and the
-        up ``up_offset`` elements on, rounded as ``kernels.activation.silu_mul`` (and the torch reference) round."""
+        positions: the B operand ``[BLOCK_K, 8]``."""
         P: gl.constexpr = BLOCK_K // 32
         offs_m = gl.arange(0, 8, layout=gl.SliceLayout(1, x_layout))
         offs_k = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
         mask = (offs_m < M)[:, None] & (offs_k < k_end)[None, :]
-        ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        x = gl.load(ptrs, mask=mask, other=0.0)  # [8, BK]
-        if GATED:  # silu(0) * 0 = 0 outside the mask still
-            g = x.to(gl.float32)
-            act = (g / (1.0 + gl.exp(-g))).to(x.dtype).to(gl.float32)
-            x = (act * gl.load(ptrs + up_offset, mask=mask, other=0.0).to(gl.float32)).to(x.dtype)
+        x = gl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)  # [8, BK]
         # input feature 32p + 8q + 4h + 2 r1 + r0 -> MMA position 32p + 16 r1 + 8 r0 + 2q + h
         t = gl.permute(gl.reshape(x, (8, P, 4, 2, 2, 2)), (1, 4, 5, 2, 3, 0))  # [P, r1, r0, q, h, 8]
         return gl.convert_layout(gl.reshape(t, (BLOCK_K, 8)), b_layout)
@@ -140,11 +134,9 @@ if gluon is not None:
         M, N, K, K_PER_SPLIT, base_bits, base,
         stride_xm, stride_qk, stride_sg, stride_zg, stride_om,
         GROUP_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT: gl.constexpr,
-        EVEN_N: gl.constexpr, IS_BF16: gl.constexpr, W_LAYOUT: gl.constexpr, GATED: gl.constexpr,
-        num_warps: gl.constexpr,
+        EVEN_N: gl.constexpr, IS_BF16: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """W_LAYOUT: :func:`words_layout`; GATED: x is the MLP's gate_up output ``[M, 2K]`` and the GEMM's input its
-        ``silu(gate) * up`` (:func:`_x_operand`). out^T = W^T x^T: the weights are the MMA's A operand (16 output features a warp's tile, the MMA's
+        """W_LAYOUT: :func:`words_layout`. out^T = W^T x^T: the weights are the MMA's A operand (16 output features a warp's tile, the MMA's
         rows), x^T its B (8 columns: M <= 8)."""
         P: gl.constexpr = BLOCK_K // 32
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
@@ -169,7 +161,7 @@ if gluon is not None:
         for k0 in range(k_start, k_end, BLOCK_K):
             w_ptrs = qw_ptr + (k0 // 8 + word_rows) * stride_qk + w_cols
             words = gl.load(w_ptrs, mask=(w_cols < N) | EVEN_N, other=0)  # EVEN_N: no mask left to compute
-            xb = _x_operand(x_ptr, stride_xm, M, k0, k_end, K, BLOCK_K, b_layout, x_layout, GATED)
+            xb = _x_operand(x_ptr, stride_xm, M, k0, k_end, BLOCK_K, b_layout, x_layout)
             d = mma_v2(_weight_operand(words, base_bits, a_layout, IS_BF16), xb, gl.zeros_like(acc))
             # x's row sums from the MMA too (ones times x^T): each thread gets the sums of its own columns
             xs = gl.max(mma_v2(ones, xb, gl.zeros((16 * num_warps, 8), gl.float32, layout=mma)), axis=0)
@@ -235,7 +227,7 @@ def int4_gemv_mma_ref(
 
 
 def int4_gemv_mma(
-    x: torch.Tensor,  # [M, K] bf16 or fp16, M <= 8, unit stride along K; gated: [M, 2K] (gate | up)
+    x: torch.Tensor,  # [M, K] bf16 or fp16, M <= 16, unit stride along K
     qweight: torch.Tensor,  # [K // 8, N] int32, contiguous along N
     scales: torch.Tensor,  # [num_groups, N]
     zeros: torch.Tensor,  # [num_groups, N] uint8
@@ -246,12 +238,10 @@ def int4_gemv_mma(
     block_k: int,
     split_k: int,
     num_warps: int,
-    gated: bool = False,
 ) -> None:
     """Launches on inputs ``kernels.int4_gemm.int4_gemm`` has checked (:func:`gemv_mma_available`);
-    ``block_k`` (a multiple of 32) must divide the group, ``block_n`` be a multiple of ``8 * num_warps``.
-    ``gated``: the GEMM of ``silu_and_mul(x)``, computed as x is loaded (K is half of x's columns)."""
-    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
+    ``block_k`` (a multiple of 32) must divide the group, ``block_n`` be a multiple of ``8 * num_warps``."""
+    m, k = x.shape
     n = qweight.shape[1]
     if gluon is None:
         raise RuntimeError("the MMA GEMV needs a Triton with Gluon")
@@ -269,5 +259,5 @@ def int4_gemv_mma(
         x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, EVEN_N=n % block_n == 0,
         IS_BF16=x.dtype == torch.bfloat16, W_LAYOUT=words_layout(block_k // PERMUTE_SPAN, block_n, num_warps),
-        GATED=gated, num_warps=num_warps,
+        num_warps=num_warps,
     )  # fmt: skip

@@ -110,7 +110,6 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     # kernels.int4_gemv_mma at M = 1 too (its norm, activation and residual as their own launches: it fuses none)
     "mma1": {"kernels.int4_plan:MMA_M": (1, 8)},
     "nomma": {"kernels.int4_plan:MMA_M": (1 << 30, 1 << 30)},  # the GEMV and tl.dot at M = 2-8, as before 6b4189b
-    "mmaungated": {"kernels.int4_gemm:MMA_GATED": False},  # the down projection's activation as its own launch
 }
 
 

@@ -11,9 +11,8 @@ import json
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul
 from kernels.int4_dequant import pack_int4
-from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_gated_ref, int4_gemm_ref
+from kernels.int4_gemm import int4_gemm, int4_gemm_ref
 from kernels.int4_gemv_mma import PERMUTE_SPAN, gluon, int4_gemv_mma_ref, mma_position
 from kernels.int4_plan import MMA_LIMIT_M, Int4GemmConfig, pick_config
 from tests.kernels.helpers import DEVICE, rel_err, run_without_interpreter, tolerance
@@ -95,7 +94,6 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from kernels.int4_gemv_mma import _int4_gemv_mma_kernel, words_layout
 
 c = json.loads(sys.argv[1])
-c.setdefault("GATED", False)
 c["W_LAYOUT"] = words_layout(c["BLOCK_K"] // 32, c["BLOCK_N"], c["num_warps"])
 half = "*bf16" if c["IS_BF16"] else "*fp16"
 types = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "base": "fp32", "x_ptr": half,
@@ -116,15 +114,14 @@ with tempfile.TemporaryDirectory() as tmp:
 
 @pytest.mark.skipif(gluon is None, reason="needs a Triton with Gluon")
 @pytest.mark.parametrize(
-    ("is_bf16", "group", "block_k", "block_n", "split", "gated"),
-    [(True, 128, 128, 128, 8, True), (False, 32, 32, 256, 1, False)],
+    ("is_bf16", "group", "block_k", "block_n", "split"), [(True, 128, 128, 128, 8), (False, 32, 32, 256, 1)]
 )
 def test_compiles_for_sm90_with_the_weights_in_registers(
-    is_bf16: bool, group: int, block_k: int, block_n: int, split: int, gated: bool
+    is_bf16: bool, group: int, block_k: int, block_n: int, split: int
 ) -> None:
     """``assert_trivial`` in the kernel fails the compile if the codes need any data movement to reach the MMA."""
     constexprs = {"GROUP_SIZE": group, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split, "EVEN_N": True,
-                  "IS_BF16": is_bf16, "GATED": gated, "num_warps": 4}  # fmt: skip
+                  "IS_BF16": is_bf16, "num_warps": 4}  # fmt: skip
     report = run_without_interpreter(_COMPILE, json.dumps(constexprs))
     assert "0 bytes spill stores" in report, report
 
@@ -181,18 +178,3 @@ def test_replayed_from_a_cuda_graph(gen: torch.Generator) -> None:
         x.copy_(torch.randn(1, 14336, generator=gen).to(torch.bfloat16))
         graph.replay()
         assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 128)) < tolerance(torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gated_down_projection_on_the_gpu(gen: torch.Generator) -> None:
-    """down_proj of gate_up's output ``x2 [M, 2 * 14336]`` at M = 2, 4, 8: the activation computed as x is loaded,
-    against the activation's own launch + the MMA GEMV (atomic split-K: equal up to the summation order) and the
-    reference."""
-    qweight, scales, zeros = _weights(14336, 4096, 128, torch.bfloat16, gen)
-    for m in (2, 4, 8):
-        x2 = (2 * torch.randn(m, 2 * 14336, generator=gen)).to(torch.bfloat16).to(DEVICE)
-        out = int4_gemm_gated(x2, qweight, scales, zeros, 128, config=MMA)
-        two_launches = int4_gemm(silu_and_mul(x2), qweight, scales, zeros, 128, config=MMA)
-        assert rel_err(out, two_launches) < 1e-3
-        assert rel_err(out, int4_gemm_gated_ref(x2, qweight, scales, zeros, 128)) < tolerance(torch.bfloat16)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.int4_dequant import unpack_int4
 from kernels.int4_gemv import zeroed_scratch
 
 try:
@@ -210,8 +211,6 @@ def int4_gemv_mma_ref(
     """The kernel's arithmetic in fp32 torch, in its order of k (``mma_position``): per group ``s (sum_k (base +
     c_k) x_k - (base + z) sum_k x_k)``, summed over the groups. For tests: the order the sums run in is the kernel's
     only up to fp32 rounding."""
-    from kernels.int4_dequant import unpack_int4
-
     base = BASE[x.dtype][0] if x.dtype in BASE else 0.0
     k = x.shape[1]
     pos = mma_position(torch.arange(k))
@@ -227,7 +226,7 @@ def int4_gemv_mma_ref(
 
 
 def int4_gemv_mma(
-    x: torch.Tensor,  # [M, K] bf16 or fp16, M <= 16, unit stride along K
+    x: torch.Tensor,  # [M, K] bf16 or fp16, M <= 8, unit stride along K
     qweight: torch.Tensor,  # [K // 8, N] int32, contiguous along N
     scales: torch.Tensor,  # [num_groups, N]
     zeros: torch.Tensor,  # [num_groups, N] uint8

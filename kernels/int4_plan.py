@@ -15,6 +15,7 @@ import torch
 
 from kernels._triton import next_pow2
 from kernels.int4_dequant import PACK
+from kernels.int4_gemv_mma import PERMUTE_SPAN
 
 Kernel = Literal["dot", "gemv", "gemv_cols", "mma"]
 SplitReduce = Literal["counter", "atomic"]
@@ -190,7 +191,7 @@ def pick_config(
         if user.kernel == "mma":
             raise ValueError("the mma kernel sums split-K with atomics only (split_reduce='atomic' or None)")
         kernel = GEMV_KERNEL if m <= GEMV_MAX_M else "dot"
-    if kernel == "mma" and (has_g_idx or group_size % 32 or m > MMA_LIMIT_M):
+    if kernel == "mma" and (has_g_idx or group_size % PERMUTE_SPAN or m > MMA_LIMIT_M):
         kernel = "gemv" if m <= GEMV_LIMIT_M else "dot"  # act-order, odd groups, more rows: what the MMA can't run
     if kernel == "mma":
         return _pick_mma(m, n, k, group_size, num_sms, user)
@@ -259,7 +260,7 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     MMA_PROGRAMS_PER_SM programs per SM, summed by atomics (the kernel's only reduction)."""
     bn, warps = user.block_n or MMA_TILE[0], user.num_warps or MMA_TILE[1]
     bk = user.block_k or min(128, group_size & -group_size)
-    if bk % 32 or group_size % bk or bn % (16 * warps):
+    if bk % PERMUTE_SPAN or group_size % bk or bn % (16 * warps):
         raise ValueError(
             f"mma: block_k {bk} must be a multiple of 32 dividing the group, block_n a multiple of 16 * warps"
         )

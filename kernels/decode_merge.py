@@ -6,6 +6,7 @@ agree on: a partition's length and which query row a sequence decodes."""
 from __future__ import annotations
 
 from kernels._triton import tl, triton
+from kernels.pdl import launch_dependents
 
 
 @triton.jit
@@ -92,8 +93,10 @@ def _decode_reduce_kernel(
     seq_lens_ptr, query_start_loc_ptr, out_ptr, part_out_ptr, part_stats_ptr,
     stride_os, stride_oh, num_partitions,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DYNAMIC: tl.constexpr, CHUNK: tl.constexpr, STEP_ROWS: tl.constexpr,
+    DYNAMIC: tl.constexpr, CHUNK: tl.constexpr, STEP_ROWS: tl.constexpr, TRIGGER: tl.constexpr,
 ):  # fmt: skip
+    if TRIGGER:  # a PDL-launched next kernel (o_proj's int4 GEMV) may start loading its weights (kernels.pdl)
+        launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)

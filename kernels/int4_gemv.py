@@ -44,6 +44,8 @@ import torch
 from kernels._triton import next_pow2, tl, triton
 from kernels.activation import silu_mul
 from kernels.fused_norm import NormIn, new_sumsq, normalize, row_inv_rms, store_tile
+from kernels.l2_prefetch import prefetch_rows
+from kernels.pdl import launch_dependents, pdl_supported, wait_prior_grids
 
 SPLIT_MODES = {"none": 0, "counter": 1, "atomic": 2}
 SPLIT_CHUNK_ELEMS = 4096  # fp32 partials the last program of a tile loads at once: [chunk, BM, BN]
@@ -301,11 +303,12 @@ def _int4_gemv_kernel(
     GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, FACTORED: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
     SUBNORMAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-    NORMED: tl.constexpr, PARTS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    NORMED: tl.constexpr, PARTS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """NORMED: x is ``h``, normalized as it is loaded (weight ``nw``, partial sums of squares ``ssi [M,
     num_parts]``); ADD_RESIDUAL: the output is ``out + res``, its sums of squares to ``sso``
-    (``kernels.fused_norm``)."""
+    (``kernels.fused_norm``). PDL (launched with ``launch_pdl``, ``kernels.pdl``): the program asks the L2 for
+    its K range's words, then waits for the kernel before; the next kernel may start once its K loop is done."""
     ROWS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -316,6 +319,15 @@ def _int4_gemv_kernel(
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     up_offset = K * stride_xk  # GATED: x is x2 [M, 2K], the up half K columns after the gate
+    if PDL:  # the weights are nobody's output: fetched while the kernel before finishes
+        prefetch_rows(
+            qw_ptr + pid_n * BLOCK_N,
+            k_start // 8,
+            tl.cdiv(k_end, 8),
+            stride_qk,
+            tl.minimum(N - pid_n * BLOCK_N, BLOCK_N),
+        )
+        wait_prior_grids()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     inv = row_inv_rms(ssi_ptr, offs_m, M, num_parts, K, eps, PARTS) if NORMED else tl.zeros((BLOCK_M,), tl.float32)
     # a dot-free loop is software-pipelined only when the loop itself carries num_stages
@@ -341,6 +353,8 @@ def _int4_gemv_kernel(
                 stride_xm, stride_xk, stride_sg, stride_zg, up_offset, GROUP_SIZE, HAS_G_IDX, ONE_GROUP_PER_TILE, GATED,
                 NORMED,
             )  # fmt: skip
+    if PDL:
+        launch_dependents()
     finish_tile(
         acc, out_ptr, ws_ptr, cnt_ptr, res_ptr, sso_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n,
         tl.num_programs(0), pid_k, tl.num_programs(1), SPLIT_MODE, SPLIT_CHUNK, ADD_RESIDUAL,
@@ -367,12 +381,14 @@ def int4_gemv_launch(
     gated: bool = False,
     norm: NormIn | None = None,
     residual: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor | None:
     """Launches the GEMV on inputs ``kernels.int4_gemm.int4_gemm`` (``int4_gemm_gated``) has checked;
     ``factored`` needs each ``block_k`` tile inside one group (no g_idx, ``group_size % block_k == 0``) and
     falls back to exact. ``gated``: the GEMV of ``silu_and_mul(x)``, K is half of x's columns. ``norm``: x is
     its ``h``, normalized as loaded; ``residual``: ``out`` gets ``out + residual`` and the sums of squares
-    ``[M, tiles]`` are returned (``kernels.fused_norm``)."""
+    ``[M, tiles]`` are returned (``kernels.fused_norm``). ``pdl``: launched with programmatic dependent launch
+    where the device has it (``kernels.pdl``)."""
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = qweight.shape[1]
     block_m = next_pow2(m)
@@ -382,6 +398,7 @@ def int4_gemv_launch(
     target = split_target(split_reduce, split, num_tiles, block_m * block_n, out)
     one_group = g_idx is None and group_size % block_k == 0
     sumsq = new_sumsq(m, num_tiles, x.device) if residual is not None else None
+    pdl = pdl and pdl_supported(x)
     _int4_gemv_kernel[(num_tiles, split)](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, target.workspace, target.counters,
         out if norm is None else norm.weight, out if norm is None else norm.sumsq,
@@ -394,6 +411,6 @@ def int4_gemv_launch(
         ONE_GROUP_PER_TILE=one_group, SUBNORMAL=subnormal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk, EVEN=n % block_n == 0 and k % block_k == 0, GATED=gated,
         NORMED=norm is not None, PARTS=1 if norm is None else norm.parts_block, ADD_RESIDUAL=residual is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return sumsq

@@ -74,6 +74,11 @@ GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thre
 # faster than this launch alone, but in the int4 model batches 2 / 4 / 8 took 2.93 / 3.01 / 3.18 ms against
 # 2.78 / 2.85 / 3.03 with this one), and vector loads of the words (no faster alone).
 # sm_90 SASS of the loop at group 128: 2.07 instructions a weight at 256 columns, 2.80 at 128 (the GEMV: 3.0-5.0).
+# The GEMV launched with programmatic dependent launch on sm_90+ (kernels.pdl): its programs start while the
+# kernel before finishes and ask the L2 for their words before they wait for it, and the next kernel may start
+# during this one's split-K reduction. Not yet measured on a GPU (int4_model variant "pdl");
+# PAGEDSERVE_INT4_PDL=1 turns it on.
+GEMV_PDL = os.environ.get("PAGEDSERVE_INT4_PDL", "0") == "1"
 MMA_M = (2, 8)
 MMA_TILE = (128, 4)
 MMA_PROGRAMS_PER_SM = 4
@@ -110,6 +115,8 @@ class Int4GemmConfig:
     paired_nibbles: bool | None = None
     # gemv (factored): codes read as subnormals (None: GEMV_SUBNORMAL)
     subnormal: bool | None = None
+    # gemv: launched with programmatic dependent launch where the device has it (None: GEMV_PDL)
+    pdl: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in (None, *KERNELS):
@@ -150,6 +157,7 @@ class Int4Launch:
     factored: bool
     paired_nibbles: bool = False  # gemv_cols only
     subnormal: bool = False  # factored gemv only
+    pdl: bool = False  # gemv only
 
 
 @lru_cache(maxsize=8)
@@ -303,6 +311,7 @@ def _pick_gemv(
     return Int4Launch(
         "gemv", block_m, bn, bk, split, _reduce(user, m, split), user.num_warps or warps, user.num_stages or 2,
         unpack_in_registers=False, factored=factored, subnormal=subnormal,
+        pdl=GEMV_PDL if user.pdl is None else user.pdl,
     )  # fmt: skip
 
 

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels._triton import check_float, next_pow2, require_triton, tl, triton
+from kernels.pdl import launch_dependents, pdl_supported, wait_prior_grids
 
 _MAX_HIDDEN = 65536  # one program holds a whole row in registers
+# Launched with programmatic dependent launch on sm_90+ (kernels.pdl): the weight is loaded while the kernel before
+# finishes (the int4 GEMV lets it start during its split-K reduction). Not yet measured on a GPU (int4_model
+# variant "pdlnorm"); PAGEDSERVE_NORM_PDL=1 turns it on.
+RMS_NORM_PDL = os.environ.get("PAGEDSERVE_NORM_PDL", "0") == "1"
 
 
 def rms_norm_ref(
@@ -31,14 +38,18 @@ def rms_norm_ref(
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
     stride_x, stride_r, stride_o, stride_ro,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TRIGGER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if TRIGGER:  # a PDL-launched next kernel (the int4 GEMV) may start loading its weights (kernels.pdl)
+        launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
     # the weight is loaded first: issued after the reduction's barriers, its load would add a memory round trip
     # to a kernel whose M = 1 call (a decode step at batch 1, 65 calls) is all latency
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PDL:  # the weight is nobody's output; x and the residual are the kernel before's
+        wait_prior_grids()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # round the sum to the input dtype before the norm, as the reference (and HF) does
@@ -85,10 +96,12 @@ def rms_norm(
     residual_out = torch.empty_like(x) if residual is not None else out
     if num_tokens > 0:
         res_in = residual if residual is not None else x
+        pdl = pdl_supported(x)
         _rms_norm_kernel[(num_tokens,)](
             x, res_in, weight, out, residual_out, eps,
             x.stride(0), res_in.stride(0), out.stride(0), residual_out.stride(0),
-            HIDDEN=hidden, BLOCK=next_pow2(hidden), HAS_RESIDUAL=residual is not None,
-            num_warps=min(16, max(1, next_pow2(hidden) // 256)),
+            HIDDEN=hidden, BLOCK=next_pow2(hidden), HAS_RESIDUAL=residual is not None, TRIGGER=pdl,
+            PDL=pdl and RMS_NORM_PDL, num_warps=min(16, max(1, next_pow2(hidden) // 256)),
+            **({"launch_pdl": True} if pdl and RMS_NORM_PDL else {}),
         )  # fmt: skip
     return out if residual is None else (out, residual_out)

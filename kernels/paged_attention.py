@@ -23,6 +23,7 @@ from kernels.attention_launch import (
 )
 from kernels.decode_merge import _decode_reduce_kernel, _merge_if_last, _partition_len, _query_row
 from kernels.decode_plan import MERGE_CHUNK, num_sms, plan_decode
+from kernels.pdl import pdl_supported
 from kernels.rope_cache import DecodeRope, store_new_kv
 from kernels.rotary import rope_rows
 
@@ -301,7 +302,7 @@ def _paged_decode_attention(
             out.stride(0), out.stride(1), num_partitions,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim), PARTITION_SIZE=plan.partition_size,
             BLOCK_N=plan.block_n, DYNAMIC=plan.dynamic, CHUNK=min(reduce_chunk, next_pow2(num_partitions)),
-            STEP_ROWS=query_start_loc is not None, num_warps=4,
+            STEP_ROWS=query_start_loc is not None, TRIGGER=pdl_supported(out), num_warps=4,
         )  # fmt: skip
     return out
 

@@ -110,6 +110,8 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     # kernels.int4_gemv_mma at M = 1 too (its norm, activation and residual as their own launches: it fuses none)
     "mma1": {"kernels.int4_plan:MMA_M": (1, 8)},
     "nomma": {"kernels.int4_plan:MMA_M": (1 << 30, 1 << 30)},  # the GEMV and tl.dot at M = 2-8, as before 6b4189b
+    "pdl": {"kernels.int4_plan:GEMV_PDL": True},  # the M = 1 GEMV launched with PDL (kernels.pdl)
+    "pdlnorm": {"kernels.int4_plan:GEMV_PDL": True, "kernels.norm:RMS_NORM_PDL": True},  # and the RMSNorm
 }
 
 

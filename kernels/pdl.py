@@ -1,0 +1,50 @@
+"""Programmatic dependent launch (PDL, Hopper and later): a kernel launched with Triton's ``launch_pdl=True``
+may start while the kernel before it on the stream is still running. Its programs may do work that reads
+nothing the kernel before writes (load weights) and must then call :func:`wait_prior_grids` before any other
+load or store; that waits until the kernel before has completed and its writes are visible. A kernel calls
+:func:`launch_dependents` once its own programs no longer need the SMs to themselves: the next kernel's
+programs are scheduled once every program of this one has called it or exited. Without a PDL launch after it
+the call does nothing, and without ``launch_pdl`` on this kernel the wait returns at once.
+
+Triton 3.6 and 3.7 both compile ``griddepcontrol`` from inline PTX (sm_90+); the interpreter cannot run it, so
+callers pass a constexpr that :func:`pdl_supported` decides.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+from kernels._triton import tl, triton
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pdl_supported(t: torch.Tensor) -> bool:
+    """Whether a kernel on ``t``'s device can use ``griddepcontrol`` (compiled, not interpreted; sm_90+)."""
+    return (
+        t.is_cuda
+        and not _INTERPRET
+        and _hopper_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    )
+
+
+@lru_cache(maxsize=8)
+def _hopper_or_later(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+@triton.jit
+def wait_prior_grids():
+    """``griddepcontrol.wait``: the kernel before this one has completed and its memory is visible."""
+    tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def launch_dependents():
+    """``griddepcontrol.launch_dependents``: this program lets a PDL-launched next kernel start."""
+    tl.inline_asm_elementwise(
+        "griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )

@@ -1,0 +1,106 @@
+"""Programmatic dependent launch (``kernels.pdl``) in the batch-1 int4 chain: the int4 GEMV and the RMSNorm
+launched with it, the RMSNorm and the decode merge letting the next kernel start. On CPU: the plan's switch and
+the sm_90 compiles (the interpreter cannot run ``griddepcontrol``). On a GPU: the chain RMSNorm -> gate_up GEMV
+-> gated down GEMV (+ residual) -> RMSNorm, each launched with PDL, replayed from a CUDA graph with new inputs,
+equals the torch references at every replay: a program that read x before its wait would read the replay
+before's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.norm as norm_module
+from kernels.activation import silu_and_mul_ref
+from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_ref, int4_gemm_residual
+from kernels.int4_plan import GEMV_PDL, Int4GemmConfig, pick_config
+from kernels.norm import rms_norm, rms_norm_ref
+from kernels.pdl import pdl_supported
+from tests.kernels.helpers import capture_graph, int4_weights, rel_err, tolerance, ttgir_sm90
+
+
+def test_plan_launches_the_gemv_with_pdl_only_when_asked() -> None:
+    assert not GEMV_PDL  # off until a same-run A/B on a GPU says otherwise
+    assert not pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig()).pdl
+    assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(pdl=True)).pdl
+    assert not pick_config(16, 4096, 4096, 128, 132, Int4GemmConfig(pdl=True)).pdl  # tl.dot: no PDL
+    assert not pdl_supported(torch.zeros(1))  # CPU tensors never
+
+
+@pytest.mark.parametrize("subnormal", [False, True])
+def test_pdl_gemv_compiles_for_sm90(subnormal: bool) -> None:
+    """The PDL GEMV asks the L2 for its words, waits, and lets the next kernel start: the three PTX
+    instructions are in the sm_90 compile, the wait ahead of the first activation load."""
+    constexprs: dict[str, object] = {
+        "GROUP_SIZE": 128, "HAS_G_IDX": False, "FACTORED": True, "ONE_GROUP_PER_TILE": True,
+        "SUBNORMAL": subnormal, "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 2, "SPLIT_MODE": 2,
+        "SPLIT_CHUNK": 1, "EVEN": True, "GATED": True, "PDL": True,
+    }  # fmt: skip
+    ttgir = ttgir_sm90("gemv", constexprs, 4)
+    prefetch, wait = ttgir.index("prefetch.global.L2"), ttgir.index("griddepcontrol.wait")
+    assert prefetch < wait < ttgir.index("griddepcontrol.launch_dependents")
+    assert "griddepcontrol" not in ttgir_sm90("gemv", {**constexprs, "PDL": False}, 4)
+
+
+def _chain(x, res, weights, nw, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """RMSNorm(x + res) -> gate_up -> silu * mul -> down + residual -> RMSNorm: the batch-1 MLP's kernels."""
+    (gu, gu_s, gu_z), (dn, dn_s, dn_z) = weights
+    cfg = Int4GemmConfig(pdl=pdl)
+    h, res2 = rms_norm(x, nw, 1e-5, res)
+    x2 = int4_gemm(h, gu, gu_s, gu_z, 128, config=cfg)
+    out, _ = int4_gemm_residual(x2, dn, dn_s, dn_z, 128, None, res2, gated=True, config=cfg)
+    return rms_norm(out, nw, 1e-5), out  # type: ignore[return-value]
+
+
+def _chain_ref(x, res, weights, nw) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    (gu, gu_s, gu_z), (dn, dn_s, dn_z) = weights
+    h, res2 = rms_norm_ref(x, nw, 1e-5, res)
+    x2 = int4_gemm_ref(h, gu, gu_s, gu_z, 128)
+    out = int4_gemm_ref(silu_and_mul_ref(x2), dn, dn_s, dn_z, 128) + res2
+    return rms_norm_ref(out, nw, 1e-5), out  # type: ignore[return-value]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("norm_pdl", [False, True])
+def test_pdl_chain_replayed_from_a_cuda_graph(
+    norm_pdl: bool, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 8B MLP's shapes at M = 1 (gate_up 4096 -> 2 x 14336, down 14336 -> 4096), bf16."""
+    if not pdl_supported(torch.zeros(1, device="cuda")):
+        pytest.skip("griddepcontrol needs sm_90+")
+    monkeypatch.setattr(norm_module, "RMS_NORM_PDL", norm_pdl)
+    hidden, inter = 4096, 14336
+    weights = []
+    for k, n in ((hidden, 2 * inter), (inter, hidden)):
+        _, qw, s, z, _ = int4_weights(k, n, 128, False, torch.bfloat16, gen)
+        weights.append((qw.cuda(), s.cuda(), z.cuda()))
+    nw = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16).cuda()
+    x = torch.zeros(1, hidden, dtype=torch.bfloat16, device="cuda")
+    res = torch.zeros_like(x)
+    graph, (normed, out) = capture_graph(lambda: _chain(x, res, weights, nw, pdl=True))  # type: ignore[arg-type]
+    for _ in range(5):
+        x.copy_(torch.randn(1, hidden, generator=gen).to(torch.bfloat16))
+        res.copy_(torch.randn(1, hidden, generator=gen).to(torch.bfloat16))
+        graph.replay()
+        ref_normed, ref_out = _chain_ref(x, res, weights, nw)
+        assert rel_err(out, ref_out) < tolerance(torch.bfloat16)
+        assert rel_err(normed, ref_normed) < tolerance(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (4000, 4096)])
+def test_pdl_gemv_at_the_8b_shapes(n: int, k: int, gen: torch.Generator) -> None:
+    """Eager, PDL on and off (and the gated GEMV), against the reference; an N tail (4000) prefetches a short row."""
+    if not pdl_supported(torch.zeros(1, device="cuda")):
+        pytest.skip("griddepcontrol needs sm_90+")
+    _, qw, s, z, _ = int4_weights(k, n, 128, False, torch.bfloat16, gen)
+    qw, s, z = qw.cuda(), s.cuda(), z.cuda()
+    x2 = torch.randn(1, 2 * k, generator=gen).to(torch.bfloat16).cuda()
+    x = x2[:, :k].contiguous()
+    ref = int4_gemm_ref(x, qw, s, z, 128)
+    assert rel_err(int4_gemm(x, qw, s, z, 128, config=Int4GemmConfig(pdl=True)), ref) < tolerance(torch.bfloat16)
+    gated_ref = int4_gemm_ref(silu_and_mul_ref(x2), qw, s, z, 128)
+    gated = int4_gemm_gated(x2, qw, s, z, 128, config=Int4GemmConfig(pdl=True))
+    assert rel_err(gated, gated_ref) < tolerance(torch.bfloat16)

@@ -48,6 +48,8 @@ from kernels.l2_prefetch import prefetch_rows
 from kernels.pdl import launch_dependents, pdl_supported, wait_prior_grids
 
 SPLIT_MODES = {"none": 0, "counter": 1, "atomic": 2}
+# With a PDL launch (``kernels.pdl``) a program asks the L2 for its words before it waits for the kernel before
+PDL_PREFETCH = True
 SPLIT_CHUNK_ELEMS = 4096  # fp32 partials the last program of a tile loads at once: [chunk, BM, BN]
 
 # ---- split-K ----
@@ -304,11 +306,13 @@ def _int4_gemv_kernel(
     SUBNORMAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
     NORMED: tl.constexpr, PARTS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, TRIGGER: tl.constexpr,
 ):  # fmt: skip
     """NORMED: x is ``h``, normalized as it is loaded (weight ``nw``, partial sums of squares ``ssi [M,
     num_parts]``); ADD_RESIDUAL: the output is ``out + res``, its sums of squares to ``sso``
-    (``kernels.fused_norm``). PDL (launched with ``launch_pdl``, ``kernels.pdl``): the program asks the L2 for
-    its K range's words, then waits for the kernel before; the next kernel may start once its K loop is done."""
+    (``kernels.fused_norm``). PDL (launched with ``launch_pdl``, ``kernels.pdl``): the program waits for the kernel
+    before (PREFETCH: after asking the L2 for its K range's words); TRIGGER: a PDL-launched next kernel may start
+    once every program's K loop is done."""
     ROWS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -319,7 +323,7 @@ def _int4_gemv_kernel(
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     up_offset = K * stride_xk  # GATED: x is x2 [M, 2K], the up half K columns after the gate
-    if PDL:  # the weights are nobody's output: fetched while the kernel before finishes
+    if PREFETCH:  # the weights are nobody's output: fetched while the kernel before finishes
         prefetch_rows(
             qw_ptr + pid_n * BLOCK_N,
             k_start // 8,
@@ -327,6 +331,7 @@ def _int4_gemv_kernel(
             stride_qk,
             tl.minimum(N - pid_n * BLOCK_N, BLOCK_N),
         )
+    if PDL:
         wait_prior_grids()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     inv = row_inv_rms(ssi_ptr, offs_m, M, num_parts, K, eps, PARTS) if NORMED else tl.zeros((BLOCK_M,), tl.float32)
@@ -353,7 +358,7 @@ def _int4_gemv_kernel(
                 stride_xm, stride_xk, stride_sg, stride_zg, up_offset, GROUP_SIZE, HAS_G_IDX, ONE_GROUP_PER_TILE, GATED,
                 NORMED,
             )  # fmt: skip
-    if PDL:
+    if TRIGGER:
         launch_dependents()
     finish_tile(
         acc, out_ptr, ws_ptr, cnt_ptr, res_ptr, sso_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n,
@@ -398,7 +403,8 @@ def int4_gemv_launch(
     target = split_target(split_reduce, split, num_tiles, block_m * block_n, out)
     one_group = g_idx is None and group_size % block_k == 0
     sumsq = new_sumsq(m, num_tiles, x.device) if residual is not None else None
-    pdl = pdl and pdl_supported(x)
+    hopper = pdl_supported(x)
+    pdl = pdl and hopper
     _int4_gemv_kernel[(num_tiles, split)](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, target.workspace, target.counters,
         out if norm is None else norm.weight, out if norm is None else norm.sumsq,
@@ -411,6 +417,6 @@ def int4_gemv_launch(
         ONE_GROUP_PER_TILE=one_group, SUBNORMAL=subnormal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk, EVEN=n % block_n == 0 and k % block_k == 0, GATED=gated,
         NORMED=norm is not None, PARTS=1 if norm is None else norm.parts_block, ADD_RESIDUAL=residual is not None,
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, PREFETCH=pdl and PDL_PREFETCH, TRIGGER=hopper, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return sumsq

@@ -112,6 +112,12 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     "nomma": {"kernels.int4_plan:MMA_M": (1 << 30, 1 << 30)},  # the GEMV and tl.dot at M = 2-8, as before 6b4189b
     "pdl": {"kernels.int4_plan:GEMV_PDL": True},  # the M = 1 GEMV launched with PDL (kernels.pdl)
     "pdlnorm": {"kernels.int4_plan:GEMV_PDL": True, "kernels.norm:RMS_NORM_PDL": True},  # and the RMSNorm
+    "normpdl": {"kernels.norm:RMS_NORM_PDL": True},  # the RMSNorm only (the GEMV before lets it start)
+    "pdlnofetch": {  # both, the GEMV waiting at once (no L2 prefetch)
+        "kernels.int4_plan:GEMV_PDL": True,
+        "kernels.norm:RMS_NORM_PDL": True,
+        "kernels.int4_gemv:PDL_PREFETCH": False,
+    },  # fmt: skip
 }
 
 

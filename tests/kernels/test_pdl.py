@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.int4_gemv as int4_gemv
 import kernels.norm as norm_module
 from kernels.activation import silu_and_mul_ref
 from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_ref, int4_gemm_residual
@@ -34,12 +35,13 @@ def test_pdl_gemv_compiles_for_sm90(subnormal: bool) -> None:
     constexprs: dict[str, object] = {
         "GROUP_SIZE": 128, "HAS_G_IDX": False, "FACTORED": True, "ONE_GROUP_PER_TILE": True,
         "SUBNORMAL": subnormal, "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 2, "SPLIT_MODE": 2,
-        "SPLIT_CHUNK": 1, "EVEN": True, "GATED": True, "PDL": True,
+        "SPLIT_CHUNK": 1, "EVEN": True, "GATED": True, "PDL": True, "PREFETCH": True, "TRIGGER": True,
     }  # fmt: skip
     ttgir = ttgir_sm90("gemv", constexprs, 4)
     prefetch, wait = ttgir.index("prefetch.global.L2"), ttgir.index("griddepcontrol.wait")
     assert prefetch < wait < ttgir.index("griddepcontrol.launch_dependents")
-    assert "griddepcontrol" not in ttgir_sm90("gemv", {**constexprs, "PDL": False}, 4)
+    off = {**constexprs, "PDL": False, "PREFETCH": False, "TRIGGER": False}
+    assert "griddepcontrol" not in ttgir_sm90("gemv", off, 4)
 
 
 def _chain(x, res, weights, nw, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -62,14 +64,18 @@ def _chain_ref(x, res, weights, nw) -> tuple[torch.Tensor, torch.Tensor]:  # typ
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("norm_pdl", [False, True])
+@pytest.mark.parametrize(
+    ("gemv_pdl", "prefetch", "norm_pdl"),
+    [(True, True, False), (True, True, True), (True, False, True), (False, False, True)],
+)
 def test_pdl_chain_replayed_from_a_cuda_graph(
-    norm_pdl: bool, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+    gemv_pdl: bool, prefetch: bool, norm_pdl: bool, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The 8B MLP's shapes at M = 1 (gate_up 4096 -> 2 x 14336, down 14336 -> 4096), bf16."""
     if not pdl_supported(torch.zeros(1, device="cuda")):
         pytest.skip("griddepcontrol needs sm_90+")
     monkeypatch.setattr(norm_module, "RMS_NORM_PDL", norm_pdl)
+    monkeypatch.setattr(int4_gemv, "PDL_PREFETCH", prefetch)
     hidden, inter = 4096, 14336
     weights = []
     for k, n in ((hidden, 2 * inter), (inter, hidden)):
@@ -78,7 +84,7 @@ def test_pdl_chain_replayed_from_a_cuda_graph(
     nw = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16).cuda()
     x = torch.zeros(1, hidden, dtype=torch.bfloat16, device="cuda")
     res = torch.zeros_like(x)
-    graph, (normed, out) = capture_graph(lambda: _chain(x, res, weights, nw, pdl=True))  # type: ignore[arg-type]
+    graph, (normed, out) = capture_graph(lambda: _chain(x, res, weights, nw, pdl=gemv_pdl))  # type: ignore[arg-type]
     for _ in range(5):
         x.copy_(torch.randn(1, hidden, generator=gen).to(torch.bfloat16))
         res.copy_(torch.randn(1, hidden, generator=gen).to(torch.bfloat16))

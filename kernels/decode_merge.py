@@ -6,7 +6,7 @@ agree on: a partition's length and which query row a sequence decodes."""
 from __future__ import annotations
 
 from kernels._triton import tl, triton
-from kernels.pdl import launch_dependents
+from kernels.pdl import launch_dependents, wait_prior_grids
 
 
 @triton.jit
@@ -93,9 +93,11 @@ def _decode_reduce_kernel(
     seq_lens_ptr, query_start_loc_ptr, out_ptr, part_out_ptr, part_stats_ptr,
     stride_os, stride_oh, num_partitions,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DYNAMIC: tl.constexpr, CHUNK: tl.constexpr, STEP_ROWS: tl.constexpr, TRIGGER: tl.constexpr,
+    DYNAMIC: tl.constexpr, CHUNK: tl.constexpr, STEP_ROWS: tl.constexpr, TRIGGER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if TRIGGER:  # a PDL-launched next kernel (o_proj's int4 GEMV) may start loading its weights (kernels.pdl)
+    if PDL:  # launched with launch_pdl (kernels.pdl): the partitions kernel's output is read below
+        wait_prior_grids()
+    if TRIGGER:  # a PDL-launched next kernel (o_proj's int4 GEMV) may start (kernels.pdl)
         launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)

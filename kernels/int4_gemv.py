@@ -44,12 +44,9 @@ import torch
 from kernels._triton import next_pow2, tl, triton
 from kernels.activation import silu_mul
 from kernels.fused_norm import NormIn, new_sumsq, normalize, row_inv_rms, store_tile
-from kernels.l2_prefetch import prefetch_rows
 from kernels.pdl import launch_dependents, pdl_supported, wait_prior_grids
 
 SPLIT_MODES = {"none": 0, "counter": 1, "atomic": 2}
-# With a PDL launch (``kernels.pdl``) a program asks the L2 for its words before it waits for the kernel before
-PDL_PREFETCH = True
 SPLIT_CHUNK_ELEMS = 4096  # fp32 partials the last program of a tile loads at once: [chunk, BM, BN]
 
 # ---- split-K ----
@@ -305,14 +302,12 @@ def _int4_gemv_kernel(
     GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, FACTORED: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
     SUBNORMAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-    NORMED: tl.constexpr, PARTS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, TRIGGER: tl.constexpr,
+    NORMED: tl.constexpr, PARTS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):  # fmt: skip
     """NORMED: x is ``h``, normalized as it is loaded (weight ``nw``, partial sums of squares ``ssi [M,
     num_parts]``); ADD_RESIDUAL: the output is ``out + res``, its sums of squares to ``sso``
     (``kernels.fused_norm``). PDL (launched with ``launch_pdl``, ``kernels.pdl``): the program waits for the kernel
-    before (PREFETCH: after asking the L2 for its K range's words); TRIGGER: a PDL-launched next kernel may start
-    once every program's K loop is done."""
+    before, first of all; TRIGGER: a PDL-launched next kernel may start once every program's K loop is done."""
     ROWS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -323,14 +318,6 @@ def _int4_gemv_kernel(
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     up_offset = K * stride_xk  # GATED: x is x2 [M, 2K], the up half K columns after the gate
-    if PREFETCH:  # the weights are nobody's output: fetched while the kernel before finishes
-        prefetch_rows(
-            qw_ptr + pid_n * BLOCK_N,
-            k_start // 8,
-            tl.cdiv(k_end, 8),
-            stride_qk,
-            tl.minimum(N - pid_n * BLOCK_N, BLOCK_N),
-        )
     if PDL:
         wait_prior_grids()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -417,6 +404,6 @@ def int4_gemv_launch(
         ONE_GROUP_PER_TILE=one_group, SUBNORMAL=subnormal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk, EVEN=n % block_n == 0 and k % block_k == 0, GATED=gated,
         NORMED=norm is not None, PARTS=1 if norm is None else norm.parts_block, ADD_RESIDUAL=residual is not None,
-        PDL=pdl, PREFETCH=pdl and PDL_PREFETCH, TRIGGER=hopper, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, TRIGGER=hopper, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return sumsq

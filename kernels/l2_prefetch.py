@@ -52,25 +52,6 @@ def _prefetch_kernel(ptr, nbytes, STEP: tl.constexpr, PER_PROGRAM: tl.constexpr,
     )
 
 
-_PLAIN_LINE_ASM = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }")
-
-
-@triton.jit
-def prefetch_rows(base, row_start, row_end, stride_row, row_elems, LINES: tl.constexpr = 128):
-    """Inside a kernel: one ``prefetch.global.L2`` per 128-byte line of rows ``[row_start, row_end)`` of 4-byte
-    elements (row ``r``: ``row_elems`` of them from ``base + r * stride_row``), ``LINES`` lines at a time. No
-    alignment needed; ``kernels.int4_gemv`` asks for its words while it waits for the kernel before
-    (``kernels.pdl``)."""
-    lines_per_row = tl.cdiv(row_elems, 32)
-    total = (row_end - row_start) * lines_per_row
-    for l0 in range(0, total, LINES):
-        line = l0 + tl.arange(0, LINES)
-        ptrs = base + (row_start + line // lines_per_row) * stride_row + (line % lines_per_row) * 32
-        tl.inline_asm_elementwise(
-            _PLAIN_LINE_ASM, "=r,l,r", [ptrs, (line < total).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1
-        )
-
-
 def prefetch_l2(t: torch.Tensor, max_bytes: int | None = None, mode: str = "bulk", chunk: int = 8192) -> int:
     """Prefetches the first ``max_bytes`` (all by default) of ``t``'s bytes into the L2 on the current stream;
     returns how many it asked for (the bulk mode rounds down to 16 bytes). ``t`` must be contiguous."""

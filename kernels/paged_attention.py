@@ -23,10 +23,14 @@ from kernels.attention_launch import (
 )
 from kernels.decode_merge import _decode_reduce_kernel, _merge_if_last, _partition_len, _query_row
 from kernels.decode_plan import MERGE_CHUNK, num_sms, plan_decode
-from kernels.pdl import pdl_supported
+from kernels.pdl import launch_dependents, pdl_supported, wait_prior_grids
 from kernels.rope_cache import DecodeRope, store_new_kv
 from kernels.rotary import rope_rows
 
+# Both decode kernels launched with programmatic dependent launch on sm_90+ (kernels.pdl): each waits for the
+# kernel before first of all, so only its launch overlaps that kernel's end. Not yet measured on a GPU (int4_model
+# variant "pdlall"); PAGEDSERVE_DECODE_PDL=1 turns it on.
+DECODE_PDL = os.environ.get("PAGEDSERVE_DECODE_PDL", "0") == "1"
 _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # inline PTX (FENCE) only when compiled
 
@@ -126,10 +130,14 @@ def _decode_partition_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, DYNAMIC: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, CHUNK: tl.constexpr, STEP_ROWS: tl.constexpr,
-    ROPE: tl.constexpr, FENCE: tl.constexpr,
+    ROPE: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """ROPE (``kernels.decode_rope``): q, kn and vn are the step's raw rows; the query is rotated as it is
-    loaded, and the program whose partition holds the new token stores its rotated key and value first."""
+    loaded, and the program whose partition holds the new token stores its rotated key and value first. PDL
+    (launched with ``launch_pdl``, ``kernels.pdl``): waits for the kernel before, first of all."""
+    if PDL:
+        wait_prior_grids()
+        launch_dependents()
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -282,6 +290,7 @@ def _paged_decode_attention(
     # 64, 128 vs 133 at block_n 128 with 2 stages, 80 at 8 warps). Merging all heads of the KV head in one
     # [group, chunk, d] tile took 128-204.
     chunk = min(next_pow2(num_partitions), max(1, 4096 // head_dim_pad))
+    pdl = DECODE_PDL and pdl_supported(query)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc if query_start_loc is not None else seq_lens,
         out, part_out, part_stats, counters, scale * _LOG2E, sliding_window or 0,
@@ -292,9 +301,9 @@ def _paged_decode_attention(
         SINGLE_PARTITION=single,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
         FUSED_REDUCE=plan.fused_reduce, CHUNK=chunk, STEP_ROWS=query_start_loc is not None, ROPE=rope is not None,
-        FENCE=rope is not None and query.is_cuda and not _INTERPRET,
+        FENCE=rope is not None and query.is_cuda and not _INTERPRET, PDL=pdl,
         num_warps=num_warps,
-        num_stages=plan.num_stages,
+        num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     if not single and not plan.fused_reduce:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -302,7 +311,8 @@ def _paged_decode_attention(
             out.stride(0), out.stride(1), num_partitions,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim), PARTITION_SIZE=plan.partition_size,
             BLOCK_N=plan.block_n, DYNAMIC=plan.dynamic, CHUNK=min(reduce_chunk, next_pow2(num_partitions)),
-            STEP_ROWS=query_start_loc is not None, TRIGGER=pdl_supported(out), num_warps=4,
+            STEP_ROWS=query_start_loc is not None, TRIGGER=pdl_supported(out), PDL=pdl, num_warps=4,
+            **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
     return out
 

@@ -1,23 +1,24 @@
-"""Programmatic dependent launch (``kernels.pdl``) in the batch-1 int4 chain: the int4 GEMV and the RMSNorm
-launched with it, the RMSNorm and the decode merge letting the next kernel start. On CPU: the plan's switch and
-the sm_90 compiles (the interpreter cannot run ``griddepcontrol``). On a GPU: the chain RMSNorm -> gate_up GEMV
--> gated down GEMV (+ residual) -> RMSNorm, each launched with PDL, replayed from a CUDA graph with new inputs,
-equals the torch references at every replay: a program that read x before its wait would read the replay
-before's."""
+"""Programmatic dependent launch (``kernels.pdl``) in the batch-1 int4 chain: the int4 GEMV, the RMSNorm and both
+decode-attention kernels launched with it. On CPU: the plan's switch and the sm_90 compile (the interpreter
+cannot run ``griddepcontrol``). On a GPU, replayed from CUDA graphs with new inputs, equal to the torch
+references at every replay (a program that read its input before its wait would read the replay before's): the
+MLP's chain RMSNorm -> gate_up GEMV -> gated down GEMV (+ residual) -> RMSNorm, and the attention's
+query -> decode partitions -> merge -> o_proj GEMV."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import kernels.int4_gemv as int4_gemv
 import kernels.norm as norm_module
+import kernels.paged_attention as paged_attention
 from kernels.activation import silu_and_mul_ref
 from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_ref, int4_gemm_residual
 from kernels.int4_plan import GEMV_PDL, Int4GemmConfig, pick_config
 from kernels.norm import rms_norm, rms_norm_ref
+from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.pdl import pdl_supported
-from tests.kernels.helpers import capture_graph, int4_weights, rel_err, tolerance, ttgir_sm90
+from tests.kernels.helpers import capture_graph, int4_weights, paged_cache, rel_err, tolerance, ttgir_sm90
 
 
 def test_plan_launches_the_gemv_with_pdl_only_when_asked() -> None:
@@ -30,17 +31,17 @@ def test_plan_launches_the_gemv_with_pdl_only_when_asked() -> None:
 
 @pytest.mark.parametrize("subnormal", [False, True])
 def test_pdl_gemv_compiles_for_sm90(subnormal: bool) -> None:
-    """The PDL GEMV asks the L2 for its words, waits, and lets the next kernel start: the three PTX
-    instructions are in the sm_90 compile, the wait ahead of the first activation load."""
+    """The PDL GEMV waits, then lets the next kernel start after its K loop: both PTX instructions are in the
+    sm_90 compile, in that order; without PDL neither is."""
     constexprs: dict[str, object] = {
         "GROUP_SIZE": 128, "HAS_G_IDX": False, "FACTORED": True, "ONE_GROUP_PER_TILE": True,
         "SUBNORMAL": subnormal, "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 2, "SPLIT_MODE": 2,
-        "SPLIT_CHUNK": 1, "EVEN": True, "GATED": True, "PDL": True, "PREFETCH": True, "TRIGGER": True,
+        "SPLIT_CHUNK": 1, "EVEN": True, "GATED": True, "PDL": True, "TRIGGER": True,
     }  # fmt: skip
     ttgir = ttgir_sm90("gemv", constexprs, 4)
-    prefetch, wait = ttgir.index("prefetch.global.L2"), ttgir.index("griddepcontrol.wait")
-    assert prefetch < wait < ttgir.index("griddepcontrol.launch_dependents")
-    off = {**constexprs, "PDL": False, "PREFETCH": False, "TRIGGER": False}
+    assert ttgir.index("tt.load") > ttgir.index("griddepcontrol.wait")
+    assert ttgir.index("griddepcontrol.wait") < ttgir.index("griddepcontrol.launch_dependents")
+    off = {**constexprs, "PDL": False, "TRIGGER": False}
     assert "griddepcontrol" not in ttgir_sm90("gemv", off, 4)
 
 
@@ -75,7 +76,6 @@ def test_pdl_chain_replayed_from_a_cuda_graph(
     if not pdl_supported(torch.zeros(1, device="cuda")):
         pytest.skip("griddepcontrol needs sm_90+")
     monkeypatch.setattr(norm_module, "RMS_NORM_PDL", norm_pdl)
-    monkeypatch.setattr(int4_gemv, "PDL_PREFETCH", prefetch)
     hidden, inter = 4096, 14336
     weights = []
     for k, n in ((hidden, 2 * inter), (inter, hidden)):
@@ -110,3 +110,33 @@ def test_pdl_gemv_at_the_8b_shapes(n: int, k: int, gen: torch.Generator) -> None
     gated_ref = int4_gemm_ref(silu_and_mul_ref(x2), qw, s, z, 128)
     gated = int4_gemm_gated(x2, qw, s, z, 128, config=Int4GemmConfig(pdl=True))
     assert rel_err(gated, gated_ref) < tolerance(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seq_len", [1000, 8192])
+def test_pdl_attention_chain_replayed_from_a_cuda_graph(
+    seq_len: int, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch 1, an 8B model's heads: a query written by a torch kernel, the two decode kernels and o_proj's GEMV,
+    all three launched with PDL."""
+    if not pdl_supported(torch.zeros(1, device="cuda")):
+        pytest.skip("griddepcontrol needs sm_90+")
+    monkeypatch.setattr(paged_attention, "DECODE_PDL", True)
+    cache, tables = paged_cache([seq_len], 16, 8, 128, torch.bfloat16, gen)
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32, device="cuda")
+    _, qw, s, z, _ = int4_weights(4096, 4096, 128, False, torch.bfloat16, gen)
+    qw, s, z = qw.cuda(), s.cuda(), z.cuda()
+    src = torch.zeros(1, 32, 128, dtype=torch.bfloat16, device="cuda")
+
+    def step() -> torch.Tensor:
+        attn = paged_decode_attention(src * 2, cache, tables, seq_lens, 128**-0.5)  # [1, 32, 128]
+        return int4_gemm(attn.reshape(1, 4096), qw, s, z, 128, config=Int4GemmConfig(pdl=True))
+
+    graph, out = capture_graph(step)
+    for _ in range(4):
+        src.copy_(torch.randn(1, 32, 128, generator=gen).to(torch.bfloat16))
+        graph.replay()
+        attn = paged_decode_attention_ref(src * 2, cache, tables, seq_lens, 128**-0.5)
+        ref = int4_gemm_ref(attn.reshape(1, 4096), qw, s, z, 128)
+        assert rel_err(out, ref) < tolerance(torch.bfloat16)

@@ -176,7 +176,7 @@ def int4_gemm(
     if cfg.kernel == "mma" and gemv_mma_available(x, group_size, g_idx is not None):
         int4_gemv_mma(
             x, qweight, scales, zeros, group_size, out,
-            block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, num_warps=cfg.num_warps,
+            block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, num_warps=cfg.num_warps, pdl=cfg.pdl,
         )  # fmt: skip
     elif cfg.kernel == "mma":  # no Gluon here (the CPU interpreter): what runs without it
         fallback: Kernel = "gemv" if m <= GEMV_MAX_M else "dot"

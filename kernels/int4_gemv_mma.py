@@ -40,6 +40,7 @@ import torch
 
 from kernels.int4_dequant import unpack_int4
 from kernels.int4_gemv import zeroed_scratch
+from kernels.pdl import pdl_supported
 
 try:
     from triton.experimental import gluon
@@ -106,6 +107,19 @@ if gluon is not None:
     _CODES_ASM_C = gl.constexpr(_CODES_ASM)
 
     @gluon.jit
+    def _griddepcontrol(WAIT: gl.constexpr):
+        """``kernels.pdl``'s two instructions for a Gluon kernel: wait for the kernel before (WAIT), or let a
+        PDL-launched next kernel start."""
+        if WAIT:
+            gl.inline_asm_elementwise(
+                "griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+            )
+        else:
+            gl.inline_asm_elementwise(
+                "griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+            )
+
+    @gluon.jit
     def _weight_operand(words, base_bits, w_layout: gl.constexpr, IS_BF16: gl.constexpr):
         """``words [P, 4 (q), BN]`` -> the MMA's A operand ``[BN, 32 P]`` (output features by MMA positions), in
         registers."""
@@ -135,10 +149,14 @@ if gluon is not None:
         M, N, K, K_PER_SPLIT, base_bits, base,
         stride_xm, stride_qk, stride_sg, stride_zg, stride_om,
         GROUP_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT: gl.constexpr,
-        EVEN_N: gl.constexpr, IS_BF16: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
+        EVEN_N: gl.constexpr, IS_BF16: gl.constexpr, W_LAYOUT: gl.constexpr, PDL: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
         """W_LAYOUT: :func:`words_layout`. out^T = W^T x^T: the weights are the MMA's A operand (16 output features a warp's tile, the MMA's
-        rows), x^T its B (8 columns: M <= 8)."""
+        rows), x^T its B (8 columns: M <= 8). PDL (launched with ``launch_pdl``, ``kernels.pdl``): waits for the
+        kernel before first of all, and lets the next kernel start after its K loop."""
+        if PDL:
+            _griddepcontrol(True)
         P: gl.constexpr = BLOCK_K // 32
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -170,6 +188,8 @@ if gluon is not None:
             s = gl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(gl.float32)
             z = gl.load(z_ptr + g * stride_zg + offs_n, mask=mask_n, other=0).to(gl.float32)
             acc += s[:, None] * (d - (base + z)[:, None] * xs[None, :])
+        if PDL:
+            _griddepcontrol(False)
         offs_m = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
         mask = mask_n[:, None] & (offs_m < M)[None, :]
         out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -237,9 +257,11 @@ def int4_gemv_mma(
     block_k: int,
     split_k: int,
     num_warps: int,
+    pdl: bool = False,
 ) -> None:
     """Launches on inputs ``kernels.int4_gemm.int4_gemm`` has checked (:func:`gemv_mma_available`);
-    ``block_k`` (a multiple of 32) must divide the group, ``block_n`` be a multiple of ``8 * num_warps``."""
+    ``block_k`` (a multiple of 32) must divide the group, ``block_n`` be a multiple of ``8 * num_warps``; ``pdl``:
+    launched with programmatic dependent launch where the device has it (``kernels.pdl``)."""
     m, k = x.shape
     n = qweight.shape[1]
     if gluon is None:
@@ -252,11 +274,12 @@ def int4_gemv_mma(
     num_tiles = -(-n // block_n)
     ws = zeroed_scratch(x.device, torch.float32, m * n) if split > 1 else out
     counters = zeroed_scratch(x.device, torch.int32, num_tiles) if split > 1 else out
+    pdl = pdl and pdl_supported(x)
     _int4_gemv_mma_kernel[(num_tiles, split)](
         x, qweight, scales, zeros, out, ws, counters,
         m, n, k, k_per_split, bits, base,
         x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, EVEN_N=n % block_n == 0,
         IS_BF16=x.dtype == torch.bfloat16, W_LAYOUT=words_layout(block_k // PERMUTE_SPAN, block_n, num_warps),
-        num_warps=num_warps,
+        PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip

@@ -74,11 +74,12 @@ GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thre
 # faster than this launch alone, but in the int4 model batches 2 / 4 / 8 took 2.93 / 3.01 / 3.18 ms against
 # 2.78 / 2.85 / 3.03 with this one), and vector loads of the words (no faster alone).
 # sm_90 SASS of the loop at group 128: 2.07 instructions a weight at 256 columns, 2.80 at 128 (the GEMV: 3.0-5.0).
-# The GEMV launched with programmatic dependent launch on sm_90+ (kernels.pdl): its programs start while the
-# kernel before finishes and ask the L2 for their words before they wait for it, and the next kernel may start
-# during this one's split-K reduction. Not yet measured on a GPU (int4_model variant "pdl");
-# PAGEDSERVE_INT4_PDL=1 turns it on.
-GEMV_PDL = os.environ.get("PAGEDSERVE_INT4_PDL", "0") == "1"
+# The GEMV (M = 1) and the MMA GEMV (M = 2-8) launched with programmatic dependent launch on sm_90+
+# (kernels.pdl): the programs start while the kernel before finishes and wait for it first of all; the next kernel
+# may start during this one's split-K reduction. H200 (int4_model, batch 1, with the RMSNorm and the decode kernels
+# launched the same way, same process): 2.295-2.324 ms against 2.486 without (895de8b); the programs also asking
+# the L2 for their words before the wait took 2.627 (bc1c2e8, removed). PAGEDSERVE_INT4_PDL=0 turns it off.
+GEMV_PDL = os.environ.get("PAGEDSERVE_INT4_PDL", "1") != "0"
 MMA_M = (2, 8)
 MMA_TILE = (128, 4)
 MMA_PROGRAMS_PER_SM = 4
@@ -115,7 +116,7 @@ class Int4GemmConfig:
     paired_nibbles: bool | None = None
     # gemv (factored): codes read as subnormals (None: GEMV_SUBNORMAL)
     subnormal: bool | None = None
-    # gemv: launched with programmatic dependent launch where the device has it (None: GEMV_PDL)
+    # gemv, mma: launched with programmatic dependent launch where the device has it (None: GEMV_PDL)
     pdl: bool | None = None
 
     def __post_init__(self) -> None:
@@ -157,7 +158,7 @@ class Int4Launch:
     factored: bool
     paired_nibbles: bool = False  # gemv_cols only
     subnormal: bool = False  # factored gemv only
-    pdl: bool = False  # gemv only
+    pdl: bool = False  # gemv and mma only
 
 
 @lru_cache(maxsize=8)
@@ -276,7 +277,7 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), target, 32)
     return Int4Launch(
         "mma", next_pow2(m), bn, bk, split, "atomic" if split > 1 else "counter", warps, 1,
-        unpack_in_registers=False, factored=True,
+        unpack_in_registers=False, factored=True, pdl=GEMV_PDL if user.pdl is None else user.pdl,
     )  # fmt: skip
 
 

@@ -11,9 +11,10 @@ from kernels.pdl import launch_dependents, pdl_supported, wait_prior_grids
 
 _MAX_HIDDEN = 65536  # one program holds a whole row in registers
 # Launched with programmatic dependent launch on sm_90+ (kernels.pdl): the weight is loaded while the kernel before
-# finishes (the int4 GEMV lets it start during its split-K reduction). Not yet measured on a GPU (int4_model
-# variant "pdlnorm"); PAGEDSERVE_NORM_PDL=1 turns it on.
-RMS_NORM_PDL = os.environ.get("PAGEDSERVE_NORM_PDL", "0") == "1"
+# finishes (the int4 GEMVs let it start during their split-K reduction). H200, batch-1 TPOT: with the int4 GEMVs
+# and the decode kernels, kernels.int4_plan.GEMV_PDL says; bf16 8B (loadtest.throughput latency, with the decode
+# kernels) 4.163 ms against 4.175 without (895de8b). PAGEDSERVE_NORM_PDL=0 turns it off.
+RMS_NORM_PDL = os.environ.get("PAGEDSERVE_NORM_PDL", "1") != "0"
 
 
 def rms_norm_ref(

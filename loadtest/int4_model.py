@@ -110,13 +110,11 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     # kernels.int4_gemv_mma at M = 1 too (its norm, activation and residual as their own launches: it fuses none)
     "mma1": {"kernels.int4_plan:MMA_M": (1, 8)},
     "nomma": {"kernels.int4_plan:MMA_M": (1 << 30, 1 << 30)},  # the GEMV and tl.dot at M = 2-8, as before 6b4189b
-    # kernels.pdl: the M = 1 GEMV and the RMSNorm launched with PDL (the GEMV lets the next kernel start after
-    # its K loop on every sm_90 launch); "pdlall": both decode-attention kernels too
-    "pdl": {"kernels.int4_plan:GEMV_PDL": True, "kernels.norm:RMS_NORM_PDL": True},
-    "pdlall": {
-        "kernels.int4_plan:GEMV_PDL": True,
-        "kernels.norm:RMS_NORM_PDL": True,
-        "kernels.paged_attention:DECODE_PDL": True,
+    # no programmatic dependent launch (kernels.pdl) anywhere: the defaults before 2026-12-04 evening
+    "nopdl": {
+        "kernels.int4_plan:GEMV_PDL": False,
+        "kernels.norm:RMS_NORM_PDL": False,
+        "kernels.paged_attention:DECODE_PDL": False,
     },  # fmt: skip
 }
 

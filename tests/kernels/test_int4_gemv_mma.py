@@ -93,7 +93,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kernels.int4_gemv_mma import _int4_gemv_mma_kernel, words_layout
 
-c = json.loads(sys.argv[1])
+c = {"PDL": False, **json.loads(sys.argv[1])}
 c["W_LAYOUT"] = words_layout(c["BLOCK_K"] // 32, c["BLOCK_N"], c["num_warps"])
 half = "*bf16" if c["IS_BF16"] else "*fp16"
 types = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "base": "fp32", "x_ptr": half,
@@ -109,21 +109,25 @@ with tempfile.TemporaryDirectory() as tmp:
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     print(subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.path.join(tmp, "k.o")],
                          capture_output=True, text=True, check=True).stderr)
+print("griddepcontrol" * compiled.asm["ptx"].count("griddepcontrol"))
 """
 
 
 @pytest.mark.skipif(gluon is None, reason="needs a Triton with Gluon")
 @pytest.mark.parametrize(
-    ("is_bf16", "group", "block_k", "block_n", "split"), [(True, 128, 128, 128, 8), (False, 32, 32, 256, 1)]
+    ("is_bf16", "group", "block_k", "block_n", "split", "pdl"),
+    [(True, 128, 128, 128, 8, True), (False, 32, 32, 256, 1, False)],
 )
 def test_compiles_for_sm90_with_the_weights_in_registers(
-    is_bf16: bool, group: int, block_k: int, block_n: int, split: int
+    is_bf16: bool, group: int, block_k: int, block_n: int, split: int, pdl: bool
 ) -> None:
-    """``assert_trivial`` in the kernel fails the compile if the codes need any data movement to reach the MMA."""
+    """``assert_trivial`` in the kernel fails the compile if the codes need any data movement to reach the MMA;
+    with PDL (``kernels.pdl``) both ``griddepcontrol`` instructions are in the PTX."""
     constexprs = {"GROUP_SIZE": group, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split, "EVEN_N": True,
-                  "IS_BF16": is_bf16, "num_warps": 4}  # fmt: skip
+                  "IS_BF16": is_bf16, "PDL": pdl, "num_warps": 4}  # fmt: skip
     report = run_without_interpreter(_COMPILE, json.dumps(constexprs))
     assert "0 bytes spill stores" in report, report
+    assert report.count("griddepcontrol") == (2 if pdl else 0)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
-"""Programmatic dependent launch (``kernels.pdl``) in the batch-1 int4 chain: the int4 GEMV, the RMSNorm and both
-decode-attention kernels launched with it. On CPU: the plan's switch and the sm_90 compile (the interpreter
-cannot run ``griddepcontrol``). On a GPU, replayed from CUDA graphs with new inputs, equal to the torch
+"""Programmatic dependent launch (``kernels.pdl``) in the small-batch decode chain: the int4 GEMVs, the RMSNorm and
+both decode-attention kernels launched with it (the defaults on sm_90+). On CPU: the plan's switch and the sm_90
+compile (the interpreter cannot run ``griddepcontrol``). On a GPU, replayed from CUDA graphs with new inputs, equal to the torch
 references at every replay (a program that read its input before its wait would read the replay before's): the
 MLP's chain RMSNorm -> gate_up GEMV -> gated down GEMV (+ residual) -> RMSNorm, and the attention's
 query -> decode partitions -> merge -> o_proj GEMV."""
@@ -21,11 +21,13 @@ from kernels.pdl import pdl_supported
 from tests.kernels.helpers import capture_graph, int4_weights, paged_cache, rel_err, tolerance, ttgir_sm90
 
 
-def test_plan_launches_the_gemv_with_pdl_only_when_asked() -> None:
-    assert not GEMV_PDL  # off until a same-run A/B on a GPU says otherwise
-    assert not pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig()).pdl
-    assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(pdl=True)).pdl
-    assert not pick_config(16, 4096, 4096, 128, 132, Int4GemmConfig(pdl=True)).pdl  # tl.dot: no PDL
+def test_plan_launches_the_gemvs_with_pdl_by_default() -> None:
+    """The GEMV (M = 1) and the MMA GEMV (M = 2-8): GEMV_PDL (on), unless the caller says; tl.dot never."""
+    assert GEMV_PDL
+    for m in (1, 4):
+        assert pick_config(m, 4096, 4096, 128, 132, Int4GemmConfig()).pdl
+        assert not pick_config(m, 4096, 4096, 128, 132, Int4GemmConfig(pdl=False)).pdl
+    assert not pick_config(16, 4096, 4096, 128, 132, Int4GemmConfig(pdl=True)).pdl
     assert not pdl_supported(torch.zeros(1))  # CPU tensors never
 
 
@@ -66,13 +68,13 @@ def _chain_ref(x, res, weights, nw) -> tuple[torch.Tensor, torch.Tensor]:  # typ
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    ("gemv_pdl", "prefetch", "norm_pdl"),
-    [(True, True, False), (True, True, True), (True, False, True), (False, False, True)],
+    ("m", "gemv_pdl", "norm_pdl"), [(1, True, True), (1, True, False), (1, False, True), (4, True, True)]
 )
 def test_pdl_chain_replayed_from_a_cuda_graph(
-    gemv_pdl: bool, prefetch: bool, norm_pdl: bool, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+    m: int, gemv_pdl: bool, norm_pdl: bool, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The 8B MLP's shapes at M = 1 (gate_up 4096 -> 2 x 14336, down 14336 -> 4096), bf16."""
+    """The 8B MLP's shapes (gate_up 4096 -> 2 x 14336, down 14336 -> 4096), bf16, at M = 1 (the GEMV) and 4 (the
+    MMA GEMV, the activation its own launch between them)."""
     if not pdl_supported(torch.zeros(1, device="cuda")):
         pytest.skip("griddepcontrol needs sm_90+")
     monkeypatch.setattr(norm_module, "RMS_NORM_PDL", norm_pdl)
@@ -82,12 +84,12 @@ def test_pdl_chain_replayed_from_a_cuda_graph(
         _, qw, s, z, _ = int4_weights(k, n, 128, False, torch.bfloat16, gen)
         weights.append((qw.cuda(), s.cuda(), z.cuda()))
     nw = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16).cuda()
-    x = torch.zeros(1, hidden, dtype=torch.bfloat16, device="cuda")
+    x = torch.zeros(m, hidden, dtype=torch.bfloat16, device="cuda")
     res = torch.zeros_like(x)
     graph, (normed, out) = capture_graph(lambda: _chain(x, res, weights, nw, pdl=gemv_pdl))  # type: ignore[arg-type]
     for _ in range(5):
-        x.copy_(torch.randn(1, hidden, generator=gen).to(torch.bfloat16))
-        res.copy_(torch.randn(1, hidden, generator=gen).to(torch.bfloat16))
+        x.copy_(torch.randn(m, hidden, generator=gen).to(torch.bfloat16))
+        res.copy_(torch.randn(m, hidden, generator=gen).to(torch.bfloat16))
         graph.replay()
         ref_normed, ref_out = _chain_ref(x, res, weights, nw)
         assert rel_err(out, ref_out) < tolerance(torch.bfloat16)

@@ -76,9 +76,11 @@ GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thre
 # sm_90 SASS of the loop at group 128: 2.07 instructions a weight at 256 columns, 2.80 at 128 (the GEMV: 3.0-5.0).
 # The GEMV (M = 1) and the MMA GEMV (M = 2-8) launched with programmatic dependent launch on sm_90+
 # (kernels.pdl): the programs start while the kernel before finishes and wait for it first of all; the next kernel
-# may start during this one's split-K reduction. H200 (int4_model, batch 1, with the RMSNorm and the decode kernels
-# launched the same way, same process): 2.295-2.324 ms against 2.486 without (895de8b); the programs also asking
-# the L2 for their words before the wait took 2.627 (bc1c2e8, removed). PAGEDSERVE_INT4_PDL=0 turns it off.
+# may start during this one's split-K reduction. H200, the int4 8B model (int4_bench, one process a row):
+# batches 1 / 2 / 4 / 8 2.487 / 2.780 / 2.848 / 3.031 ms without any PDL, 2.400 / 2.742-2.747 / 2.809-2.811 /
+# 2.995-2.996 with these GEMVs' (caa17d7); with the RMSNorm's and the decode kernels' too at batch 1 (PDL_MAX_ROWS)
+# 2.295-2.324 (895de8b, caa17d7). The programs also asking the L2 for their words before the wait took 2.627
+# (bc1c2e8, removed). PAGEDSERVE_INT4_PDL=0 turns it off.
 GEMV_PDL = os.environ.get("PAGEDSERVE_INT4_PDL", "1") != "0"
 MMA_M = (2, 8)
 MMA_TILE = (128, 4)

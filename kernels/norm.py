@@ -7,13 +7,14 @@ import os
 import torch
 
 from kernels._triton import check_float, next_pow2, require_triton, tl, triton
-from kernels.pdl import launch_dependents, pdl_supported, wait_prior_grids
+from kernels.pdl import PDL_MAX_ROWS, launch_dependents, pdl_supported, wait_prior_grids
 
 _MAX_HIDDEN = 65536  # one program holds a whole row in registers
-# Launched with programmatic dependent launch on sm_90+ (kernels.pdl): the weight is loaded while the kernel before
-# finishes (the int4 GEMVs let it start during their split-K reduction). H200, batch-1 TPOT: with the int4 GEMVs
-# and the decode kernels, kernels.int4_plan.GEMV_PDL says; bf16 8B (loadtest.throughput latency, with the decode
-# kernels) 4.163 ms against 4.175 without (895de8b). PAGEDSERVE_NORM_PDL=0 turns it off.
+# Launched with programmatic dependent launch on sm_90+ (kernels.pdl) for kernels.pdl.PDL_MAX_ROWS rows: the weight
+# is loaded while the kernel before finishes (the int4 GEMVs let it start during their split-K reduction). H200,
+# batch-1 TPOT: int4, kernels.int4_plan.GEMV_PDL says; bf16 8B with the decode kernels 4.163 ms against 4.175 off
+# (loadtest.throughput latency, 895de8b), 4.180 against 4.181-4.186 (int4_bench, caa17d7).
+# PAGEDSERVE_NORM_PDL=0 turns it off.
 RMS_NORM_PDL = os.environ.get("PAGEDSERVE_NORM_PDL", "1") != "0"
 
 
@@ -97,12 +98,12 @@ def rms_norm(
     residual_out = torch.empty_like(x) if residual is not None else out
     if num_tokens > 0:
         res_in = residual if residual is not None else x
-        pdl = pdl_supported(x)
+        hopper = pdl_supported(x)
+        pdl = hopper and RMS_NORM_PDL and num_tokens <= PDL_MAX_ROWS
         _rms_norm_kernel[(num_tokens,)](
             x, res_in, weight, out, residual_out, eps,
             x.stride(0), res_in.stride(0), out.stride(0), residual_out.stride(0),
-            HIDDEN=hidden, BLOCK=next_pow2(hidden), HAS_RESIDUAL=residual is not None, TRIGGER=pdl,
-            PDL=pdl and RMS_NORM_PDL, num_warps=min(16, max(1, next_pow2(hidden) // 256)),
-            **({"launch_pdl": True} if pdl and RMS_NORM_PDL else {}),
+            HIDDEN=hidden, BLOCK=next_pow2(hidden), HAS_RESIDUAL=residual is not None, TRIGGER=hopper,
+            PDL=pdl, num_warps=min(16, max(1, next_pow2(hidden) // 256)), **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
     return out if residual is None else (out, residual_out)

@@ -23,12 +23,12 @@ from kernels.attention_launch import (
 )
 from kernels.decode_merge import _decode_reduce_kernel, _merge_if_last, _partition_len, _query_row
 from kernels.decode_plan import MERGE_CHUNK, num_sms, plan_decode
-from kernels.pdl import launch_dependents, pdl_supported, wait_prior_grids
+from kernels.pdl import PDL_MAX_ROWS, launch_dependents, pdl_supported, wait_prior_grids
 from kernels.rope_cache import DecodeRope, store_new_kv
 from kernels.rotary import rope_rows
 
-# Both decode kernels launched with programmatic dependent launch on sm_90+ (kernels.pdl): each waits for the
-# kernel before first of all, so only its launch overlaps that kernel's end. H200 (895de8b): the int4 8B model at
+# Both decode kernels launched with programmatic dependent launch on sm_90+ (kernels.pdl) for kernels.pdl.PDL_MAX_ROWS
+# sequences: each waits for the kernel before first of all, so only its launch overlaps that kernel's end. H200 (895de8b): the int4 8B model at
 # batch 1 2.295 ms with it against 2.322 without (the GEMVs and RMSNorm with PDL in both); bf16 see
 # kernels.norm.RMS_NORM_PDL. PAGEDSERVE_DECODE_PDL=0 turns it off.
 DECODE_PDL = os.environ.get("PAGEDSERVE_DECODE_PDL", "1") != "0"
@@ -291,7 +291,7 @@ def _paged_decode_attention(
     # 64, 128 vs 133 at block_n 128 with 2 stages, 80 at 8 warps). Merging all heads of the KV head in one
     # [group, chunk, d] tile took 128-204.
     chunk = min(next_pow2(num_partitions), max(1, 4096 // head_dim_pad))
-    pdl = DECODE_PDL and pdl_supported(query)
+    pdl = DECODE_PDL and num_seqs <= PDL_MAX_ROWS and pdl_supported(query)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc if query_start_loc is not None else seq_lens,
         out, part_out, part_stats, counters, scale * _LOG2E, sliding_window or 0,

@@ -20,6 +20,12 @@ import torch
 from kernels._triton import tl, triton
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# The RMSNorm and the decode-attention kernels are launched with PDL (where their switches are on) for at most this
+# many rows: batch-1 decode. H200 at caa17d7 (int4_bench --batches 2 4 8, one process each, alternating): with them
+# on at every batch, bf16 decode at batches 2 / 4 / 8 took 4.462 / 4.570 / 4.709 ms against 4.319-4.320 / 4.393 /
+# 4.520-4.534 off (batch 1 4.180 against 4.181-4.186), the int4 model 3.044 against 2.995 at batch 8; at batch 1
+# int4 2.300 against 2.400.
+PDL_MAX_ROWS = 1
 
 
 def pdl_supported(t: torch.Tensor) -> bool:

@@ -40,7 +40,7 @@ import torch
 
 from kernels.int4_dequant import unpack_int4
 from kernels.int4_gemv import zeroed_scratch
-from kernels.pdl import pdl_supported
+from kernels.pdl import LAUNCH_DEPENDENTS_ASM, WAIT_ASM, pdl_supported
 
 try:
     from triton.experimental import gluon
@@ -111,13 +111,12 @@ if gluon is not None:
         """``kernels.pdl``'s two instructions for a Gluon kernel: wait for the kernel before (WAIT), or let a
         PDL-launched next kernel start."""
         if WAIT:
-            gl.inline_asm_elementwise(
-                "griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-            )
+            gl.inline_asm_elementwise(_WAIT_ASM_C, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         else:
-            gl.inline_asm_elementwise(
-                "griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-            )
+            gl.inline_asm_elementwise(_LAUNCH_DEPENDENTS_ASM_C, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    _WAIT_ASM_C = gl.constexpr(WAIT_ASM)
+    _LAUNCH_DEPENDENTS_ASM_C = gl.constexpr(LAUNCH_DEPENDENTS_ASM)
 
     @gluon.jit
     def _weight_operand(words, base_bits, w_layout: gl.constexpr, IS_BF16: gl.constexpr):

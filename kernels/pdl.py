@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import torch
 
-from kernels._triton import tl, triton
+from kernels._triton import HAS_TRITON, tl, triton
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The RMSNorm and the decode-attention kernels are launched with PDL (where their switches are on) for at most this
@@ -42,15 +42,21 @@ def _hopper_or_later(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+# The two instructions as inline PTX (returning a dummy register: inline asm must return something); the Gluon
+# kernel (kernels.int4_gemv_mma) issues the same strings
+WAIT_ASM = "griddepcontrol.wait; mov.u32 $0, 0;"
+LAUNCH_DEPENDENTS_ASM = "griddepcontrol.launch_dependents; mov.u32 $0, 0;"
+_WAIT_ASM = tl.constexpr(WAIT_ASM) if HAS_TRITON else WAIT_ASM  # without Triton: nothing to compile
+_LAUNCH_DEPENDENTS_ASM = tl.constexpr(LAUNCH_DEPENDENTS_ASM) if HAS_TRITON else LAUNCH_DEPENDENTS_ASM
+
+
 @triton.jit
 def wait_prior_grids():
     """``griddepcontrol.wait``: the kernel before this one has completed and its memory is visible."""
-    tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(_WAIT_ASM, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def launch_dependents():
     """``griddepcontrol.launch_dependents``: this program lets a PDL-launched next kernel start."""
-    tl.inline_asm_elementwise(
-        "griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-    )
+    tl.inline_asm_elementwise(_LAUNCH_DEPENDENTS_ASM, "=r", [], dtype=tl.int32, is_pure=False, pack=1)

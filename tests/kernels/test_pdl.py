@@ -20,6 +20,11 @@ from kernels.paged_attention import paged_decode_attention, paged_decode_attenti
 from kernels.pdl import pdl_supported
 from tests.kernels.helpers import capture_graph, int4_weights, paged_cache, rel_err, tolerance, ttgir_sm90
 
+# griddepcontrol needs an sm_90+ GPU
+HOPPER = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs an sm_90+ GPU"
+)
+
 
 def test_plan_launches_the_gemvs_with_pdl_by_default() -> None:
     """The GEMV (M = 1) and the MMA GEMV (M = 2-8): GEMV_PDL (on), unless the caller says; tl.dot never."""
@@ -66,7 +71,7 @@ def _chain_ref(x, res, weights, nw) -> tuple[torch.Tensor, torch.Tensor]:  # typ
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@HOPPER
 @pytest.mark.parametrize(
     ("m", "gemv_pdl", "norm_pdl"), [(1, True, True), (1, True, False), (1, False, True), (4, True, True)]
 )
@@ -75,8 +80,6 @@ def test_pdl_chain_replayed_from_a_cuda_graph(
 ) -> None:
     """The 8B MLP's shapes (gate_up 4096 -> 2 x 14336, down 14336 -> 4096), bf16, at M = 1 (the GEMV) and 4 (the
     MMA GEMV, the activation its own launch between them)."""
-    if not pdl_supported(torch.zeros(1, device="cuda")):
-        pytest.skip("griddepcontrol needs sm_90+")
     monkeypatch.setattr(norm_module, "RMS_NORM_PDL", norm_pdl)
     hidden, inter = 4096, 14336
     weights = []
@@ -97,12 +100,10 @@ def test_pdl_chain_replayed_from_a_cuda_graph(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@HOPPER
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (4000, 4096)])
 def test_pdl_gemv_at_the_8b_shapes(n: int, k: int, gen: torch.Generator) -> None:
     """Eager, PDL on and off (and the gated GEMV), against the reference; an N tail (4000) prefetches a short row."""
-    if not pdl_supported(torch.zeros(1, device="cuda")):
-        pytest.skip("griddepcontrol needs sm_90+")
     _, qw, s, z, _ = int4_weights(k, n, 128, False, torch.bfloat16, gen)
     qw, s, z = qw.cuda(), s.cuda(), z.cuda()
     x2 = torch.randn(1, 2 * k, generator=gen).to(torch.bfloat16).cuda()
@@ -115,15 +116,13 @@ def test_pdl_gemv_at_the_8b_shapes(n: int, k: int, gen: torch.Generator) -> None
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@HOPPER
 @pytest.mark.parametrize("seq_len", [1000, 8192])
 def test_pdl_attention_chain_replayed_from_a_cuda_graph(
     seq_len: int, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Batch 1, an 8B model's heads: a query written by a torch kernel, the two decode kernels and o_proj's GEMV,
     all three launched with PDL."""
-    if not pdl_supported(torch.zeros(1, device="cuda")):
-        pytest.skip("griddepcontrol needs sm_90+")
     monkeypatch.setattr(paged_attention, "DECODE_PDL", True)
     cache, tables = paged_cache([seq_len], 16, 8, 128, torch.bfloat16, gen)
     seq_lens = torch.tensor([seq_len], dtype=torch.int32, device="cuda")

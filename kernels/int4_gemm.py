@@ -176,11 +176,15 @@ def int4_gemm(
     if cfg.kernel == "mma" and gemv_mma_available(x, group_size, g_idx is not None):
         int4_gemv_mma(
             x, qweight, scales, zeros, group_size, out,
-            block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, num_warps=cfg.num_warps, pdl=cfg.pdl,
+            block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, num_warps=cfg.num_warps,
+            block_m=cfg.block_m, dequant=not cfg.factored, pdl=cfg.pdl,
         )  # fmt: skip
     elif cfg.kernel == "mma":  # no Gluon here (the CPU interpreter): what runs without it
         fallback: Kernel = "gemv" if m <= GEMV_MAX_M else "dot"
-        user = replace(config or Int4GemmConfig(), kernel=fallback, block_n=None, block_k=None, num_warps=None)
+        user = replace(
+            config or Int4GemmConfig(), kernel=fallback, block_m=None, block_n=None, block_k=None, num_warps=None,
+            factored=None,
+        )  # fmt: skip
         return int4_gemm(x, qweight, scales, zeros, group_size, g_idx, user)
     elif cfg.kernel == "gemv_cols":
         int4_gemv_cols_launch(

@@ -85,7 +85,15 @@ GEMV_PDL = os.environ.get("PAGEDSERVE_INT4_PDL", "1") != "0"
 MMA_M = (2, 8)
 MMA_TILE = (128, 4)
 MMA_PROGRAMS_PER_SM = 4
-MMA_LIMIT_M = 8
+# Above 8 rows the MMA kernel takes x MMA_BLOCK_M rows at a time at most (block_m: M's power of two, from 8), and
+# from MMA_DEQUANT_BLOCK_M rows a program dequantizes each weight to (c - z) s in registers (rounded as the
+# reference rounds it) and lets the MMA sum across groups: no per-group sums, no row-sum MMA, whose cost the
+# factored form pays per row of x. Tiles by block_m: (block_n, block_k, num_warps), from the sm_90 compile
+# (ptxas, no spills: 127 registers at 16 rows, 167 at 32, 251 at 64). Not yet the default at any M above 8:
+# loadtest.int4_gemm_sweep's "mma" rows (M = 16-256) and int4_model's variant "mma64" are to decide it.
+MMA_BLOCK_M = 64
+MMA_DEQUANT_BLOCK_M = 16
+_MMA_TILES = {8: (128, 128, 4), 16: (128, 128, 4), 32: (128, 64, 4), 64: (128, 64, 4)}
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,7 @@ class Int4GemmConfig:
     # "gemv" (kernels.int4_gemv: CUDA cores, all M rows in one program), "gemv_cols" (kernels.int4_gemv_cols:
     # each thread owns whole columns) or "dot" (tl.dot tiles); None: GEMV_KERNEL up to GEMV_MAX_M rows
     kernel: Kernel | None = None
-    block_m: int | None = None  # dot only: a GEMV program holds all M rows
+    block_m: int | None = None  # dot and mma: rows of x a program takes (a GEMV program holds all M rows)
     block_n: int | None = None
     block_k: int | None = None
     split_k: int | None = None
@@ -106,6 +114,7 @@ class Int4GemmConfig:
     # dot: load each packed word once and replicate it to its 8 rows in registers, instead of one load per row
     unpack_in_registers: bool | None = None
     # gemv: scale and zero applied per group to sums instead of per weight (without g_idx only)
+    # mma: the same (False: each weight dequantized in registers; None: by block_m, MMA_DEQUANT_BLOCK_M)
     factored: bool | None = None
     # gemv / gemv_cols split-K target: about this many programs per SM (None: GEMV_PROGRAMS_PER_SM,
     # GEMV_COLS_PROGRAMS_PER_SM); split_k, when given, wins
@@ -202,8 +211,8 @@ def pick_config(
         if user.kernel == "mma":
             raise ValueError("the mma kernel sums split-K with atomics only (split_reduce='atomic' or None)")
         kernel = GEMV_KERNEL if m <= GEMV_MAX_M else "dot"
-    if kernel == "mma" and (has_g_idx or group_size % PERMUTE_SPAN or m > MMA_LIMIT_M):
-        kernel = "gemv" if m <= GEMV_LIMIT_M else "dot"  # act-order, odd groups, more rows: what the MMA can't run
+    if kernel == "mma" and (has_g_idx or group_size % PERMUTE_SPAN):
+        kernel = "gemv" if m <= GEMV_LIMIT_M else "dot"  # act-order, odd groups: what the MMA can't run
     if kernel == "mma":
         return _pick_mma(m, n, k, group_size, num_sms, user)
     if kernel == "gemv_cols" and (has_g_idx or group_size % PACK):
@@ -267,19 +276,26 @@ def _pick_gemv_cols(m: int, n: int, k: int, group_size: int, num_sms: int, user:
 
 
 def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:
-    """MMA_TILE; block_k: a whole group up to 128 k's (a multiple of 32 dividing the group); split-K filled to
-    MMA_PROGRAMS_PER_SM programs per SM, summed by atomics (the kernel's only reduction)."""
-    bn, warps = user.block_n or MMA_TILE[0], user.num_warps or MMA_TILE[1]
-    bk = user.block_k or min(128, group_size & -group_size)
+    """_MMA_TILES by block_m (rows of x a program takes: M's power of two from 8, at most MMA_BLOCK_M); block_k
+    at most the group's largest power-of-two divisor; dequantized weights from MMA_DEQUANT_BLOCK_M rows (``factored``
+    forces either); split-K filled to MMA_PROGRAMS_PER_SM programs per SM, summed by atomics (the kernel's only
+    reduction)."""
+    bm = user.block_m or min(max(8, next_pow2(m)), MMA_BLOCK_M)
+    if bm < 8 or bm & (bm - 1):
+        raise ValueError(f"mma: block_m {bm} must be a power of two from 8")
+    tile_bn, tile_bk, tile_warps = _MMA_TILES[min(bm, MMA_BLOCK_M)]
+    bn, warps = user.block_n or tile_bn, user.num_warps or tile_warps
+    bk = user.block_k or min(tile_bk, group_size & -group_size)
     if bk % PERMUTE_SPAN or group_size % bk or bn % (16 * warps):
         raise ValueError(
             f"mma: block_k {bk} must be a multiple of 32 dividing the group, block_n a multiple of 16 * warps"
         )
     target = (user.programs_per_sm or MMA_PROGRAMS_PER_SM) * num_sms
-    split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), target, 32)
+    split = user.split_k or _fill_split(-(-n // bn) * -(-m // bm), -(-k // bk), target, 32)
+    factored = bm < MMA_DEQUANT_BLOCK_M if user.factored is None else user.factored
     return Int4Launch(
-        "mma", next_pow2(m), bn, bk, split, "atomic" if split > 1 else "counter", warps, 1,
-        unpack_in_registers=False, factored=True, pdl=GEMV_PDL if user.pdl is None else user.pdl,
+        "mma", bm, bn, bk, split, "atomic" if split > 1 else "counter", warps, 1,
+        unpack_in_registers=False, factored=factored, pdl=GEMV_PDL if user.pdl is None else user.pdl,
     )  # fmt: skip
 
 

@@ -101,9 +101,12 @@ VARIANTS = [
     Variant("cols paired", {**COLS, "paired_nibbles": True}, (4, 8)),
     # kernels.int4_gemv_mma (Gluon, tensor cores): its default launch at every M up to 8, then one field changed each
     # (H200, Session 23; removed: 512 columns, 8 programs per SM, vector loads, the next tile loaded ahead)
-    Variant("mma", {"kernel": "mma"}, (1, 8)),
+    Variant("mma", {"kernel": "mma"}, (1, 256)),  # above 8 rows: block_m up to 64, dequantized weights from 16
+    Variant("mma factored", {"kernel": "mma", "factored": True}, (16, 64)),
+    Variant("mma bm32", {"kernel": "mma", "block_m": 32}, (33, 256)),
+    Variant("mma pps8", {"kernel": "mma", "programs_per_sm": 8}, (16, 256)),
     Variant("mma pps1", {"kernel": "mma", "programs_per_sm": 1}, (1, 8)),
-    Variant("mma pps2", {"kernel": "mma", "programs_per_sm": 2}, (1, 8)),
+    Variant("mma pps2", {"kernel": "mma", "programs_per_sm": 2}, (1, 256)),
     Variant("mma bn256", {"kernel": "mma", "block_n": 256}, (1, 8)),
     Variant("mma w8", {"kernel": "mma", "num_warps": 8}, (1, 8)),
     Variant("dot", {"kernel": "dot"}),

@@ -209,7 +209,7 @@ def test_pick_config_defaults_are_the_h200_winners() -> None:
         return c.kernel, c.block_m, c.block_k, c.split_reduce, c.unpack_in_registers, c.split_k > 1
 
     assert pick(1) == ("gemv", 1, 64, "atomic", False, True)
-    assert pick(2) == ("mma", 2, 128, "atomic", False, True)
+    assert pick(2) == ("mma", 8, 128, "atomic", False, True)  # the MMA takes x 8 rows at a time
     assert pick(8) == ("mma", 8, 128, "atomic", False, True) and pick(64, 4096)[3:] == ("atomic", True, True)
     assert pick_config(9, 6144, 4096, 128, 132, auto).kernel == "dot"
     assert (

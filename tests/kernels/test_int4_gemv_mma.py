@@ -14,7 +14,7 @@ import torch
 from kernels.int4_dequant import pack_int4
 from kernels.int4_gemm import int4_gemm, int4_gemm_ref
 from kernels.int4_gemv_mma import PERMUTE_SPAN, gluon, int4_gemv_mma_ref, mma_position
-from kernels.int4_plan import MMA_LIMIT_M, Int4GemmConfig, pick_config
+from kernels.int4_plan import MMA_BLOCK_M, Int4GemmConfig, pick_config
 from tests.kernels.helpers import DEVICE, rel_err, run_without_interpreter, tolerance
 
 MMA = Int4GemmConfig(kernel="mma")
@@ -65,7 +65,19 @@ def test_pick_config() -> None:
     assert pick_config(1, 4096, 4096, 32, 132, MMA).block_k == 32
     assert pick_config(4, 4096, 4096, 128, 132, MMA, has_g_idx=True).kernel == "gemv"  # act-order
     assert pick_config(1, 4096, 4096, 8, 132, MMA).kernel == "gemv"  # groups narrower than the permutation
-    assert pick_config(MMA_LIMIT_M + 1, 4096, 4096, 128, 132, MMA).kernel == "gemv"
+    # more rows: M's power of two up to MMA_BLOCK_M rows a program, the weights dequantized in registers from 16
+    picks = {m: pick_config(m, 4096, 4096, 128, 132, MMA) for m in (8, 16, 33, 64, 200)}
+    assert {m: (p.block_m, p.factored) for m, p in picks.items()} == {
+        8: (8, True),
+        16: (16, False),
+        33: (64, False),
+        64: (64, False),
+        200: (MMA_BLOCK_M, False),
+    }
+    assert pick_config(64, 4096, 4096, 128, 132, Int4GemmConfig(kernel="mma", factored=True)).factored
+    assert pick_config(200, 4096, 4096, 128, 132, Int4GemmConfig(kernel="mma", block_m=32)).block_m == 32
+    with pytest.raises(ValueError, match="block_m"):
+        pick_config(16, 4096, 4096, 128, 132, Int4GemmConfig(kernel="mma", block_m=4))
     # a deterministic split-K sum asked for: the launch that has one (the MMA sums with atomics)
     assert pick_config(4, 4096, 4096, 128, 132, Int4GemmConfig(split_reduce="counter")).kernel == "gemv"
     assert pick_config(8, 4096, 4096, 128, 132, Int4GemmConfig(split_reduce="counter")).kernel == "dot"
@@ -93,7 +105,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kernels.int4_gemv_mma import _int4_gemv_mma_kernel, words_layout
 
-c = {"PDL": False, **json.loads(sys.argv[1])}
+c = {"PDL": False, "BLOCK_M": 8, "DEQUANT_A": False, **json.loads(sys.argv[1])}
 c["W_LAYOUT"] = words_layout(c["BLOCK_K"] // 32, c["BLOCK_N"], c["num_warps"])
 half = "*bf16" if c["IS_BF16"] else "*fp16"
 types = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "base": "fp32", "x_ptr": half,
@@ -115,16 +127,23 @@ print("griddepcontrol" * compiled.asm["ptx"].count("griddepcontrol"))
 
 @pytest.mark.skipif(gluon is None, reason="needs a Triton with Gluon")
 @pytest.mark.parametrize(
-    ("is_bf16", "group", "block_k", "block_n", "split", "pdl"),
-    [(True, 128, 128, 128, 8, True), (False, 32, 32, 256, 1, False)],
+    ("is_bf16", "group", "block_k", "block_n", "split", "pdl", "block_m", "dequant"),
+    [
+        (True, 128, 128, 128, 8, True, 8, False),
+        (False, 32, 32, 256, 1, False, 8, False),
+        (True, 128, 128, 128, 4, True, 16, True),  # the tiles of int4_plan._MMA_TILES above 8 rows
+        (False, 128, 64, 128, 4, False, 32, True),
+        (True, 128, 64, 128, 2, False, 64, True),
+    ],
 )
 def test_compiles_for_sm90_with_the_weights_in_registers(
-    is_bf16: bool, group: int, block_k: int, block_n: int, split: int, pdl: bool
+    is_bf16: bool, group: int, block_k: int, block_n: int, split: int, pdl: bool, block_m: int, dequant: bool
 ) -> None:
     """``assert_trivial`` in the kernel fails the compile if the codes need any data movement to reach the MMA;
     with PDL (``kernels.pdl``) both ``griddepcontrol`` instructions are in the PTX."""
     constexprs = {"GROUP_SIZE": group, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split, "EVEN_N": True,
-                  "IS_BF16": is_bf16, "PDL": pdl, "num_warps": 4}  # fmt: skip
+                  "IS_BF16": is_bf16, "PDL": pdl, "BLOCK_M": block_m, "DEQUANT_A": dequant,
+                  "num_warps": 4}  # fmt: skip
     report = run_without_interpreter(_COMPILE, json.dumps(constexprs))
     assert "0 bytes spill stores" in report, report
     assert report.count("griddepcontrol") == (2 if pdl else 0)
@@ -148,6 +167,35 @@ def test_8b_shapes_on_the_gpu(n: int, k: int, gen: torch.Generator) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
+    ("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)], ids=["qkv", "o", "gate_up", "down"]
+)
+def test_8b_shapes_past_8_rows_on_the_gpu(n: int, k: int, gen: torch.Generator) -> None:
+    """The default launch at 16-256 rows (row tiles, a partial last one), twice each; the dequantized weights are
+    rounded as the reference rounds them, so only the fp32 sums' order differs: a tighter bound than the factored
+    form's."""
+    qweight, scales, zeros = _weights(k, n, 128, torch.bfloat16, gen)
+    for m in (16, 24, 64, 100, 256):
+        for _ in range(2):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+            out = int4_gemm(x, qweight, scales, zeros, 128, config=MMA)
+            ref = int4_gemm_ref(x, qweight, scales, zeros, 128)
+            assert rel_err(out, ref) < tolerance(torch.bfloat16), m
+            exact = (x.double() @ _dequantized(qweight, scales, zeros, 128).double()).float()
+            assert rel_err(out, exact) < 1e-2, m
+
+
+def _dequantized(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``(c - z) s`` rounded to the scales' dtype, ``[K, N]``."""
+    from kernels.int4_dequant import unpack_int4
+
+    groups = torch.arange(qweight.shape[0] * 8, device=qweight.device) // group_size
+    codes = unpack_int4(qweight).float()
+    return ((codes - zeros.float()[groups]) * scales.float()[groups]).to(scales.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
     ("dtype", "m", "n", "group_size", "cfg"),
     [
         (torch.float16, 1, 4096, 128, MMA),
@@ -157,6 +205,10 @@ def test_8b_shapes_on_the_gpu(n: int, k: int, gen: torch.Generator) -> None:
         (torch.bfloat16, 2, 4096, 4096, MMA),  # channel-wise
         (torch.bfloat16, 4, 1000, 128, Int4GemmConfig(kernel="mma", programs_per_sm=1)),
         (torch.float16, 8, 4096, 64, Int4GemmConfig(kernel="mma", block_n=256, split_k=1)),
+        (torch.float16, 40, 1000, 32, MMA),  # dequantized, fp16, narrow groups, an N tail, a partial row tile
+        (torch.bfloat16, 64, 4096, 128, Int4GemmConfig(kernel="mma", factored=True)),
+        (torch.bfloat16, 130, 4096, 128, Int4GemmConfig(kernel="mma", block_m=16, split_k=1)),
+        (torch.bfloat16, 12, 4096, 4096, MMA),  # channel-wise, dequantized
     ],
 )
 def test_variants_on_the_gpu(

@@ -63,7 +63,7 @@ GEMV_COLS_SPLIT: SplitPolicy = "fill"
 BALANCE_PROGRAM_COST = 0.5  # "balance": a program's fixed cost (prologue, reduction) in K tiles
 GEMV_COLS_STAGES = 2  # gemv_cols pipeline: the next tile's words in flight (sweep rows "cols stages1/3")
 GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thread
-# kernels.int4_gemv_mma (Gluon, tensor cores, M <= 8): the default kernel at MMA_M rows. H200 at 6b4189b
+# kernels.int4_gemv_mma (Gluon, tensor cores): the default kernel at MMA_M rows. At M = 2-8, H200 at 6b4189b
 # (int4_bench --only gemm, rows "mma ..." against "fused", the launch before; us for qkv / o / gate_up / down):
 # M = 2: 10.1 / 7.8 / 29.9 / 17.0 against the GEMV's 13.6 / 9.5 / 44.3 / 24.0; M = 4: 9.9 / 7.9 / 30.2 / 17.2
 # against 20.5 / 13.6 / 72.2 / 38.4; M = 8: 10.2 / 9.2 / 30.7 / 17.6 against tl.dot's 16.4 / 12.6 / 60.8 / 32.5.
@@ -82,18 +82,21 @@ GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thre
 # 2.295-2.324 (895de8b, caa17d7). The programs also asking the L2 for their words before the wait took 2.627
 # (bc1c2e8, removed). PAGEDSERVE_INT4_PDL=0 turns it off.
 GEMV_PDL = os.environ.get("PAGEDSERVE_INT4_PDL", "1") != "0"
-MMA_M = (2, 8)
-MMA_TILE = (128, 4)
-MMA_PROGRAMS_PER_SM = 4
-# Above 8 rows the MMA kernel takes x MMA_BLOCK_M rows at a time at most (block_m: M's power of two, from 8), and
-# from MMA_DEQUANT_BLOCK_M rows a program dequantizes each weight to (c - z) s in registers (rounded as the
-# reference rounds it) and lets the MMA sum across groups: no per-group sums, no row-sum MMA, whose cost the
-# factored form pays per row of x. Tiles by block_m: (block_n, block_k, num_warps), from the sm_90 compile
-# (ptxas, no spills: 127 registers at 16 rows, 167 at 32, 251 at 64). Not yet the default at any M above 8:
-# loadtest.int4_gemm_sweep's "mma" rows (M = 16-256) and int4_model's variant "mma64" are to decide it.
+# Above 8 rows the MMA kernel takes x block_m rows at a time (M's power of two from 8, at most MMA_BLOCK_M), and from
+# MMA_DEQUANT_BLOCK_M rows a program dequantizes each weight to (c - z) s in registers (rounded as the reference
+# rounds it) and lets the MMA sum across groups: no per-group sums and no row-sum MMA, which the factored form pays
+# per row of x. H200 at 77568eb (int4_bench --only gemm --m 8 16 32 64 128 256, INT4_SWEEP_ONLY=mma; a layer's four
+# projections, us): M = 16 mma 2 programs per SM 81.4 against tl.dot's 120.8 and bf16 cuBLAS's 123.6 (factored 95.3,
+# 4 per SM 87.8); M = 32 134.1 (4 per SM 134.3) against 160.4 (cuBLAS 125.6); M = 64 it lost (221.5 with 32-row
+# tiles, 235.8 with 64, against tl.dot's 156.3), and at 128 and 256 to dequantization + cuBLAS (1.5-2.3x): its time
+# doubles with the rows from 16 on (mma.sync, x through shared memory every tile), where tl.dot runs wgmma. So MMA_M
+# ends at 32.
+MMA_M = (2, 32)
 MMA_BLOCK_M = 64
 MMA_DEQUANT_BLOCK_M = 16
-_MMA_TILES = {8: (128, 128, 4), 16: (128, 128, 4), 32: (128, 64, 4), 64: (128, 64, 4)}
+# by block_m: (block_n, block_k, num_warps, programs per SM); the sm_90 compile (ptxas, no spills) takes 127
+# registers at 16 rows, 167 at 32, 251 at 64; 2 programs per SM from 16 rows (the H200 run above: 1.08x at 16)
+_MMA_TILES = {8: (128, 128, 4, 4), 16: (128, 128, 4, 2), 32: (128, 64, 4, 2), 64: (128, 64, 4, 2)}
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,7 @@ def _reduce(user: Int4GemmConfig, m: int, split: int) -> SplitReduce:
 def pick_config(
     m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig, has_g_idx: bool = False
 ) -> Int4Launch:
-    """The tensor-core GEMV at MMA_M rows (2-8; kernels.int4_gemv_mma, Session 23), else the GEMV up to GEMV_MAX_M
+    """The tensor-core GEMV at MMA_M rows (2-32; kernels.int4_gemv_mma, Sessions 23 and 25), else the GEMV up to GEMV_MAX_M
     rows and the tl.dot path above; split-K summed by atomics up to ATOMIC_MAX_M
     rows. The defaults are the winners of one H200 run (``int4_bench --mixed`` at 7f8955d, Llama-3-8B layer
     shapes; per M, the geometric mean over the shapes of time / the best variant's): the GEMV beat tl.dot
@@ -278,19 +281,19 @@ def _pick_gemv_cols(m: int, n: int, k: int, group_size: int, num_sms: int, user:
 def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:
     """_MMA_TILES by block_m (rows of x a program takes: M's power of two from 8, at most MMA_BLOCK_M); block_k
     at most the group's largest power-of-two divisor; dequantized weights from MMA_DEQUANT_BLOCK_M rows (``factored``
-    forces either); split-K filled to MMA_PROGRAMS_PER_SM programs per SM, summed by atomics (the kernel's only
+    forces either); split-K filled to the tile's programs per SM, summed by atomics (the kernel's only
     reduction)."""
     bm = user.block_m or min(max(8, next_pow2(m)), MMA_BLOCK_M)
     if bm < 8 or bm & (bm - 1):
         raise ValueError(f"mma: block_m {bm} must be a power of two from 8")
-    tile_bn, tile_bk, tile_warps = _MMA_TILES[min(bm, MMA_BLOCK_M)]
+    tile_bn, tile_bk, tile_warps, tile_pps = _MMA_TILES[min(bm, MMA_BLOCK_M)]
     bn, warps = user.block_n or tile_bn, user.num_warps or tile_warps
     bk = user.block_k or min(tile_bk, group_size & -group_size)
     if bk % PERMUTE_SPAN or group_size % bk or bn % (16 * warps):
         raise ValueError(
             f"mma: block_k {bk} must be a multiple of 32 dividing the group, block_n a multiple of 16 * warps"
         )
-    target = (user.programs_per_sm or MMA_PROGRAMS_PER_SM) * num_sms
+    target = (user.programs_per_sm or tile_pps) * num_sms
     split = user.split_k or _fill_split(-(-n // bn) * -(-m // bm), -(-k // bk), target, 32)
     factored = bm < MMA_DEQUANT_BLOCK_M if user.factored is None else user.factored
     return Int4Launch(

@@ -110,10 +110,7 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     # kernels.int4_gemv_mma at M = 1 too (its norm, activation and residual as their own launches: it fuses none)
     "mma1": {"kernels.int4_plan:MMA_M": (1, 8)},
     "nomma": {"kernels.int4_plan:MMA_M": (1 << 30, 1 << 30)},  # the GEMV and tl.dot at M = 2-8, as before 6b4189b
-    # the MMA kernel up to 64 rows (tl.dot's 9-64 before), and up to 128 / 256 instead of dequantizing for cuBLAS
-    "mma64": {"kernels.int4_plan:MMA_M": (2, 64)},
-    "mma128": {"kernels.int4_plan:MMA_M": (2, 128), "engine.quantization.int4_linear:DEQUANT_MIN_M": 129},
-    "mma256": {"kernels.int4_plan:MMA_M": (2, 256), "engine.quantization.int4_linear:DEQUANT_MIN_M": 257},
+    "mma8": {"kernels.int4_plan:MMA_M": (2, 8)},  # the MMA kernel to 8 rows, tl.dot above: before 2026-12-04 night
     # no programmatic dependent launch (kernels.pdl) anywhere: the defaults before 2026-12-04 evening
     "nopdl": {
         "kernels.int4_plan:GEMV_PDL": False,

@@ -182,11 +182,12 @@ def test_atomic_split_reads_every_sum_before_zeroing_it(
 
 
 def test_pick_config_routes_small_m_to_the_gemv() -> None:
-    """M = 1: the GEMV; M = 2-8 (MMA_M): the tensor-core GEMV, where it can run (act-order: the GEMV); above:
+    """M = 1: the GEMV; M = 2-32 (MMA_M): the tensor-core GEMV, where it can run (act-order: the GEMV); above:
     tl.dot. kernel="gemv" keeps the GEMV up to its limit."""
     auto = Int4GemmConfig()
     assert pick_config(1, 4096, 4096, 128, 132, auto).kernel == "gemv"
-    assert [pick_config(m, 4096, 4096, 128, 132, auto).kernel for m in range(MMA_M[0], MMA_M[1] + 1)] == ["mma"] * 7
+    mma_rows = range(MMA_M[0], MMA_M[1] + 1)
+    assert [pick_config(m, 4096, 4096, 128, 132, auto).kernel for m in mma_rows] == ["mma"] * len(mma_rows)
     assert pick_config(GEMV_MAX_M, 4096, 4096, 128, 132, auto, has_g_idx=True).kernel == "gemv"
     assert pick_config(GEMV_MAX_M, 4096, 4096, 128, 132, Int4GemmConfig(kernel="gemv")).kernel == "gemv"
     assert pick_config(MMA_M[1] + 1, 4096, 4096, 128, 132, auto).kernel == "dot"
@@ -201,7 +202,7 @@ def test_pick_config_routes_small_m_to_the_gemv() -> None:
 
 def test_pick_config_defaults_are_the_h200_winners() -> None:
     """The winners of the H200 runs at 7f8955d, b066a95 and Session 14's on the 8B shapes (pick_config's
-    docstrings): from M = 5 the unpacked 128-column tl.dot tile."""
+    docstrings): the MMA kernel to 32 rows, then the unpacked 128-column tl.dot tile."""
     auto = Int4GemmConfig()
 
     def pick(m: int, n: int = 6144, k: int = 4096) -> tuple[object, ...]:
@@ -211,10 +212,12 @@ def test_pick_config_defaults_are_the_h200_winners() -> None:
     assert pick(1) == ("gemv", 1, 64, "atomic", False, True)
     assert pick(2) == ("mma", 8, 128, "atomic", False, True)  # the MMA takes x 8 rows at a time
     assert pick(8) == ("mma", 8, 128, "atomic", False, True) and pick(64, 4096)[3:] == ("atomic", True, True)
-    assert pick_config(9, 6144, 4096, 128, 132, auto).kernel == "dot"
     assert (
-        pick_config(5, 6144, 4096, 128, 132, auto).block_n == pick_config(64, 6144, 4096, 128, 132, auto).block_n == 128
+        pick(16) == ("mma", 16, 128, "atomic", False, True) and not pick_config(16, 6144, 4096, 128, 132, auto).factored
     )
+    assert pick(32) == ("mma", 32, 64, "atomic", False, True)  # Session 25's H200 run (int4_plan.MMA_M)
+    assert pick_config(33, 6144, 4096, 128, 132, auto).kernel == "dot"
+    assert pick_config(64, 6144, 4096, 128, 132, auto).block_n == 128
     assert pick(256) == ("dot", 128, 64, "counter", False, True)
     assert pick(512) == ("dot", 128, 64, "counter", False, False)
     assert pick(4096) == ("dot", 256, 64, "counter", False, False)

@@ -27,12 +27,12 @@ HOPPER = pytest.mark.skipif(
 
 
 def test_plan_launches_the_gemvs_with_pdl_by_default() -> None:
-    """The GEMV (M = 1) and the MMA GEMV (M = 2-8): GEMV_PDL (on), unless the caller says; tl.dot never."""
+    """The GEMV (M = 1) and the MMA GEMV (M = 2-32): GEMV_PDL (on), unless the caller says; tl.dot never."""
     assert GEMV_PDL
-    for m in (1, 4):
+    for m in (1, 4, 16):
         assert pick_config(m, 4096, 4096, 128, 132, Int4GemmConfig()).pdl
         assert not pick_config(m, 4096, 4096, 128, 132, Int4GemmConfig(pdl=False)).pdl
-    assert not pick_config(16, 4096, 4096, 128, 132, Int4GemmConfig(pdl=True)).pdl
+    assert not pick_config(64, 4096, 4096, 128, 132, Int4GemmConfig(pdl=True)).pdl
     assert not pdl_supported(torch.zeros(1))  # CPU tensors never
 
 

@@ -107,8 +107,12 @@ VARIANTS = [
     Variant("mma pps8", {"kernel": "mma", "programs_per_sm": 8}, (16, 256)),
     Variant("mma pps1", {"kernel": "mma", "programs_per_sm": 1}, (1, 8)),
     Variant("mma pps2", {"kernel": "mma", "programs_per_sm": 2}, (1, 256)),
-    Variant("mma bn256", {"kernel": "mma", "block_n": 256}, (1, 8)),
-    Variant("mma w8", {"kernel": "mma", "num_warps": 8}, (1, 8)),
+    Variant("mma pps4", {"kernel": "mma", "programs_per_sm": 4}, (16, 32)),
+    Variant("mma bn256", {"kernel": "mma", "block_n": 256}, (1, 32)),  # x's tile read by half as many programs
+    Variant("mma w8", {"kernel": "mma", "num_warps": 8}, (1, 32)),
+    Variant("mma bn256 w8", {"kernel": "mma", "block_n": 256, "num_warps": 8}, (16, 32)),
+    Variant("mma bm16", {"kernel": "mma", "block_m": 16}, (17, 64)),  # 16-row tiles
+    Variant("mma bk128", {"kernel": "mma", "block_k": 128}, (17, 64)),
     Variant("dot", {"kernel": "dot"}),
     Variant("dot counter", {"kernel": "dot", "split_reduce": "counter"}, (8, 256)),
     Variant("dot atomic", {"kernel": "dot", "split_reduce": "atomic"}, (8, 256)),

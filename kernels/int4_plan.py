@@ -90,12 +90,15 @@ GEMV_PDL = os.environ.get("PAGEDSERVE_INT4_PDL", "1") != "0"
 # 4 per SM 87.8); M = 32 134.1 (4 per SM 134.3) against 160.4 (cuBLAS 125.6); M = 64 it lost (221.5 with 32-row
 # tiles, 235.8 with 64, against tl.dot's 156.3), and at 128 and 256 to dequantization + cuBLAS (1.5-2.3x): its time
 # doubles with the rows from 16 on (mma.sync, x through shared memory every tile), where tl.dot runs wgmma. So MMA_M
-# ends at 32.
+# ends at 32. Second run (41a16df, M = 16 / 24 / 32, --skip-dequant): 16-row tiles took 135.3 us at M = 24 against
+# 182.4 with one 32-row tile (whose 8 padded rows cost what real ones do) and 135.6 against 134.1 at 32; 256 columns,
+# 8 warps, a whole group per tile and 4 or 8 programs per SM lost at 16-32 rows. So rows go 16 to a program.
 MMA_M = (2, 32)
-MMA_BLOCK_M = 64
+MMA_BLOCK_M = 16
 MMA_DEQUANT_BLOCK_M = 16
 # by block_m: (block_n, block_k, num_warps, programs per SM); the sm_90 compile (ptxas, no spills) takes 127
-# registers at 16 rows, 167 at 32, 251 at 64; 2 programs per SM from 16 rows (the H200 run above: 1.08x at 16)
+# registers at 16 rows, 167 at 32, 251 at 64 (32 and 64: a user's block_m); 2 programs per SM from 16 rows (the
+# H200 run above: 1.08x at 16)
 _MMA_TILES = {8: (128, 128, 4, 4), 16: (128, 128, 4, 2), 32: (128, 64, 4, 2), 64: (128, 64, 4, 2)}
 
 
@@ -286,7 +289,7 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     bm = user.block_m or min(max(8, next_pow2(m)), MMA_BLOCK_M)
     if bm < 8 or bm & (bm - 1):
         raise ValueError(f"mma: block_m {bm} must be a power of two from 8")
-    tile_bn, tile_bk, tile_warps, tile_pps = _MMA_TILES[min(bm, MMA_BLOCK_M)]
+    tile_bn, tile_bk, tile_warps, tile_pps = _MMA_TILES[min(bm, 64)]
     bn, warps = user.block_n or tile_bn, user.num_warps or tile_warps
     bk = user.block_k or min(tile_bk, group_size & -group_size)
     if bk % PERMUTE_SPAN or group_size % bk or bn % (16 * warps):

@@ -215,7 +215,7 @@ def test_pick_config_defaults_are_the_h200_winners() -> None:
     assert (
         pick(16) == ("mma", 16, 128, "atomic", False, True) and not pick_config(16, 6144, 4096, 128, 132, auto).factored
     )
-    assert pick(32) == ("mma", 32, 64, "atomic", False, True)  # Session 25's H200 run (int4_plan.MMA_M)
+    assert pick(32) == ("mma", 16, 128, "atomic", False, True)  # Session 25's H200 runs (int4_plan.MMA_M)
     assert pick_config(33, 6144, 4096, 128, 132, auto).kernel == "dot"
     assert pick_config(64, 6144, 4096, 128, 132, auto).block_n == 128
     assert pick(256) == ("dot", 128, 64, "counter", False, True)

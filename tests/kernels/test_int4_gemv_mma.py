@@ -70,10 +70,11 @@ def test_pick_config() -> None:
     assert {m: (p.block_m, p.factored) for m, p in picks.items()} == {
         8: (8, True),
         16: (16, False),
-        33: (64, False),
-        64: (64, False),
+        33: (MMA_BLOCK_M, False),
+        64: (MMA_BLOCK_M, False),
         200: (MMA_BLOCK_M, False),
     }
+    assert MMA_BLOCK_M == 16  # the H200 runs of int4_plan.MMA_M
     assert pick_config(64, 4096, 4096, 128, 132, Int4GemmConfig(kernel="mma", factored=True)).factored
     assert pick_config(200, 4096, 4096, 128, 132, Int4GemmConfig(kernel="mma", block_m=32)).block_m == 32
     with pytest.raises(ValueError, match="block_m"):

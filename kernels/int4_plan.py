@@ -88,7 +88,7 @@ GEMV_PDL = os.environ.get("PAGEDSERVE_INT4_PDL", "1") != "0"
 # per row of x. H200 at 77568eb (int4_bench --only gemm --m 8 16 32 64 128 256, INT4_SWEEP_ONLY=mma; a layer's four
 # projections, us): M = 16 mma 2 programs per SM 81.4 against tl.dot's 120.8 and bf16 cuBLAS's 123.6 (factored 95.3,
 # 4 per SM 87.8); M = 32 134.1 (4 per SM 134.3) against 160.4 (cuBLAS 125.6); M = 64 it lost (221.5 with 32-row
-# tiles, 235.8 with 64, against tl.dot's 156.3), and at 128 and 256 to dequantization + cuBLAS (1.5-2.3x): its time
+# tiles, 235.8 with 64, against tl.dot's 156.2), and at 128 and 256 to dequantization + cuBLAS (1.4-2.2x): its time
 # doubles with the rows from 16 on (mma.sync, x through shared memory every tile), where tl.dot runs wgmma. So MMA_M
 # ends at 32. Second run (41a16df, M = 16 / 24 / 32, --skip-dequant): 16-row tiles took 135.3 us at M = 24 against
 # 182.4 with one 32-row tile (whose 8 padded rows cost what real ones do) and 135.6 against 134.1 at 32; 256 columns,

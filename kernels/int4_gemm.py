@@ -19,6 +19,7 @@ from kernels._triton import check_float, require_triton, tl, triton
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.fused_norm import NormIn, materialize, residual_sum_ref
 from kernels.int4_dequant import MAGIC_BITS, PACK, check_int4_weights, codes_tile, dequant_tile, dequantize_int4
+from kernels.int4_gemm_wgmma import int4_gemm_wgmma, wgmma_available
 from kernels.int4_gemv import finish_tile, int4_gemv_launch, split_target
 from kernels.int4_gemv_cols import int4_gemv_cols_launch
 from kernels.int4_gemv_mma import gemv_mma_available, int4_gemv_mma
@@ -179,7 +180,12 @@ def int4_gemm(
             block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, num_warps=cfg.num_warps,
             block_m=cfg.block_m, dequant=not cfg.factored, pdl=cfg.pdl,
         )  # fmt: skip
-    elif cfg.kernel == "mma":  # no Gluon here (the CPU interpreter): what runs without it
+    elif cfg.kernel == "wgmma" and wgmma_available(x, group_size, g_idx is not None):
+        int4_gemm_wgmma(
+            x, qweight, scales, zeros, group_size, out,
+            block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k,
+        )  # fmt: skip
+    elif cfg.kernel in ("mma", "wgmma"):  # no Gluon or no Hopper here (the CPU interpreter): what runs without it
         fallback: Kernel = "gemv" if m <= GEMV_MAX_M else "dot"
         user = replace(
             config or Int4GemmConfig(), kernel=fallback, block_m=None, block_n=None, block_k=None, num_warps=None,

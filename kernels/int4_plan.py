@@ -17,9 +17,9 @@ from kernels._triton import next_pow2
 from kernels.int4_dequant import PACK
 from kernels.int4_gemv_mma import PERMUTE_SPAN
 
-Kernel = Literal["dot", "gemv", "gemv_cols", "mma"]
+Kernel = Literal["dot", "gemv", "gemv_cols", "mma", "wgmma"]
 SplitReduce = Literal["counter", "atomic"]
-KERNELS: tuple[Kernel, ...] = ("dot", "gemv", "gemv_cols", "mma")
+KERNELS: tuple[Kernel, ...] = ("dot", "gemv", "gemv_cols", "mma", "wgmma")
 SPLIT_REDUCES: tuple[SplitReduce, ...] = ("counter", "atomic")
 SplitPolicy = Literal["fill", "balance"]
 GEMV_MAX_M = 4  # the default kernel is the GEMV up to this many rows (pick_config says why)
@@ -221,6 +221,12 @@ def pick_config(
         kernel = "gemv" if m <= GEMV_LIMIT_M else "dot"  # act-order, odd groups: what the MMA can't run
     if kernel == "mma":
         return _pick_mma(m, n, k, group_size, num_sms, user)
+    if kernel == "wgmma" and user.split_reduce == "counter":
+        raise ValueError("the wgmma kernel sums split-K with atomics only (split_reduce='atomic' or None)")
+    if kernel == "wgmma" and (has_g_idx or group_size % PERMUTE_SPAN):
+        kernel = "dot"
+    if kernel == "wgmma":
+        return _pick_wgmma(m, n, k, group_size, num_sms, user)
     if kernel == "gemv_cols" and (has_g_idx or group_size % PACK):
         kernel = "gemv"  # the exact dequantization (g_idx, groups narrower than a word) is the GEMV's
     if kernel == "gemv_cols":
@@ -302,6 +308,30 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     return Int4Launch(
         "mma", bm, bn, bk, split, "atomic" if split > 1 else "counter", warps, 1,
         unpack_in_registers=False, factored=factored, pdl=GEMV_PDL if user.pdl is None else user.pdl,
+    )  # fmt: skip
+
+
+# kernels.int4_gemm_wgmma (Gluon, Hopper's warpgroup MMA, x's tile in shared memory): not a default yet; the sweep's
+# "wgmma" rows (M = 16-512) are to decide where it runs. (block_m cap, block_n, block_k, programs per SM): the sm_90
+# compile (ptxas, no spills) takes 86 registers at 32 x 64 x 128, 171 at 64 x 64 x 64.
+WGMMA_TILE = (64, 64, 64, 2)
+
+
+def _pick_wgmma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:
+    """WGMMA_TILE: block_m M's power of two from 8 up to its cap (the MMA's N), block_k at most the group's largest
+    power-of-two divisor; split-K filled to the tile's programs per SM, summed by atomics."""
+    cap, tile_bn, tile_bk, pps = WGMMA_TILE
+    bm = user.block_m or min(max(8, next_pow2(m)), cap)
+    bn, bk = user.block_n or tile_bn, user.block_k or min(tile_bk, group_size & -group_size)
+    if bm % 8 or bm > 256 or bn % 64 or bk % PERMUTE_SPAN or group_size % bk:
+        raise ValueError(
+            f"wgmma: tile {bm} x {bn} x {bk}: rows 8-256 in 8s, columns in 64s, k in 32s dividing the group"
+        )
+    target = (user.programs_per_sm or pps) * num_sms
+    split = user.split_k or _fill_split(-(-n // bn) * -(-m // bm), -(-k // bk), target, 32)
+    return Int4Launch(
+        "wgmma", bm, bn, bk, split, "atomic" if split > 1 else "counter", 4, 1, unpack_in_registers=False,
+        factored=False,
     )  # fmt: skip
 
 

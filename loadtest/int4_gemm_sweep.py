@@ -113,6 +113,13 @@ VARIANTS = [
     Variant("mma bn256 w8", {"kernel": "mma", "block_n": 256, "num_warps": 8}, (16, 32)),
     Variant("mma bm16", {"kernel": "mma", "block_m": 16}, (17, 64)),  # 16-row tiles
     Variant("mma bk128", {"kernel": "mma", "block_k": 128}, (17, 64)),
+    # kernels.int4_gemm_wgmma (Gluon, Hopper's warpgroup MMA): its launch and one field changed each
+    Variant("wgmma", {"kernel": "wgmma"}, (16, 512)),
+    Variant("wgmma bm32", {"kernel": "wgmma", "block_m": 32}, (33, 512)),
+    Variant("wgmma bm128", {"kernel": "wgmma", "block_m": 128}, (33, 512)),
+    Variant("wgmma bk128", {"kernel": "wgmma", "block_k": 128}, (16, 512)),
+    Variant("wgmma bn128", {"kernel": "wgmma", "block_n": 128}, (16, 512)),
+    Variant("wgmma pps4", {"kernel": "wgmma", "programs_per_sm": 4}, (16, 512)),
     Variant("dot", {"kernel": "dot"}),
     Variant("dot counter", {"kernel": "dot", "split_reduce": "counter"}, (8, 256)),
     Variant("dot atomic", {"kernel": "dot", "split_reduce": "atomic"}, (8, 256)),

@@ -1,0 +1,175 @@
+"""The wgmma int4 GEMM (``kernels.int4_gemm_wgmma``, Gluon). No interpreter runs Gluon: on CPU, the plan's tiles and
+refusals, ``int4_gemm`` falling back to tl.dot, and the kernel compiled for sm_90 with the weights reaching the MMA
+without a layout conversion (``assert_trivial``), no spills and the warpgroup MMA in the code. On an H200: the 8B
+shapes at 16-512 rows against the reference and the exact product, other dtypes, groups and tails, and replays from
+a CUDA graph."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kernels.int4_dequant import pack_int4, unpack_int4
+from kernels.int4_gemm import int4_gemm, int4_gemm_ref
+from kernels.int4_gemm_wgmma import gluon
+from kernels.int4_plan import Int4GemmConfig, pick_config
+from tests.kernels.helpers import DEVICE, rel_err, run_without_interpreter, tolerance
+
+WGMMA = Int4GemmConfig(kernel="wgmma")
+HOPPER = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm_90 GPU"
+)
+
+
+def _weights(
+    k: int, n: int, group_size: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    codes = torch.randint(0, 16, (k, n), generator=gen)
+    groups = k // group_size
+    scales = (0.01 + 0.05 * torch.rand(groups, n, generator=gen)).to(dtype)
+    zeros = torch.randint(0, 16, (groups, n), generator=gen).to(torch.uint8)
+    return pack_int4(codes).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
+
+
+def test_pick_config() -> None:
+    picks = {m: pick_config(m, 4096, 4096, 128, 132, WGMMA) for m in (5, 16, 33, 64, 300)}
+    assert {m: (p.kernel, p.block_m, p.block_n, p.block_k) for m, p in picks.items()} == {
+        5: ("wgmma", 8, 64, 64),
+        16: ("wgmma", 16, 64, 64),
+        33: ("wgmma", 64, 64, 64),
+        64: ("wgmma", 64, 64, 64),
+        300: ("wgmma", 64, 64, 64),
+    }
+    assert all(p.split_reduce == ("atomic" if p.split_k > 1 else "counter") and not p.factored for p in picks.values())
+    assert pick_config(64, 4096, 4096, 32, 132, WGMMA).block_k == 32  # inside a group of 32
+    assert pick_config(64, 4096, 4096, 128, 132, WGMMA, has_g_idx=True).kernel == "dot"  # act-order
+    assert pick_config(64, 4096, 4096, 8, 132, WGMMA).kernel == "dot"  # groups narrower than the permutation
+    assert pick_config(16, 4096, 4096, 128, 132, Int4GemmConfig()).kernel != "wgmma"  # not a default yet
+    with pytest.raises(ValueError, match="atomics only"):
+        pick_config(64, 4096, 4096, 128, 132, Int4GemmConfig(kernel="wgmma", split_reduce="counter"))
+    with pytest.raises(ValueError, match="tile"):
+        pick_config(64, 4096, 4096, 128, 132, Int4GemmConfig(kernel="wgmma", block_n=32))
+
+
+def test_int4_gemm_without_hopper_runs_tl_dot(gen: torch.Generator) -> None:
+    """Where the kernel can't run (no GPU here, under the interpreter), ``kernel="wgmma"`` gets tl.dot's result."""
+    if DEVICE.type == "cuda":
+        pytest.skip("the fallback is for machines without a GPU")
+    qweight, scales, zeros = _weights(128, 48, 32, torch.float32, gen)
+    x = torch.randn(20, 128, generator=gen)
+    out = int4_gemm(x, qweight, scales, zeros, 32, config=WGMMA)
+    assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 32)) < tolerance(torch.float32)
+
+
+# Compiles the kernel for sm_90 (no GPU needed): ptxas's report and the count of warpgroup MMAs in the SASS.
+_COMPILE = """
+import json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels.int4_gemm_wgmma import _int4_gemm_wgmma_kernel
+from kernels.int4_gemv_mma import words_layout
+
+c = json.loads(sys.argv[1])
+c["W_LAYOUT"] = words_layout(c["BLOCK_K"] // 32, c["BLOCK_N"], 4)
+half = "*bf16" if c["IS_BF16"] else "*fp16"
+types = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "base": "fp32", "x_ptr": half,
+         "out_ptr": half, "s_ptr": half}
+names = _int4_gemm_wgmma_kernel.arg_names
+signature = {a: "constexpr" if a in c else types.get(a, "i32") for a in names}
+aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a.endswith("_ptr") or a.startswith("stride")}
+compiled = triton.compile(GluonASTSource(_int4_gemm_wgmma_kernel, signature, c, aligned),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+with tempfile.TemporaryDirectory() as tmp:
+    with open(os.path.join(tmp, "k.ptx"), "w") as f:
+        f.write(compiled.asm["ptx"])
+    cubin = os.path.join(tmp, "k.o")
+    print(subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name=sm_90a", f.name, "-o", cubin],
+                         capture_output=True, text=True, check=True).stderr)
+    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+print("HGMMA" * sass.count("HGMMA"))
+"""
+
+
+@pytest.mark.skipif(gluon is None, reason="needs a Triton with Gluon")
+@pytest.mark.parametrize(
+    ("is_bf16", "block_m", "block_n", "block_k", "group", "split"),
+    [(True, 64, 64, 64, 128, 4), (False, 32, 128, 128, 128, 1), (True, 16, 64, 32, 32, 2)],
+)
+def test_compiles_for_sm90_with_the_weights_in_registers(
+    is_bf16: bool, block_m: int, block_n: int, block_k: int, group: int, split: int
+) -> None:
+    """``assert_trivial`` fails the compile if the dequantized codes need data movement to reach the MMA's A operand;
+    one warpgroup MMA per 16 k's and 64 output features of the tile."""
+    constexprs = {"GROUP_SIZE": group, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split,
+                  "EVEN_N": True, "IS_BF16": is_bf16, "num_warps": 4}  # fmt: skip
+    report = run_without_interpreter(_COMPILE, json.dumps(constexprs))
+    assert "0 bytes spill stores" in report, report
+    assert report.count("HGMMA") == block_k // 16 * block_n // 64
+
+
+def _dequantized(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``(c - z) s`` rounded to the scales' dtype, ``[K, N]``."""
+    groups = torch.arange(qweight.shape[0] * 8, device=qweight.device) // group_size
+    codes = unpack_int4(qweight).float()
+    return ((codes - zeros.float()[groups]) * scales.float()[groups]).to(scales.dtype)
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize(
+    ("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)], ids=["qkv", "o", "gate_up", "down"]
+)
+def test_8b_shapes_on_the_gpu(n: int, k: int, gen: torch.Generator) -> None:
+    """16-512 rows (row tiles, partial last ones), twice each (the in-kernel reduction's races show only here):
+    within bf16's tolerance of the reference, and of the exact product of the dequantized weights (only the fp32
+    sums' order differs from it)."""
+    qweight, scales, zeros = _weights(k, n, 128, torch.bfloat16, gen)
+    w = _dequantized(qweight, scales, zeros, 128).double()
+    for m in (16, 40, 64, 100, 256, 512):
+        for _ in range(2):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+            out = int4_gemm(x, qweight, scales, zeros, 128, config=WGMMA)
+            assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 128)) < tolerance(torch.bfloat16), m
+            assert rel_err(out, (x.double() @ w).float()) < 1e-2, m
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize(
+    ("dtype", "m", "n", "group_size", "cfg"),
+    [
+        (torch.float16, 64, 4096, 128, WGMMA),
+        (torch.bfloat16, 37, 1000, 32, WGMMA),  # narrow groups, an N tail, a partial row tile
+        (torch.bfloat16, 200, 4096, 128, Int4GemmConfig(kernel="wgmma", split_k=1)),  # no split: stores directly
+        (torch.bfloat16, 130, 4096, 4096, WGMMA),  # channel-wise
+        (torch.float16, 96, 4096, 128, Int4GemmConfig(kernel="wgmma", block_m=128, block_n=128, block_k=128)),
+        (torch.bfloat16, 8, 4096, 128, WGMMA),
+    ],
+)
+def test_variants_on_the_gpu(
+    dtype: torch.dtype, m: int, n: int, group_size: int, cfg: Int4GemmConfig, gen: torch.Generator
+) -> None:
+    qweight, scales, zeros = _weights(4096, n, group_size, dtype, gen)
+    x = torch.randn(m, 4096, generator=gen).to(dtype).to(DEVICE)
+    out = int4_gemm(x, qweight, scales, zeros, group_size, config=cfg)
+    assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, group_size)) < tolerance(dtype)
+
+
+@pytest.mark.gpu
+@HOPPER
+def test_replayed_from_a_cuda_graph(gen: torch.Generator) -> None:
+    """down_proj at 128 rows captured after one eager call and replayed with new activations (counters back to 0)."""
+    qweight, scales, zeros = _weights(14336, 4096, 128, torch.bfloat16, gen)
+    x = torch.zeros(128, 14336, dtype=torch.bfloat16, device=DEVICE)
+    int4_gemm(x, qweight, scales, zeros, 128, config=WGMMA)  # compiles, grows the shared scratch
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int4_gemm(x, qweight, scales, zeros, 128, config=WGMMA)
+    for _ in range(3):
+        x.copy_(torch.randn(128, 14336, generator=gen).to(torch.bfloat16))
+        graph.replay()
+        assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 128)) < tolerance(torch.bfloat16)

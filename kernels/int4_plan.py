@@ -92,8 +92,10 @@ GEMV_PDL = os.environ.get("PAGEDSERVE_INT4_PDL", "1") != "0"
 # doubles with the rows from 16 on (mma.sync, x through shared memory every tile), where tl.dot runs wgmma. So MMA_M
 # ends at 32. Second run (41a16df, M = 16 / 24 / 32, --skip-dequant): 16-row tiles took 135.3 us at M = 24 against
 # 182.4 with one 32-row tile (whose 8 padded rows cost what real ones do) and 135.6 against 134.1 at 32; 256 columns,
-# 8 warps, a whole group per tile and 4 or 8 programs per SM lost at 16-32 rows. So rows go 16 to a program.
-MMA_M = (2, 32)
+# 8 warps, a whole group per tile and 4 or 8 programs per SM lost at 16-32 rows. So rows go 16 to a program. Third
+# run (73f46a3): the wgmma kernel (below) beat it from 17 rows (97.8 against 136.5 us at 32), so MMA_M ends at 16
+# (83.2 against wgmma's 85.7 there).
+MMA_M = (2, 16)
 MMA_BLOCK_M = 16
 MMA_DEQUANT_BLOCK_M = 16
 # by block_m: (block_n, block_k, num_warps, programs per SM); the sm_90 compile (ptxas, no spills) takes 127
@@ -201,18 +203,28 @@ def _reduce(user: Int4GemmConfig, m: int, split: int) -> SplitReduce:
     return user.split_reduce or ("atomic" if m <= ATOMIC_MAX_M else "counter")
 
 
+def default_kernel(m: int) -> Kernel:
+    """The kernel M rows get unless the caller picks one (``kernels.int4_gemm`` falls back where it can't run)."""
+    if MMA_M[0] <= m <= MMA_M[1]:
+        return "mma"
+    if WGMMA_M[0] <= m <= WGMMA_M[1]:
+        return "wgmma"
+    return GEMV_KERNEL if m <= GEMV_MAX_M else "dot"
+
+
 def pick_config(
     m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig, has_g_idx: bool = False
 ) -> Int4Launch:
-    """The tensor-core GEMV at MMA_M rows (2-32; kernels.int4_gemv_mma, Sessions 23 and 25), else the GEMV up to GEMV_MAX_M
-    rows and the tl.dot path above; split-K summed by atomics up to ATOMIC_MAX_M
+    """The tensor-core GEMV at MMA_M rows (2-16; kernels.int4_gemv_mma, Sessions 23 and 25), the wgmma GEMM at WGMMA_M
+    (17-128, kernels.int4_gemm_wgmma, Session 25), else the GEMV up to GEMV_MAX_M rows and the tl.dot path above;
+    split-K summed by atomics up to ATOMIC_MAX_M
     rows. The defaults are the winners of one H200 run (``int4_bench --mixed`` at 7f8955d, Llama-3-8B layer
     shapes; per M, the geometric mean over the shapes of time / the best variant's): the GEMV beat tl.dot
     2.8x at M = 1 and 1.4x at M = 4, tl.dot beat the GEMV 1.2x at M = 8 and 2.5x at M = 16; the atomic
     reduction beat the counter by 6 % at M = 1, 13 % at M = 2, 33 % at M = 4 and 4-5 % at M = 8-64 (the
     atomic results at M = 4-8 and 256 were wrong then, fixed since; M = 256 keeps the counter it was
     measured with)."""
-    kernel = user.kernel or ("mma" if MMA_M[0] <= m <= MMA_M[1] else GEMV_KERNEL if m <= GEMV_MAX_M else "dot")
+    kernel = user.kernel or default_kernel(m)
     if kernel == "mma" and user.split_reduce == "counter":  # a deterministic sum: the MMA has atomics only
         if user.kernel == "mma":
             raise ValueError("the mma kernel sums split-K with atomics only (split_reduce='atomic' or None)")
@@ -221,8 +233,10 @@ def pick_config(
         kernel = "gemv" if m <= GEMV_LIMIT_M else "dot"  # act-order, odd groups: what the MMA can't run
     if kernel == "mma":
         return _pick_mma(m, n, k, group_size, num_sms, user)
-    if kernel == "wgmma" and user.split_reduce == "counter":
-        raise ValueError("the wgmma kernel sums split-K with atomics only (split_reduce='atomic' or None)")
+    if kernel == "wgmma" and user.split_reduce == "counter":  # as the MMA's: atomics only
+        if user.kernel == "wgmma":
+            raise ValueError("the wgmma kernel sums split-K with atomics only (split_reduce='atomic' or None)")
+        kernel = "dot"
     if kernel == "wgmma" and (has_g_idx or group_size % PERMUTE_SPAN):
         kernel = "dot"
     if kernel == "wgmma":
@@ -311,10 +325,16 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     )  # fmt: skip
 
 
-# kernels.int4_gemm_wgmma (Gluon, Hopper's warpgroup MMA, x's tile in shared memory): not a default yet; the sweep's
-# "wgmma" rows (M = 16-512) are to decide where it runs. (block_m cap, block_n, block_k, programs per SM): the sm_90
-# compile (ptxas, no spills) takes 86 registers at 32 x 64 x 128, 171 at 64 x 64 x 64.
-WGMMA_TILE = (64, 64, 64, 2)
+# kernels.int4_gemm_wgmma (Gluon, Hopper's warpgroup MMA, x's tile in shared memory): the default at WGMMA_M rows on
+# sm_90 (elsewhere tl.dot), and there the linear layer does not dequantize for cuBLAS (int4_linear). H200 at 73f46a3
+# (int4_bench --only gemm --m 16 32 64 128 256 512, INT4_SWEEP_ONLY=wgmma; a layer's four projections, us), with a
+# whole group (128 k's) a tile: M = 32 97.8 against the MMA kernel's 136.5 (bf16 cuBLAS 130.8); 64 131.3 against
+# tl.dot's 159.4 (cuBLAS 132.6); 128 219.5 against dequantization + cuBLAS's 288.1 (cuBLAS 139.4); at 256 and 512
+# dequantization + cuBLAS won (327.3 and 441.7 against 405 and 746). 64-k tiles took 1.15-1.42x, 4 programs per SM
+# 1.0-1.5x (even at 32), 128-row or 32-row tiles and 128 columns lost everywhere. (block_m cap, block_n, block_k,
+# programs per SM): the sm_90 compile (ptxas, no spills) takes 86 registers at 32 x 64 x 128, 171 at 64 x 64 x 64.
+WGMMA_M = (17, 128)
+WGMMA_TILE = (64, 64, 128, 2)
 
 
 def _pick_wgmma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:

@@ -117,7 +117,7 @@ VARIANTS = [
     Variant("wgmma", {"kernel": "wgmma"}, (16, 512)),
     Variant("wgmma bm32", {"kernel": "wgmma", "block_m": 32}, (33, 512)),
     Variant("wgmma bm128", {"kernel": "wgmma", "block_m": 128}, (33, 512)),
-    Variant("wgmma bk128", {"kernel": "wgmma", "block_k": 128}, (16, 512)),
+    Variant("wgmma bk64", {"kernel": "wgmma", "block_k": 64}, (16, 512)),
     Variant("wgmma bn128", {"kernel": "wgmma", "block_n": 128}, (16, 512)),
     Variant("wgmma pps4", {"kernel": "wgmma", "programs_per_sm": 4}, (16, 512)),
     Variant("dot", {"kernel": "dot"}),

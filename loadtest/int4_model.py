@@ -110,7 +110,8 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     # kernels.int4_gemv_mma at M = 1 too (its norm, activation and residual as their own launches: it fuses none)
     "mma1": {"kernels.int4_plan:MMA_M": (1, 8)},
     "nomma": {"kernels.int4_plan:MMA_M": (1 << 30, 1 << 30)},  # the GEMV and tl.dot at M = 2-8, as before 6b4189b
-    "mma8": {"kernels.int4_plan:MMA_M": (2, 8)},  # the MMA kernel to 8 rows, tl.dot above: before 2026-12-04 night
+    # the MMA kernel to 8 rows, tl.dot to 64, dequantization + cuBLAS above: the defaults before 2026-12-04 night
+    "mma8": {"kernels.int4_plan:MMA_M": (2, 8), "kernels.int4_plan:WGMMA_M": (1 << 30, 1 << 30)},
     # no programmatic dependent launch (kernels.pdl) anywhere: the defaults before 2026-12-04 evening
     "nopdl": {
         "kernels.int4_plan:GEMV_PDL": False,

@@ -22,6 +22,8 @@ from kernels._triton import HAS_TRITON
 from kernels.fused_norm import NormIn, materialize, residual_sum_ref
 from kernels.int4_dequant import DEQUANT_MIN_M, PACK, DequantScratch, int4_dequant_linear
 from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_normed, int4_gemm_ref, int4_gemm_residual
+from kernels.int4_gemm_wgmma import wgmma_available
+from kernels.int4_plan import WGMMA_M
 
 SYMMETRIC_ZERO = 8  # the zero code of symmetric 4-bit weights (signed values stored with an offset of 8)
 
@@ -110,9 +112,18 @@ class Int4LinearMethod:
         it up to max_num_seqs rows, so at M >= DEQUANT_MIN_M too: the scratch is allocated by the first
         such step, which the profile run or the graphs' warm-up makes before any capture."""
         weights = (layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.g_idx)
-        if x.shape[0] >= DEQUANT_MIN_M:
+        if self.dequantizes(layer, x):
             return int4_dequant_linear(x, *weights, scratch=self.scratch)
         return int4_gemm(x, *weights)
+
+    def dequantizes(self, layer: Any, x: torch.Tensor) -> bool:
+        """Whether ``x``'s rows go to the dense weight (dequantized, then cuBLAS): from DEQUANT_MIN_M rows, but not
+        where the wgmma GEMM runs them (``kernels.int4_plan.WGMMA_M`` on sm_90; faster up to 128 rows)."""
+        m = x.shape[0]
+        if m < DEQUANT_MIN_M:
+            return False
+        wgmma = WGMMA_M[0] <= m <= WGMMA_M[1] and wgmma_available(x, layer.group_size, layer.g_idx is not None)
+        return not wgmma
 
     def apply_gated(self, layer: Any, x2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``apply(layer, act(x2))`` for the gated MLP's down projection (``x2 = gate | up``, ``act`` its

@@ -23,7 +23,7 @@ from kernels.int4_dequant import (
 )
 from kernels.int4_gemm import int4_gemm, int4_gemm_ref
 from kernels.int4_gemv import SPLIT_MODES, zeroed_scratch
-from kernels.int4_plan import GEMV_MAX_M, MMA_M, Int4GemmConfig, pick_config
+from kernels.int4_plan import GEMV_MAX_M, MMA_M, WGMMA_M, Int4GemmConfig, pick_config
 from tests.kernels.helpers import DEVICE, int4_weights, rel_err, tolerance, ttgir_sm90
 
 K, N = 128, 48
@@ -63,7 +63,7 @@ CASES = [
     (5, K, N, 32, False, Cfg(split_reduce="counter")),
     (3, K, N, 32, False, Cfg(kernel="dot", split_k=1)),
     (16, K, N, K, False, Cfg(split_k=4, block_k=32, split_reduce="counter")),  # channel-wise, split over groups
-    (33, K, N, 64, False, Cfg(block_k=16, unpack_in_registers=False)),  # 4 tiles per group, per-row loads
+    (33, K, N, 64, False, Cfg(kernel="dot", block_k=16, unpack_in_registers=False)),  # 4 tiles a group, per-row loads
     (70, K, N, 32, False, None),  # per-row loads, counter reduction
     (256, K, 160, 32, False, Cfg(block_m=128, block_n=128, split_reduce="atomic")),  # a tile of the H200 failure
     (1024, K, N, 32, False, None),  # prefill: 256-row tiles, no split
@@ -182,15 +182,16 @@ def test_atomic_split_reads_every_sum_before_zeroing_it(
 
 
 def test_pick_config_routes_small_m_to_the_gemv() -> None:
-    """M = 1: the GEMV; M = 2-32 (MMA_M): the tensor-core GEMV, where it can run (act-order: the GEMV); above:
-    tl.dot. kernel="gemv" keeps the GEMV up to its limit."""
+    """M = 1: the GEMV; M = 2-16 (MMA_M): the tensor-core GEMV, where it can run (act-order: the GEMV); 17-128
+    (WGMMA_M) the wgmma GEMM; above: tl.dot. kernel="gemv" keeps the GEMV up to its limit."""
     auto = Int4GemmConfig()
     assert pick_config(1, 4096, 4096, 128, 132, auto).kernel == "gemv"
     mma_rows = range(MMA_M[0], MMA_M[1] + 1)
     assert [pick_config(m, 4096, 4096, 128, 132, auto).kernel for m in mma_rows] == ["mma"] * len(mma_rows)
     assert pick_config(GEMV_MAX_M, 4096, 4096, 128, 132, auto, has_g_idx=True).kernel == "gemv"
     assert pick_config(GEMV_MAX_M, 4096, 4096, 128, 132, Int4GemmConfig(kernel="gemv")).kernel == "gemv"
-    assert pick_config(MMA_M[1] + 1, 4096, 4096, 128, 132, auto).kernel == "dot"
+    assert pick_config(MMA_M[1] + 1, 4096, 4096, 128, 132, auto).kernel == "wgmma"
+    assert pick_config(WGMMA_M[1] + 1, 4096, 4096, 128, 132, auto).kernel == "dot"
     gemv = pick_config(1, 4096, 4096, 128, 132, auto)
     assert gemv.factored and gemv.block_k <= 128 and 4096 // gemv.block_n * gemv.split_k >= 132
     assert not pick_config(1, 4096, 4096, 128, 132, auto, has_g_idx=True).factored
@@ -202,7 +203,7 @@ def test_pick_config_routes_small_m_to_the_gemv() -> None:
 
 def test_pick_config_defaults_are_the_h200_winners() -> None:
     """The winners of the H200 runs at 7f8955d, b066a95 and Session 14's on the 8B shapes (pick_config's
-    docstrings): the MMA kernel to 32 rows, then the unpacked 128-column tl.dot tile."""
+    docstrings): the MMA kernel to 16 rows, the wgmma GEMM to 128, then the 128-column tl.dot tile."""
     auto = Int4GemmConfig()
 
     def pick(m: int, n: int = 6144, k: int = 4096) -> tuple[object, ...]:
@@ -211,13 +212,15 @@ def test_pick_config_defaults_are_the_h200_winners() -> None:
 
     assert pick(1) == ("gemv", 1, 64, "atomic", False, True)
     assert pick(2) == ("mma", 8, 128, "atomic", False, True)  # the MMA takes x 8 rows at a time
-    assert pick(8) == ("mma", 8, 128, "atomic", False, True) and pick(64, 4096)[3:] == ("atomic", True, True)
+    assert pick(8) == ("mma", 8, 128, "atomic", False, True)
     assert (
         pick(16) == ("mma", 16, 128, "atomic", False, True) and not pick_config(16, 6144, 4096, 128, 132, auto).factored
     )
-    assert pick(32) == ("mma", 16, 128, "atomic", False, True)  # Session 25's H200 runs (int4_plan.MMA_M)
-    assert pick_config(33, 6144, 4096, 128, 132, auto).kernel == "dot"
-    assert pick_config(64, 6144, 4096, 128, 132, auto).block_n == 128
+    # Session 25's H200 runs (int4_plan.MMA_M, WGMMA_M): the wgmma GEMM at 17-128 rows, whole groups a tile
+    assert pick(17) == ("wgmma", 32, 128, "atomic", False, True)
+    assert pick(128, 4096) == ("wgmma", 64, 128, "atomic", False, True)
+    assert pick_config(129, 6144, 4096, 128, 132, auto).kernel == "dot"  # where the linear layer dequantizes
+    assert pick_config(256, 6144, 4096, 128, 132, auto).block_n == 128
     assert pick(256) == ("dot", 128, 64, "counter", False, True)
     assert pick(512) == ("dot", 128, 64, "counter", False, False)
     assert pick(4096) == ("dot", 256, 64, "counter", False, False)

@@ -36,17 +36,24 @@ def _weights(
 def test_pick_config() -> None:
     picks = {m: pick_config(m, 4096, 4096, 128, 132, WGMMA) for m in (5, 16, 33, 64, 300)}
     assert {m: (p.kernel, p.block_m, p.block_n, p.block_k) for m, p in picks.items()} == {
-        5: ("wgmma", 8, 64, 64),
-        16: ("wgmma", 16, 64, 64),
-        33: ("wgmma", 64, 64, 64),
-        64: ("wgmma", 64, 64, 64),
-        300: ("wgmma", 64, 64, 64),
+        5: ("wgmma", 8, 64, 128),
+        16: ("wgmma", 16, 64, 128),
+        33: ("wgmma", 64, 64, 128),
+        64: ("wgmma", 64, 64, 128),
+        300: ("wgmma", 64, 64, 128),
     }
     assert all(p.split_reduce == ("atomic" if p.split_k > 1 else "counter") and not p.factored for p in picks.values())
     assert pick_config(64, 4096, 4096, 32, 132, WGMMA).block_k == 32  # inside a group of 32
     assert pick_config(64, 4096, 4096, 128, 132, WGMMA, has_g_idx=True).kernel == "dot"  # act-order
     assert pick_config(64, 4096, 4096, 8, 132, WGMMA).kernel == "dot"  # groups narrower than the permutation
-    assert pick_config(16, 4096, 4096, 128, 132, Int4GemmConfig()).kernel != "wgmma"  # not a default yet
+    auto = Int4GemmConfig()  # the default at WGMMA_M rows; a deterministic sum asked for: tl.dot
+    assert [pick_config(m, 4096, 4096, 128, 132, auto).kernel for m in (16, 17, 128, 129)] == [
+        "mma",
+        "wgmma",
+        "wgmma",
+        "dot",
+    ]
+    assert pick_config(64, 4096, 4096, 128, 132, Int4GemmConfig(split_reduce="counter")).kernel == "dot"
     with pytest.raises(ValueError, match="atomics only"):
         pick_config(64, 4096, 4096, 128, 132, Int4GemmConfig(kernel="wgmma", split_reduce="counter"))
     with pytest.raises(ValueError, match="tile"):

@@ -333,7 +333,8 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
 # dequantization + cuBLAS won (327.3 and 441.7 against 405 and 746). 64-k tiles took 1.15-1.42x, 4 programs per SM
 # 1.0-1.5x (even at 32), 128-row or 32-row tiles and 128 columns lost everywhere. (block_m cap, block_n, block_k,
 # programs per SM): the sm_90 compile (ptxas, no spills) takes 86 registers at 32 x 64 x 128, 171 at 64 x 64 x 64.
-WGMMA_M = (17, 128)
+# PAGEDSERVE_INT4_WGMMA=0 turns it off (tl.dot at 17-64 rows, dequantization + cuBLAS from 65, as before Session 25).
+WGMMA_M = (17, 128) if os.environ.get("PAGEDSERVE_INT4_WGMMA", "1") != "0" else (1 << 30, 1 << 30)
 WGMMA_TILE = (64, 64, 128, 2)
 
 

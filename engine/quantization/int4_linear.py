@@ -18,12 +18,12 @@ from engine.layers.weights import LinearSlice, WeightSource, copy_checked, set_w
 from engine.quantization.config import Int4Config
 from engine.quantization.formats import read_qweight, read_scales, read_zeros
 from kernels import gemv as dense_gemv
+from kernels import int4_plan
 from kernels._triton import HAS_TRITON
 from kernels.fused_norm import NormIn, materialize, residual_sum_ref
 from kernels.int4_dequant import DEQUANT_MIN_M, PACK, DequantScratch, int4_dequant_linear
 from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_normed, int4_gemm_ref, int4_gemm_residual
 from kernels.int4_gemm_wgmma import wgmma_available
-from kernels.int4_plan import WGMMA_M
 
 SYMMETRIC_ZERO = 8  # the zero code of symmetric 4-bit weights (signed values stored with an offset of 8)
 
@@ -122,7 +122,8 @@ class Int4LinearMethod:
         m = x.shape[0]
         if m < DEQUANT_MIN_M:
             return False
-        wgmma = WGMMA_M[0] <= m <= WGMMA_M[1] and wgmma_available(x, layer.group_size, layer.g_idx is not None)
+        rows = int4_plan.WGMMA_M  # read per call: benchmarks switch it
+        wgmma = rows[0] <= m <= rows[1] and wgmma_available(x, layer.group_size, layer.g_idx is not None)
         return not wgmma
 
     def apply_gated(self, layer: Any, x2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -7,6 +7,10 @@ a CUDA graph."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from kernels.int4_plan import Int4GemmConfig, pick_config
 from tests.kernels.helpers import DEVICE, rel_err, run_without_interpreter, tolerance
 
 WGMMA = Int4GemmConfig(kernel="wgmma")
+ROOT = Path(__file__).resolve().parents[2]
 HOPPER = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm_90 GPU"
 )
@@ -180,3 +185,39 @@ def test_replayed_from_a_cuda_graph(gen: torch.Generator) -> None:
         x.copy_(torch.randn(128, 14336, generator=gen).to(torch.bfloat16))
         graph.replay()
         assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 128)) < tolerance(torch.bfloat16)
+
+
+def test_switched_off_by_environment() -> None:
+    """``PAGEDSERVE_INT4_WGMMA=0``: tl.dot at 17-64 rows, and the linear layer dequantizes from 65 again."""
+    script = (
+        "from kernels.int4_plan import Int4GemmConfig, pick_config\n"
+        "print(pick_config(64, 4096, 4096, 128, 132, Int4GemmConfig()).kernel)\n"
+    )
+    env = {**os.environ, "PAGEDSERVE_INT4_WGMMA": "0"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "dot"
+
+
+def test_the_linear_layer_dequantizes_only_past_the_wgmma_rows() -> None:
+    """``Int4LinearMethod.dequantizes``: from DEQUANT_MIN_M rows the layer's weight goes dense for cuBLAS, except at
+    the rows the wgmma GEMM takes where it can run (an sm_90 GPU, bf16/fp16, no g_idx)."""
+    from types import SimpleNamespace
+
+    from engine.quantization.config import Int4Config
+    from engine.quantization.int4_linear import Int4LinearMethod
+    from kernels.int4_dequant import DEQUANT_MIN_M
+    from kernels.int4_plan import WGMMA_M
+
+    method = Int4LinearMethod(Int4Config("awq", 128, True, False))
+    hopper = DEVICE.type == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    layer = SimpleNamespace(group_size=128, g_idx=None)
+    for m, wgmma_rows in (
+        (DEQUANT_MIN_M - 1, False),
+        (DEQUANT_MIN_M, True),
+        (WGMMA_M[1], True),
+        (WGMMA_M[1] + 1, False),
+    ):
+        x = torch.zeros(m, 256, dtype=torch.bfloat16, device=DEVICE)
+        assert method.dequantizes(layer, x) == (m >= DEQUANT_MIN_M and not (wgmma_rows and hopper)), m
+    act_order = SimpleNamespace(group_size=128, g_idx=torch.zeros(256, dtype=torch.int32))
+    assert method.dequantizes(act_order, torch.zeros(WGMMA_M[1], 256, dtype=torch.bfloat16, device=DEVICE))

@@ -330,8 +330,8 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
 # (int4_bench --only gemm --m 16 32 64 128 256 512, INT4_SWEEP_ONLY=wgmma; a layer's four projections, us), with a
 # whole group (128 k's) a tile: M = 32 97.8 against the MMA kernel's 136.5 (bf16 cuBLAS 130.8); 64 131.3 against
 # tl.dot's 159.4 (cuBLAS 132.6); 128 219.5 against dequantization + cuBLAS's 288.1 (cuBLAS 139.4); at 256 and 512
-# dequantization + cuBLAS won (327.3 and 441.7 against 405 and 746). 64-k tiles took 1.15-1.42x, 4 programs per SM
-# 1.0-1.5x (even at 32), 128-row or 32-row tiles and 128 columns lost everywhere. (block_m cap, block_n, block_k,
+# dequantization + cuBLAS won (327.3 and 441.7 against 394.9 and 741.4). 64-k tiles took 1.15-1.42x; 4 programs per
+# SM (64-k tiles) tied at 16-32 rows and lost from 64; 128-row or 32-row tiles and 128 columns lost. (block_m cap, block_n, block_k,
 # programs per SM): the sm_90 compile (ptxas, no spills) takes 86 registers at 32 x 64 x 128, 171 at 64 x 64 x 64.
 # PAGEDSERVE_INT4_WGMMA=0 turns it off (tl.dot at 17-64 rows, dequantization + cuBLAS from 65, as before Session 25).
 WGMMA_M = (17, 128) if os.environ.get("PAGEDSERVE_INT4_WGMMA", "1") != "0" else (1 << 30, 1 << 30)

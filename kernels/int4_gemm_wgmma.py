@@ -58,16 +58,45 @@ if gluon is not None:
         return gl.reshape(t, (BM, BLOCK_K))
 
     @gluon.jit
+    def _tile_loads(tile, k0, GROUP_SIZE: gl.constexpr, BLOCK_K: gl.constexpr, EVEN_N: gl.constexpr,
+                    x_layout: gl.constexpr):  # fmt: skip
+        """The K tile at ``k0``'s scales and zeros ``[BN]``, packed words ``[P, 4, BN]`` and x ``[BM, BLOCK_K]``
+        (in MMA k order); all zeros from ``k_end`` on (a prefetch past the last tile reads nothing)."""
+        x_ptr, qw_ptr, s_ptr, z_ptr, stride_xm, stride_qk, stride_sg, stride_zg, offs_xm, offs_wn, word_rows, w_cols, \
+            M, N, k_end = tile  # fmt: skip
+        live = k0 < k_end
+        g = k0 // GROUP_SIZE
+        mask_wn = (offs_wn < N) & live
+        s = gl.load(s_ptr + g * stride_sg + offs_wn, mask=mask_wn, other=0.0)
+        z = gl.load(z_ptr + g * stride_zg + offs_wn, mask=mask_wn, other=0)
+        mask_w = ((w_cols < N) | EVEN_N) & live
+        words = gl.load(qw_ptr + (k0 // 8 + word_rows) * stride_qk + w_cols, mask=mask_w, other=0)
+        return s, z, words, _x_tile(x_ptr, stride_xm, offs_xm, M, k0, k_end, BLOCK_K, x_layout)
+
+    @gluon.jit
+    def _tile_mma(acc, x_smem, s, z, words, xt, base_bits, base, a_layout: gl.constexpr, IS_BF16: gl.constexpr):
+        """``acc`` plus one K tile: x stored to shared memory, the weights dequantized as the A operand, the MMA."""
+        _cta_barrier()  # the last tile's MMA has read x_smem (it was waited for by every warp)
+        x_smem.store(xt)
+        fence_async_shared()
+        _cta_barrier()  # every warp's part of the tile stored before the MMA reads it
+        s2 = _packed_pair(s.to(gl.float32), IS_BF16)
+        negz2 = _packed_pair(-(base + z.to(gl.float32)), IS_BF16)
+        a = _weight_operand(words, base_bits, negz2, s2, a_layout, IS_BF16, True)
+        return warpgroup_mma(a, x_smem.permute((1, 0)), acc)
+
+    @gluon.jit
     def _int4_gemm_wgmma_kernel(
         x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
         M, N, K, K_PER_SPLIT, base_bits, base,
         stride_xm, stride_qk, stride_sg, stride_zg, stride_om,
         GROUP_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
         SPLIT: gl.constexpr, EVEN_N: gl.constexpr, IS_BF16: gl.constexpr, W_LAYOUT: gl.constexpr,
-        num_warps: gl.constexpr,
+        PREFETCH: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """W_LAYOUT: ``kernels.int4_gemv_mma.words_layout``. Program (pid_m, pid_n, pid_k): rows ``pid_m *
-        BLOCK_M ..`` of x, output features ``pid_n * BLOCK_N ..``, one K range."""
+        BLOCK_M ..`` of x, output features ``pid_n * BLOCK_N ..``, one K range. PREFETCH: each K tile's global
+        loads are issued one tile ahead, into registers."""
         P: gl.constexpr = BLOCK_K // 32
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
@@ -84,7 +113,6 @@ if gluon is not None:
         offs_p = gl.arange(0, P, layout=gl.SliceLayout(1, w2))
         offs_q = gl.arange(0, 4, layout=gl.SliceLayout(0, w2))
         offs_wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
-        mask_wn = offs_wn < N
         word_rows = gl.expand_dims(4 * offs_p[:, None] + offs_q[None, :], 2)  # [P, 4, 1]
         w_cols = gl.expand_dims(gl.expand_dims(offs_wn, 0), 1)  # [1, 1, BN]
         offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
@@ -92,18 +120,18 @@ if gluon is not None:
         k_end = gl.minimum(k_start + K_PER_SPLIT, K)
         x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_M, BLOCK_K], x_shared)
         acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            g = k0 // GROUP_SIZE
-            s2 = _packed_pair(gl.load(s_ptr + g * stride_sg + offs_wn, mask=mask_wn, other=0.0).to(gl.float32), IS_BF16)
-            z = gl.load(z_ptr + g * stride_zg + offs_wn, mask=mask_wn, other=0).to(gl.float32)
-            words = gl.load(qw_ptr + (k0 // 8 + word_rows) * stride_qk + w_cols, mask=(w_cols < N) | EVEN_N, other=0)
-            xt = _x_tile(x_ptr, stride_xm, offs_xm, M, k0, k_end, BLOCK_K, x_layout)
-            _cta_barrier()  # the last tile's MMA has read x_smem (it was waited for by every warp)
-            x_smem.store(xt)
-            fence_async_shared()
-            _cta_barrier()  # every warp's part of the tile stored before the MMA reads it
-            a = _weight_operand(words, base_bits, _packed_pair(-(base + z), IS_BF16), s2, a_layout, IS_BF16, True)
-            acc = warpgroup_mma(a, x_smem.permute((1, 0)), acc)
+        tile = (x_ptr, qw_ptr, s_ptr, z_ptr, stride_xm, stride_qk, stride_sg, stride_zg, offs_xm, offs_wn, word_rows,
+                w_cols, M, N, k_end)  # fmt: skip
+        if PREFETCH:  # the next tile's loads in flight during this tile's store, dequantization and MMA
+            s, z, words, xt = _tile_loads(tile, k_start, GROUP_SIZE, BLOCK_K, EVEN_N, x_layout)
+            for k0 in range(k_start, k_end, BLOCK_K):
+                s_n, z_n, words_n, xt_n = _tile_loads(tile, k0 + BLOCK_K, GROUP_SIZE, BLOCK_K, EVEN_N, x_layout)
+                acc = _tile_mma(acc, x_smem, s, z, words, xt, base_bits, base, a_layout, IS_BF16)
+                s, z, words, xt = s_n, z_n, words_n, xt_n
+        else:
+            for k0 in range(k_start, k_end, BLOCK_K):
+                s, z, words, xt = _tile_loads(tile, k0, GROUP_SIZE, BLOCK_K, EVEN_N, x_layout)
+                acc = _tile_mma(acc, x_smem, s, z, words, xt, base_bits, base, a_layout, IS_BF16)
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
         mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
@@ -136,9 +164,11 @@ def int4_gemm_wgmma(
     block_n: int,
     block_k: int,
     split_k: int,
+    prefetch: bool = False,
 ) -> None:
     """Launches on inputs ``kernels.int4_gemm.int4_gemm`` has checked (:func:`wgmma_available`): ``block_m`` a
-    multiple of 8 up to 256 (the MMA's N), ``block_n`` of 64, ``block_k`` (a multiple of 32) dividing the group."""
+    multiple of 8 up to 256 (the MMA's N), ``block_n`` of 64, ``block_k`` (a multiple of 32) dividing the group;
+    ``prefetch``: the next K tile's loads issued before this one's MMA."""
     m, k = x.shape
     n = qweight.shape[1]
     if gluon is None:
@@ -157,5 +187,5 @@ def int4_gemm_wgmma(
         x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
         EVEN_N=n % block_n == 0, IS_BF16=x.dtype == torch.bfloat16,
-        W_LAYOUT=words_layout(block_k // PERMUTE_SPAN, block_n, 4), num_warps=4,
+        W_LAYOUT=words_layout(block_k // PERMUTE_SPAN, block_n, 4), PREFETCH=prefetch, num_warps=4,
     )  # fmt: skip

@@ -137,6 +137,8 @@ class Int4GemmConfig:
     subnormal: bool | None = None
     # gemv, mma: launched with programmatic dependent launch where the device has it (None: GEMV_PDL)
     pdl: bool | None = None
+    # wgmma: each K tile's loads issued one tile ahead (None: WGMMA_PREFETCH)
+    prefetch: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in (None, *KERNELS):
@@ -178,6 +180,7 @@ class Int4Launch:
     paired_nibbles: bool = False  # gemv_cols only
     subnormal: bool = False  # factored gemv only
     pdl: bool = False  # gemv and mma only
+    prefetch: bool = False  # wgmma only
 
 
 @lru_cache(maxsize=8)
@@ -336,6 +339,9 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
 # PAGEDSERVE_INT4_WGMMA=0 turns it off (tl.dot at 17-64 rows, dequantization + cuBLAS from 65, as before Session 25).
 WGMMA_M = (17, 128) if os.environ.get("PAGEDSERVE_INT4_WGMMA", "1") != "0" else (1 << 30, 1 << 30)
 WGMMA_TILE = (64, 64, 128, 2)
+# The next K tile's loads issued before this one's MMA, into registers (244 registers at 64 x 64 x 128 against 171):
+# not yet measured on a GPU (sweep row "wgmma prefetch").
+WGMMA_PREFETCH = False
 
 
 def _pick_wgmma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:
@@ -352,7 +358,7 @@ def _pick_wgmma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int
     split = user.split_k or _fill_split(-(-n // bn) * -(-m // bm), -(-k // bk), target, 32)
     return Int4Launch(
         "wgmma", bm, bn, bk, split, "atomic" if split > 1 else "counter", 4, 1, unpack_in_registers=False,
-        factored=False,
+        factored=False, prefetch=WGMMA_PREFETCH if user.prefetch is None else user.prefetch,
     )  # fmt: skip
 
 

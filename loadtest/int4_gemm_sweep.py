@@ -120,6 +120,8 @@ VARIANTS = [
     Variant("wgmma bk64", {"kernel": "wgmma", "block_k": 64}, (16, 512)),
     Variant("wgmma bn128", {"kernel": "wgmma", "block_n": 128}, (16, 512)),
     Variant("wgmma pps4", {"kernel": "wgmma", "programs_per_sm": 4}, (16, 512)),
+    Variant("wgmma prefetch", {"kernel": "wgmma", "prefetch": True}, (16, 512)),
+    Variant("wgmma prefetch bm32", {"kernel": "wgmma", "prefetch": True, "block_m": 32}, (33, 512)),
     Variant("dot", {"kernel": "dot"}),
     Variant("dot counter", {"kernel": "dot", "split_reduce": "counter"}, (8, 256)),
     Variant("dot atomic", {"kernel": "dot", "split_reduce": "atomic"}, (8, 256)),

@@ -108,16 +108,21 @@ print("HGMMA" * sass.count("HGMMA"))
 
 @pytest.mark.skipif(gluon is None, reason="needs a Triton with Gluon")
 @pytest.mark.parametrize(
-    ("is_bf16", "block_m", "block_n", "block_k", "group", "split"),
-    [(True, 64, 64, 64, 128, 4), (False, 32, 128, 128, 128, 1), (True, 16, 64, 32, 32, 2)],
+    ("is_bf16", "block_m", "block_n", "block_k", "group", "split", "prefetch"),
+    [
+        (True, 64, 64, 128, 128, 4, False),  # the default tile
+        (False, 32, 128, 128, 128, 1, False),
+        (True, 16, 64, 32, 32, 2, True),
+        (True, 64, 64, 128, 128, 2, True),
+    ],
 )
 def test_compiles_for_sm90_with_the_weights_in_registers(
-    is_bf16: bool, block_m: int, block_n: int, block_k: int, group: int, split: int
+    is_bf16: bool, block_m: int, block_n: int, block_k: int, group: int, split: int, prefetch: bool
 ) -> None:
     """``assert_trivial`` fails the compile if the dequantized codes need data movement to reach the MMA's A operand;
     one warpgroup MMA per 16 k's and 64 output features of the tile."""
     constexprs = {"GROUP_SIZE": group, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split,
-                  "EVEN_N": True, "IS_BF16": is_bf16, "num_warps": 4}  # fmt: skip
+                  "EVEN_N": True, "IS_BF16": is_bf16, "PREFETCH": prefetch, "num_warps": 4}  # fmt: skip
     report = run_without_interpreter(_COMPILE, json.dumps(constexprs))
     assert "0 bytes spill stores" in report, report
     assert report.count("HGMMA") == block_k // 16 * block_n // 64
@@ -160,6 +165,8 @@ def test_8b_shapes_on_the_gpu(n: int, k: int, gen: torch.Generator) -> None:
         (torch.bfloat16, 130, 4096, 4096, WGMMA),  # channel-wise
         (torch.float16, 96, 4096, 128, Int4GemmConfig(kernel="wgmma", block_m=128, block_n=128, block_k=128)),
         (torch.bfloat16, 8, 4096, 128, WGMMA),
+        (torch.bfloat16, 100, 1000, 64, Int4GemmConfig(kernel="wgmma", prefetch=True)),  # a tile past K: no reads
+        (torch.float16, 40, 4096, 4096, Int4GemmConfig(kernel="wgmma", prefetch=True, split_k=3)),
     ],
 )
 def test_variants_on_the_gpu(

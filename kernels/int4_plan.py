@@ -63,44 +63,25 @@ GEMV_COLS_SPLIT: SplitPolicy = "fill"
 BALANCE_PROGRAM_COST = 0.5  # "balance": a program's fixed cost (prologue, reduction) in K tiles
 GEMV_COLS_STAGES = 2  # gemv_cols pipeline: the next tile's words in flight (sweep rows "cols stages1/3")
 GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thread
-# kernels.int4_gemv_mma (Gluon, tensor cores): the default kernel at MMA_M rows. At M = 2-8, H200 at 6b4189b
-# (int4_bench --only gemm, rows "mma ..." against "fused", the launch before; us for qkv / o / gate_up / down):
-# M = 2: 10.1 / 7.8 / 29.9 / 17.0 against the GEMV's 13.6 / 9.5 / 44.3 / 24.0; M = 4: 9.9 / 7.9 / 30.2 / 17.2
-# against 20.5 / 13.6 / 72.2 / 38.4; M = 8: 10.2 / 9.2 / 30.7 / 17.6 against tl.dot's 16.4 / 12.6 / 60.8 / 32.5.
-# At M = 1 the GEMV stays (8.8 / 7.2 / 23.5 / 15.6 best against the MMA's 9.6 / 7.2 / 29.2 / 15.6), and it
-# fuses the norms, the activation and the residual, which this kernel does not. Tile (block_n, num_warps):
-# 128 columns won 3 of 4 shapes at M = 2-8. Tried after (Session 23, docs/benchmarks.md) and removed: loading the
-# next tile's words and x ahead, in registers (with 2 programs per SM the best row of the GEMM sweep, 1.19-1.23x
-# faster than this launch alone, but in the int4 model batches 2 / 4 / 8 took 2.93 / 3.01 / 3.18 ms against
-# 2.78 / 2.85 / 3.03 with this one), and vector loads of the words (no faster alone).
-# sm_90 SASS of the loop at group 128: 2.07 instructions a weight at 256 columns, 2.80 at 128 (the GEMV: 3.0-5.0).
-# The GEMV (M = 1) and the MMA GEMV (M = 2-8) launched with programmatic dependent launch on sm_90+
-# (kernels.pdl): the programs start while the kernel before finishes and wait for it first of all; the next kernel
-# may start during this one's split-K reduction. H200, the int4 8B model (int4_bench, one process a row):
-# batches 1 / 2 / 4 / 8 2.487 / 2.780 / 2.848 / 3.031 ms without any PDL, 2.400 / 2.742-2.747 / 2.809-2.811 /
-# 2.995-2.996 with these GEMVs' (caa17d7); with the RMSNorm's and the decode kernels' too at batch 1 (PDL_MAX_ROWS)
-# 2.295-2.324 (895de8b, caa17d7). The programs also asking the L2 for their words before the wait took 2.627
-# (bc1c2e8, removed). PAGEDSERVE_INT4_PDL=0 turns it off.
+# kernels.int4_gemv_mma (Gluon, tensor cores): the default kernel at MMA_M rows. At M = 2-8 (H200, Session 23;
+# us for qkv / o / gate_up / down) M = 2: 10.1 / 7.8 / 29.9 / 17.0 against the GEMV's 13.6 / 9.5 / 44.3 / 24.0, M = 8:
+# 10.2 / 9.2 / 30.7 / 17.6 against tl.dot's 16.4 / 12.6 / 60.8 / 32.5. At M = 1 the GEMV stays (23.5 against 29.2 on
+# gate_up) and fuses the norms, the activation and the residual. Removed after they lost in the model: the next
+# tile's words and x loaded ahead in registers; vector loads of the words.
+# The GEMV (M = 1) and the MMA GEMV launched with programmatic dependent launch on sm_90+ (kernels.pdl; Session 24):
+# the int4 8B model at batches 1 / 2 / 4 / 8 2.487 / 2.780 / 2.848 / 3.031 ms without any PDL, 2.400 / 2.742 / 2.809
+# / 2.995 with these GEMVs', 2.295-2.324 at batch 1 with the RMSNorm's and decode kernels' too. PAGEDSERVE_INT4_PDL=0
+# turns it off.
 GEMV_PDL = os.environ.get("PAGEDSERVE_INT4_PDL", "1") != "0"
-# Above 8 rows the MMA kernel takes x block_m rows at a time (M's power of two from 8, at most MMA_BLOCK_M), and from
-# MMA_DEQUANT_BLOCK_M rows a program dequantizes each weight to (c - z) s in registers (rounded as the reference
-# rounds it) and lets the MMA sum across groups: no per-group sums and no row-sum MMA, which the factored form pays
-# per row of x. H200 at 77568eb (int4_bench --only gemm --m 8 16 32 64 128 256, INT4_SWEEP_ONLY=mma; a layer's four
-# projections, us): M = 16 mma 2 programs per SM 81.4 against tl.dot's 120.8 and bf16 cuBLAS's 123.6 (factored 95.3,
-# 4 per SM 87.8); M = 32 134.1 (4 per SM 134.3) against 160.4 (cuBLAS 125.6); M = 64 it lost (221.5 with 32-row
-# tiles, 235.8 with 64, against tl.dot's 156.2), and at 128 and 256 to dequantization + cuBLAS (1.4-2.2x): its time
-# doubles with the rows from 16 on (mma.sync, x through shared memory every tile), where tl.dot runs wgmma. So MMA_M
-# ends at 32. Second run (41a16df, M = 16 / 24 / 32, --skip-dequant): 16-row tiles took 135.3 us at M = 24 against
-# 182.4 with one 32-row tile (whose 8 padded rows cost what real ones do) and 135.6 against 134.1 at 32; 256 columns,
-# 8 warps, a whole group per tile and 4 or 8 programs per SM lost at 16-32 rows. So rows go 16 to a program. Third
-# run (73f46a3): the wgmma kernel (below) beat it from 17 rows (97.8 against 136.5 us at 32), so MMA_M ends at 16
-# (83.2 against wgmma's 85.7 there).
+# Above 8 rows the MMA kernel takes x MMA_BLOCK_M rows a program, and from MMA_DEQUANT_BLOCK_M rows it dequantizes
+# each weight to (c - z) s in registers (no per-group sums or row-sum MMA, which grow with the rows). H200, Session 25
+# (docs/benchmarks.md; a layer's four projections): M = 16 81.4 us against tl.dot's 120.8 (factored: 95.4); 16-row
+# tiles beat 32-row ones at 24 rows (135.3 against 182.4); from 17 rows the wgmma GEMM (below) wins.
 MMA_M = (2, 16)
 MMA_BLOCK_M = 16
 MMA_DEQUANT_BLOCK_M = 16
-# by block_m: (block_n, block_k, num_warps, programs per SM); the sm_90 compile (ptxas, no spills) takes 127
-# registers at 16 rows, 167 at 32, 251 at 64 (32 and 64: a user's block_m); 2 programs per SM from 16 rows (the
-# H200 run above: 1.08x at 16)
+# by block_m: (block_n, block_k, num_warps, programs per SM); sm_90 compile, no spills: 127 registers at 16 rows, 167
+# at 32, 251 at 64 (32 and 64: a user's block_m); 2 programs per SM from 16 rows (1.08x faster at 16)
 _MMA_TILES = {8: (128, 128, 4, 4), 16: (128, 128, 4, 2), 32: (128, 64, 4, 2), 64: (128, 64, 4, 2)}
 
 
@@ -328,20 +309,13 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
     )  # fmt: skip
 
 
-# kernels.int4_gemm_wgmma (Gluon, Hopper's warpgroup MMA, x's tile in shared memory): the default at WGMMA_M rows on
-# sm_90 (elsewhere tl.dot), and there the linear layer does not dequantize for cuBLAS (int4_linear). H200 at 73f46a3
-# (int4_bench --only gemm --m 16 32 64 128 256 512, INT4_SWEEP_ONLY=wgmma; a layer's four projections, us), with a
-# whole group (128 k's) a tile: M = 32 97.8 against the MMA kernel's 136.5 (bf16 cuBLAS 130.8); 64 131.3 against
-# tl.dot's 159.4 (cuBLAS 132.6); 128 219.5 against dequantization + cuBLAS's 288.1 (cuBLAS 139.4); at 256 and 512
-# dequantization + cuBLAS won (327.3 and 441.7 against 394.9 and 741.4). 64-k tiles took 1.15-1.42x; 4 programs per
-# SM (64-k tiles) tied at 16-32 rows and lost from 64; 128-row or 32-row tiles and 128 columns lost. (block_m cap, block_n, block_k,
-# programs per SM): the sm_90 compile (ptxas, no spills) takes 86 registers at 32 x 64 x 128, 171 at 64 x 64 x 64.
-# PAGEDSERVE_INT4_WGMMA=0 turns it off (tl.dot at 17-64 rows, dequantization + cuBLAS from 65, as before Session 25).
+# kernels.int4_gemm_wgmma (Hopper's warpgroup MMA): the default at WGMMA_M rows on sm_90 (tl.dot elsewhere), where
+# the linear layer then does not dequantize for cuBLAS (int4_linear). H200, Session 25 (a layer's four projections,
+# 128 k's a tile): 97.8 us at M = 32 against the MMA kernel's 136.5, 131.3 at 64 against tl.dot's 159.4, 219.5 at 128
+# against dequantization + cuBLAS's 288.1, which won at 256 and 512. PAGEDSERVE_INT4_WGMMA=0 turns it off.
 WGMMA_M = (17, 128) if os.environ.get("PAGEDSERVE_INT4_WGMMA", "1") != "0" else (1 << 30, 1 << 30)
-WGMMA_TILE = (64, 64, 128, 2)
-# The next K tile's loads issued before this one's MMA, into registers (244 registers at 64 x 64 x 128 against 171):
-# not yet measured on a GPU (sweep row "wgmma prefetch").
-WGMMA_PREFETCH = False
+WGMMA_TILE = (64, 64, 128, 2)  # (block_m cap, block_n, block_k, programs per SM): 171 registers on sm_90, no spills
+WGMMA_PREFETCH = False  # the next K tile's loads issued ahead, into registers (244 registers): not yet measured
 
 
 def _pick_wgmma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:

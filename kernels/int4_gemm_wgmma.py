@@ -25,7 +25,7 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-    from kernels.int4_gemv_mma import _packed_pair, _weight_operand
+    from kernels.int4_gemv_mma import _packed_pair, _weight_operand, store_split
 
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6 | 3.7
 except ImportError:  # pragma: no cover - no Triton, or one without Gluon
@@ -134,22 +134,7 @@ if gluon is not None:
                 acc = _tile_mma(acc, x_smem, s, z, words, xt, base_bits, base, a_layout, IS_BF16)
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        if SPLIT == 1:
-            gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            mn = offs_m[None, :] * N + offs_n[:, None]
-            gl.atomic_add(ws_ptr + mn, acc, mask=mask, sem="relaxed")
-            _cta_barrier()  # every thread's adds before thread 0's release (kernels.int4_gemv.finish_tile)
-            tile = pid_n * gl.num_programs(0) + pid_m
-            arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-            if arrived == SPLIT - 1:
-                total = gl.load(ws_ptr + mn, mask=mask, other=0.0, cache_modifier=".cg")
-                _cta_barrier()
-                gl.store(ws_ptr + mn, gl.zeros_like(total), mask=mask)
-                gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-                gl.store(cnt_ptr + tile, 0)
+        store_split(acc, offs_n, offs_m, N, M, out_ptr, stride_om, ws_ptr, cnt_ptr, SPLIT)
 
 
 def int4_gemm_wgmma(

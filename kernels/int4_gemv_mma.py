@@ -266,7 +266,14 @@ if gluon is not None:
         if PDL:
             _griddepcontrol(False)
         offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-        mask = mask_n[:, None] & (offs_m < M)[None, :]
+        store_split(acc, offs_n, offs_m, N, M, out_ptr, stride_om, ws_ptr, cnt_ptr, SPLIT)
+
+    @gluon.jit
+    def store_split(acc, offs_n, offs_m, N, M, out_ptr, stride_om, ws_ptr, cnt_ptr, SPLIT: gl.constexpr):
+        """``acc [BN, BM]`` (features by rows of x) to ``out [M, N]``; split-K (``SPLIT`` programs along grid axis
+        2 per tile): fp32 atomics into ``ws [M, N]`` and an arrival counter per tile, the last program writes the
+        sum and leaves both at zero (``kernels.int4_gemv.zeroed_scratch``)."""
+        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
         out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
         if SPLIT == 1:
             gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -274,7 +281,7 @@ if gluon is not None:
             mn = offs_m[None, :] * N + offs_n[:, None]
             gl.atomic_add(ws_ptr + mn, acc, mask=mask, sem="relaxed")
             _cta_barrier()  # every thread's adds before thread 0's release (kernels.int4_gemv.finish_tile)
-            tile = pid_n * gl.num_programs(0) + pid_m
+            tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
             arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
             if arrived == SPLIT - 1:
                 total = gl.load(ws_ptr + mn, mask=mask, other=0.0, cache_modifier=".cg")

@@ -123,6 +123,46 @@ def ttgir_sm90(kernel: str, constexprs: dict[str, object], num_warps: int) -> st
     return run_without_interpreter(_COMPILE_SM90, kernel, json.dumps(constexprs), str(num_warps))
 
 
+# Compiles a Gluon int4 GEMM kernel (argv: its module, its name, constexprs as JSON; W_LAYOUT made from them) for
+# sm_90 and prints ptxas's report, then one "griddepcontrol" per such PTX instruction and one "HGMMA" per warpgroup
+# MMA in the SASS.
+_COMPILE_GLUON_SM90 = """
+import importlib, json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels.int4_gemv_mma import words_layout
+
+kernel = getattr(importlib.import_module(sys.argv[1]), sys.argv[2])
+c = json.loads(sys.argv[3])
+c["W_LAYOUT"] = words_layout(c["BLOCK_K"] // 32, c["BLOCK_N"], c["num_warps"])
+half = "*bf16" if c["IS_BF16"] else "*fp16"
+types = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "base": "fp32", "x_ptr": half,
+         "out_ptr": half, "s_ptr": half}
+names = kernel.arg_names
+signature = {a: "constexpr" if a in c else types.get(a, "i32") for a in names}
+aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a.endswith("_ptr") or a.startswith("stride")}
+compiled = triton.compile(GluonASTSource(kernel, signature, c, aligned), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": c["num_warps"]})
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+with tempfile.TemporaryDirectory() as tmp:
+    ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.o")
+    with open(ptx, "w") as f:
+        f.write(compiled.asm["ptx"])
+    print(subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
+                         capture_output=True, text=True, check=True).stderr)
+    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+print("griddepcontrol" * compiled.asm["ptx"].count("griddepcontrol"))
+print("HGMMA" * sass.count("HGMMA"))
+"""
+
+
+def gluon_sm90(module: str, kernel: str, constexprs: dict[str, object]) -> str:
+    """:data:`_COMPILE_GLUON_SM90`'s report for ``module.kernel`` compiled with ``constexprs`` (``num_warps``
+    among them)."""
+    return run_without_interpreter(_COMPILE_GLUON_SM90, module, kernel, json.dumps(constexprs))
+
+
 # Runs each script it reads (one JSON line: source and argv) as ``python -c source argv...`` would, and answers
 # with its stdout (or the traceback) on one JSON line.
 _RUNNER = """

@@ -6,7 +6,6 @@ a CUDA graph."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from kernels.int4_dequant import pack_int4, unpack_int4
 from kernels.int4_gemm import int4_gemm, int4_gemm_ref
 from kernels.int4_gemm_wgmma import gluon
 from kernels.int4_plan import Int4GemmConfig, pick_config
-from tests.kernels.helpers import DEVICE, rel_err, run_without_interpreter, tolerance
+from tests.kernels.helpers import DEVICE, gluon_sm90, rel_err, tolerance
 
 WGMMA = Int4GemmConfig(kernel="wgmma")
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,37 +74,6 @@ def test_int4_gemm_without_hopper_runs_tl_dot(gen: torch.Generator) -> None:
     assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 32)) < tolerance(torch.float32)
 
 
-# Compiles the kernel for sm_90 (no GPU needed): ptxas's report and the count of warpgroup MMAs in the SASS.
-_COMPILE = """
-import json, os, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from kernels.int4_gemm_wgmma import _int4_gemm_wgmma_kernel
-from kernels.int4_gemv_mma import words_layout
-
-c = json.loads(sys.argv[1])
-c["W_LAYOUT"] = words_layout(c["BLOCK_K"] // 32, c["BLOCK_N"], 4)
-half = "*bf16" if c["IS_BF16"] else "*fp16"
-types = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "base": "fp32", "x_ptr": half,
-         "out_ptr": half, "s_ptr": half}
-names = _int4_gemm_wgmma_kernel.arg_names
-signature = {a: "constexpr" if a in c else types.get(a, "i32") for a in names}
-aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a.endswith("_ptr") or a.startswith("stride")}
-compiled = triton.compile(GluonASTSource(_int4_gemm_wgmma_kernel, signature, c, aligned),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-with tempfile.TemporaryDirectory() as tmp:
-    with open(os.path.join(tmp, "k.ptx"), "w") as f:
-        f.write(compiled.asm["ptx"])
-    cubin = os.path.join(tmp, "k.o")
-    print(subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name=sm_90a", f.name, "-o", cubin],
-                         capture_output=True, text=True, check=True).stderr)
-    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
-print("HGMMA" * sass.count("HGMMA"))
-"""
-
-
 @pytest.mark.skipif(gluon is None, reason="needs a Triton with Gluon")
 @pytest.mark.parametrize(
     ("is_bf16", "block_m", "block_n", "block_k", "group", "split", "prefetch"),
@@ -123,7 +91,7 @@ def test_compiles_for_sm90_with_the_weights_in_registers(
     one warpgroup MMA per 16 k's and 64 output features of the tile."""
     constexprs = {"GROUP_SIZE": group, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split,
                   "EVEN_N": True, "IS_BF16": is_bf16, "PREFETCH": prefetch, "num_warps": 4}  # fmt: skip
-    report = run_without_interpreter(_COMPILE, json.dumps(constexprs))
+    report = gluon_sm90("kernels.int4_gemm_wgmma", "_int4_gemm_wgmma_kernel", constexprs)
     assert "0 bytes spill stores" in report, report
     assert report.count("HGMMA") == block_k // 16 * block_n // 64
 

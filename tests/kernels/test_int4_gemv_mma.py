@@ -6,8 +6,6 @@ fp16, narrow groups and an N tail, no split, and replays from a CUDA graph."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -15,7 +13,7 @@ from kernels.int4_dequant import pack_int4
 from kernels.int4_gemm import int4_gemm, int4_gemm_ref
 from kernels.int4_gemv_mma import PERMUTE_SPAN, gluon, int4_gemv_mma_ref, mma_position
 from kernels.int4_plan import MMA_BLOCK_M, Int4GemmConfig, pick_config
-from tests.kernels.helpers import DEVICE, rel_err, run_without_interpreter, tolerance
+from tests.kernels.helpers import DEVICE, gluon_sm90, rel_err, tolerance
 
 MMA = Int4GemmConfig(kernel="mma")
 
@@ -98,34 +96,6 @@ def test_int4_gemm_without_gluon_runs_the_gemv(gen: torch.Generator) -> None:
     assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 32)) < tolerance(torch.float32)
 
 
-# Compiles the kernel for sm_90 (no GPU needed) and prints ptxas's report: argv = constexprs (JSON).
-_COMPILE = """
-import json, os, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from kernels.int4_gemv_mma import _int4_gemv_mma_kernel, words_layout
-
-c = {"PDL": False, "BLOCK_M": 8, "DEQUANT_A": False, **json.loads(sys.argv[1])}
-c["W_LAYOUT"] = words_layout(c["BLOCK_K"] // 32, c["BLOCK_N"], c["num_warps"])
-half = "*bf16" if c["IS_BF16"] else "*fp16"
-types = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "base": "fp32", "x_ptr": half,
-         "out_ptr": half, "s_ptr": half}
-names = _int4_gemv_mma_kernel.arg_names
-signature = {a: "constexpr" if a in c else types.get(a, "i32") for a in names}
-aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a.endswith("_ptr") or a.startswith("stride")}
-compiled = triton.compile(GluonASTSource(_int4_gemv_mma_kernel, signature, c, aligned),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": c["num_warps"]})
-with tempfile.TemporaryDirectory() as tmp:
-    with open(os.path.join(tmp, "k.ptx"), "w") as f:
-        f.write(compiled.asm["ptx"])
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    print(subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.path.join(tmp, "k.o")],
-                         capture_output=True, text=True, check=True).stderr)
-print("griddepcontrol" * compiled.asm["ptx"].count("griddepcontrol"))
-"""
-
-
 @pytest.mark.skipif(gluon is None, reason="needs a Triton with Gluon")
 @pytest.mark.parametrize(
     ("is_bf16", "group", "block_k", "block_n", "split", "pdl", "block_m", "dequant"),
@@ -145,7 +115,7 @@ def test_compiles_for_sm90_with_the_weights_in_registers(
     constexprs = {"GROUP_SIZE": group, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split, "EVEN_N": True,
                   "IS_BF16": is_bf16, "PDL": pdl, "BLOCK_M": block_m, "DEQUANT_A": dequant,
                   "num_warps": 4}  # fmt: skip
-    report = run_without_interpreter(_COMPILE, json.dumps(constexprs))
+    report = gluon_sm90("kernels.int4_gemv_mma", "_int4_gemv_mma_kernel", constexprs)
     assert "0 bytes spill stores" in report, report
     assert report.count("griddepcontrol") == (2 if pdl else 0)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.int4_dequant import pack_int4
+from kernels.int4_dequant import pack_int4, unpack_int4
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,6 +121,24 @@ def ttgir_sm90(kernel: str, constexprs: dict[str, object], num_warps: int) -> st
     ``kernels.int4_mlp``) compiled
     for sm_90; ``kernels.fused_norm``'s switches and PDL default to off."""
     return run_without_interpreter(_COMPILE_SM90, kernel, json.dumps(constexprs), str(num_warps))
+
+
+def packed_int4(
+    k: int, n: int, group_size: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random packed codes ``[K // 8, N]``, scales and zeros (no g_idx) on DEVICE, for the Gluon GEMMs' tests."""
+    codes = torch.randint(0, 16, (k, n), generator=gen)
+    groups = k // group_size
+    scales = (0.01 + 0.05 * torch.rand(groups, n, generator=gen)).to(dtype)
+    zeros = torch.randint(0, 16, (groups, n), generator=gen).to(torch.uint8)
+    return pack_int4(codes).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
+
+
+def dequantized_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``(c - z) s`` rounded to the scales' dtype, ``[K, N]`` (what the reference multiplies)."""
+    groups = torch.arange(qweight.shape[0] * 8, device=qweight.device) // group_size
+    codes = unpack_int4(qweight).float()
+    return ((codes - zeros.float()[groups]) * scales.float()[groups]).to(scales.dtype)
 
 
 # Compiles a Gluon int4 GEMM kernel (argv: its module, its name, constexprs as JSON; W_LAYOUT made from them) for

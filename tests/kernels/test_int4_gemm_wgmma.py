@@ -14,27 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.int4_dequant import pack_int4, unpack_int4
 from kernels.int4_gemm import int4_gemm, int4_gemm_ref
 from kernels.int4_gemm_wgmma import gluon
 from kernels.int4_plan import Int4GemmConfig, pick_config
-from tests.kernels.helpers import DEVICE, gluon_sm90, rel_err, tolerance
+from tests.kernels.helpers import DEVICE, dequantized_int4, gluon_sm90, packed_int4, rel_err, tolerance
 
 WGMMA = Int4GemmConfig(kernel="wgmma")
 ROOT = Path(__file__).resolve().parents[2]
 HOPPER = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm_90 GPU"
 )
-
-
-def _weights(
-    k: int, n: int, group_size: int, dtype: torch.dtype, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    codes = torch.randint(0, 16, (k, n), generator=gen)
-    groups = k // group_size
-    scales = (0.01 + 0.05 * torch.rand(groups, n, generator=gen)).to(dtype)
-    zeros = torch.randint(0, 16, (groups, n), generator=gen).to(torch.uint8)
-    return pack_int4(codes).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
 
 
 def test_pick_config() -> None:
@@ -68,7 +57,7 @@ def test_int4_gemm_without_hopper_runs_tl_dot(gen: torch.Generator) -> None:
     """Where the kernel can't run (no GPU here, under the interpreter), ``kernel="wgmma"`` gets tl.dot's result."""
     if DEVICE.type == "cuda":
         pytest.skip("the fallback is for machines without a GPU")
-    qweight, scales, zeros = _weights(128, 48, 32, torch.float32, gen)
+    qweight, scales, zeros = packed_int4(128, 48, 32, torch.float32, gen)
     x = torch.randn(20, 128, generator=gen)
     out = int4_gemm(x, qweight, scales, zeros, 32, config=WGMMA)
     assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 32)) < tolerance(torch.float32)
@@ -96,13 +85,6 @@ def test_compiles_for_sm90_with_the_weights_in_registers(
     assert report.count("HGMMA") == block_k // 16 * block_n // 64
 
 
-def _dequantized(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``(c - z) s`` rounded to the scales' dtype, ``[K, N]``."""
-    groups = torch.arange(qweight.shape[0] * 8, device=qweight.device) // group_size
-    codes = unpack_int4(qweight).float()
-    return ((codes - zeros.float()[groups]) * scales.float()[groups]).to(scales.dtype)
-
-
 @pytest.mark.gpu
 @HOPPER
 @pytest.mark.parametrize(
@@ -112,8 +94,8 @@ def test_8b_shapes_on_the_gpu(n: int, k: int, gen: torch.Generator) -> None:
     """16-512 rows (row tiles, partial last ones), twice each (the in-kernel reduction's races show only here):
     within bf16's tolerance of the reference, and of the exact product of the dequantized weights (only the fp32
     sums' order differs from it)."""
-    qweight, scales, zeros = _weights(k, n, 128, torch.bfloat16, gen)
-    w = _dequantized(qweight, scales, zeros, 128).double()
+    qweight, scales, zeros = packed_int4(k, n, 128, torch.bfloat16, gen)
+    w = dequantized_int4(qweight, scales, zeros, 128).double()
     for m in (16, 40, 64, 100, 256, 512):
         for _ in range(2):
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -140,7 +122,7 @@ def test_8b_shapes_on_the_gpu(n: int, k: int, gen: torch.Generator) -> None:
 def test_variants_on_the_gpu(
     dtype: torch.dtype, m: int, n: int, group_size: int, cfg: Int4GemmConfig, gen: torch.Generator
 ) -> None:
-    qweight, scales, zeros = _weights(4096, n, group_size, dtype, gen)
+    qweight, scales, zeros = packed_int4(4096, n, group_size, dtype, gen)
     x = torch.randn(m, 4096, generator=gen).to(dtype).to(DEVICE)
     out = int4_gemm(x, qweight, scales, zeros, group_size, config=cfg)
     assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, group_size)) < tolerance(dtype)
@@ -150,7 +132,7 @@ def test_variants_on_the_gpu(
 @HOPPER
 def test_replayed_from_a_cuda_graph(gen: torch.Generator) -> None:
     """down_proj at 128 rows captured after one eager call and replayed with new activations (counters back to 0)."""
-    qweight, scales, zeros = _weights(14336, 4096, 128, torch.bfloat16, gen)
+    qweight, scales, zeros = packed_int4(14336, 4096, 128, torch.bfloat16, gen)
     x = torch.zeros(128, 14336, dtype=torch.bfloat16, device=DEVICE)
     int4_gemm(x, qweight, scales, zeros, 128, config=WGMMA)  # compiles, grows the shared scratch
     graph = torch.cuda.CUDAGraph()

@@ -13,19 +13,9 @@ from kernels.int4_dequant import pack_int4
 from kernels.int4_gemm import int4_gemm, int4_gemm_ref
 from kernels.int4_gemv_mma import PERMUTE_SPAN, gluon, int4_gemv_mma_ref, mma_position
 from kernels.int4_plan import MMA_BLOCK_M, Int4GemmConfig, pick_config
-from tests.kernels.helpers import DEVICE, gluon_sm90, rel_err, tolerance
+from tests.kernels.helpers import DEVICE, dequantized_int4, gluon_sm90, packed_int4, rel_err, tolerance
 
 MMA = Int4GemmConfig(kernel="mma")
-
-
-def _weights(
-    k: int, n: int, group_size: int, dtype: torch.dtype, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    codes = torch.randint(0, 16, (k, n), generator=gen)
-    groups = k // group_size
-    scales = (0.01 + 0.05 * torch.rand(groups, n, generator=gen)).to(dtype)
-    zeros = torch.randint(0, 16, (groups, n), generator=gen).to(torch.uint8)
-    return pack_int4(codes).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
 
 
 def test_mma_position_permutes_inside_each_32_ks() -> None:
@@ -90,7 +80,7 @@ def test_int4_gemm_without_gluon_runs_the_gemv(gen: torch.Generator) -> None:
     """Where the kernel can't run (no GPU here, under the interpreter), ``kernel="mma"`` gets the GEMV's result."""
     if DEVICE.type == "cuda":
         pytest.skip("the fallback is for machines without a GPU")
-    qweight, scales, zeros = _weights(128, 48, 32, torch.float32, gen)
+    qweight, scales, zeros = packed_int4(128, 48, 32, torch.float32, gen)
     x = torch.randn(2, 128, generator=gen)
     out = int4_gemm(x, qweight, scales, zeros, 32, config=MMA)
     assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 32)) < tolerance(torch.float32)
@@ -127,7 +117,7 @@ def test_compiles_for_sm90_with_the_weights_in_registers(
 )
 def test_8b_shapes_on_the_gpu(n: int, k: int, gen: torch.Generator) -> None:
     """The default launch at M = 1, 2, 4, 8, a few times each (the in-kernel reduction's races show only here)."""
-    qweight, scales, zeros = _weights(k, n, 128, torch.bfloat16, gen)
+    qweight, scales, zeros = packed_int4(k, n, 128, torch.bfloat16, gen)
     for m in (1, 2, 4, 8):
         for _ in range(3):
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -144,24 +134,15 @@ def test_8b_shapes_past_8_rows_on_the_gpu(n: int, k: int, gen: torch.Generator) 
     """The default launch at 16-256 rows (row tiles, a partial last one), twice each; the dequantized weights are
     rounded as the reference rounds them, so only the fp32 sums' order differs: a tighter bound than the factored
     form's."""
-    qweight, scales, zeros = _weights(k, n, 128, torch.bfloat16, gen)
+    qweight, scales, zeros = packed_int4(k, n, 128, torch.bfloat16, gen)
     for m in (16, 24, 64, 100, 256):
         for _ in range(2):
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
             out = int4_gemm(x, qweight, scales, zeros, 128, config=MMA)
             ref = int4_gemm_ref(x, qweight, scales, zeros, 128)
             assert rel_err(out, ref) < tolerance(torch.bfloat16), m
-            exact = (x.double() @ _dequantized(qweight, scales, zeros, 128).double()).float()
+            exact = (x.double() @ dequantized_int4(qweight, scales, zeros, 128).double()).float()
             assert rel_err(out, exact) < 1e-2, m
-
-
-def _dequantized(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``(c - z) s`` rounded to the scales' dtype, ``[K, N]``."""
-    from kernels.int4_dequant import unpack_int4
-
-    groups = torch.arange(qweight.shape[0] * 8, device=qweight.device) // group_size
-    codes = unpack_int4(qweight).float()
-    return ((codes - zeros.float()[groups]) * scales.float()[groups]).to(scales.dtype)
 
 
 @pytest.mark.gpu
@@ -185,7 +166,7 @@ def _dequantized(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 def test_variants_on_the_gpu(
     dtype: torch.dtype, m: int, n: int, group_size: int, cfg: Int4GemmConfig, gen: torch.Generator
 ) -> None:
-    qweight, scales, zeros = _weights(4096, n, group_size, dtype, gen)
+    qweight, scales, zeros = packed_int4(4096, n, group_size, dtype, gen)
     x = torch.randn(m, 4096, generator=gen).to(dtype).to(DEVICE)
     out = int4_gemm(x, qweight, scales, zeros, group_size, config=cfg)
     assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, group_size)) < tolerance(dtype)
@@ -195,7 +176,7 @@ def test_variants_on_the_gpu(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_replayed_from_a_cuda_graph(gen: torch.Generator) -> None:
     """down_proj captured after one eager call and replayed with new activations (counters back to zero)."""
-    qweight, scales, zeros = _weights(14336, 4096, 128, torch.bfloat16, gen)
+    qweight, scales, zeros = packed_int4(14336, 4096, 128, torch.bfloat16, gen)
     x = torch.zeros(1, 14336, dtype=torch.bfloat16, device=DEVICE)
     int4_gemm(x, qweight, scales, zeros, 128, config=MMA)  # compiles, grows the shared scratch
     graph = torch.cuda.CUDAGraph()

@@ -77,12 +77,16 @@
 #                     its tiles against the two GEMVs and a copy of the same bytes (loadtest.int4_mlp_bench; MLP_VARIANTS)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
+#   stage wg (~6 min): int4 at 9-512 rows (kernels.int4_gemv_mma, kernels.int4_gemm_wgmma): their GPU tests, the GEMM
+#                     sweep's mma and wgmma rows (WG_M, default 16 32 64 128 256 512), then the int4 model at batches
+#                     WG_BATCHES (default 1 16 24 32 64 128) and `mixed`, the defaults beside variant mma8 (both
+#                     Session 25 defaults off) and bf16, in one process
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, mlp, sd, sa, v, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, mlp, sd, sa, v, wg, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -127,6 +131,17 @@ elif [ "$stage" = v ]; then
     > "$out/gpu_tests.txt" 2>&1 && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   tail -3 "$out/gpu_tests.txt"
   python -m loadtest.kernels_bench --table-lens 131072 --out "$out/kernels.json" 2>&1 | tail -24
+elif [ "$stage" = wg ]; then
+  python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_gemm_wgmma.py tests/kernels/test_int4_gemv_mma.py \
+    tests/kernels/test_int4_gated.py tests/kernels/test_pdl.py > "$out/int4_tests.txt" 2>&1 \
+    && echo "INT4 GPU TESTS PASSED" || echo "INT4 GPU TESTS FAILED (see int4_tests.txt)"
+  tail -3 "$out/int4_tests.txt"
+  # shellcheck disable=SC2086  # WG_M is a list
+  INT4_SWEEP_ONLY="mma,wgmma" python -m loadtest.int4_bench --only gemm --m ${WG_M:-16 32 64 128 256 512} \
+    --out "$out/int4_gemm.json" 2>&1 | grep "time/best\|layer sum\|engine path\|wrong" || echo "int4 GEMM sweep FAILED"
+  # shellcheck disable=SC2086  # WG_BATCHES is a list
+  python -m loadtest.int4_bench --only model --batches ${WG_BATCHES:-1 16 24 32 64 128} --gemv-variants mma8 --mixed \
+    --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-4000
 elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24
   python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \

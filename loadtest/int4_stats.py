@@ -8,14 +8,20 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
+from kernels import int4_plan
 from kernels.int4_dequant import DEQUANT_MIN_M
 
 FUSED, DEQUANT = "fused", "dequant+matmul"  # the two paths' default variants in a row's "us"
 
 
 def engine_path(m: int) -> str:
-    """The path ``engine.quantization.int4_linear`` takes at M rows on CUDA."""
-    return DEQUANT if m >= DEQUANT_MIN_M else FUSED
+    """The path ``engine.quantization.int4_linear`` takes at M rows on this machine's GPU: the fused GEMM below
+    DEQUANT_MIN_M rows, and at ``int4_plan.WGMMA_M`` rows on an sm_90 GPU (the wgmma GEMM)."""
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    wgmma = hopper and int4_plan.WGMMA_M[0] <= m <= int4_plan.WGMMA_M[1]
+    return DEQUANT if m >= DEQUANT_MIN_M and not wgmma else FUSED
 
 
 def _case_line(r: dict[str, Any]) -> str:
@@ -85,7 +91,7 @@ def crossover_lines(rows: list[dict[str, Any]]) -> list[str]:
         f"crossover: dequant+matmul faster than fused from M = {summed} (layer sum); per projection: "
         + ", ".join(f"{layer} {per_layer[layer]}" for layer in layers)
         + f" | DEQUANT_MIN_M = {DEQUANT_MIN_M} (kernels/int4_dequant.py): {advice}",
-        f"engine path (DEQUANT_MIN_M = {DEQUANT_MIN_M}) speed x-cublas, layer sum, by M: "
+        f"engine path (DEQUANT_MIN_M = {DEQUANT_MIN_M}, past WGMMA_M on sm_90) speed x-cublas, layer sum, by M: "
         + ", ".join(f"{m}: {e:.2f}" for m, e in zip(ms, engine, strict=True)),
     ]
 

@@ -36,6 +36,7 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():
     # the Triton kernel runs under the interpreter; the flag is read when ``@triton.jit`` decorates
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kernels.int4_config import Int4GemmConfig  # noqa: E402
 from kernels.int4_dequant import (  # noqa: E402
     DequantConfig,
     DequantScratch,
@@ -44,7 +45,6 @@ from kernels.int4_dequant import (  # noqa: E402
     int4_dequant_linear,
 )
 from kernels.int4_gemm import int4_gemm, int4_gemm_ref  # noqa: E402
-from kernels.int4_plan import Int4GemmConfig  # noqa: E402
 from loadtest.int4_gemm_sweep import (  # noqa: E402
     LAYER_SHAPES_8B,
     LAYER_SHAPES_TINY,

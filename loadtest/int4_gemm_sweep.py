@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from kernels.int4_config import Int4GemmConfig, Int4Launch
 from kernels.int4_dequant import DequantScratch, pack_int4
 from kernels.int4_gemm import int4_gemm
 from kernels.int4_gemv_cols import tile_qweight
-from kernels.int4_plan import Int4GemmConfig, Int4Launch, pick_config
+from kernels.int4_plan import pick_config
 from loadtest.int4_model import GROUP_SIZE
 from loadtest.int4_stats import DEQUANT, FUSED
 from loadtest.kernel_bench_common import device_timer as timer

@@ -27,8 +27,8 @@ from kernels.gemv import (
     scratch_is_zero,
     takes_gemv,
 )
+from kernels.int4_config import Int4GemmConfig
 from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_normed, int4_gemm_residual
-from kernels.int4_plan import Int4GemmConfig
 from tests.kernels.helpers import DEVICE, int4_weights, rel_err, ttgir_sm90
 
 EPS = 1e-5

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.int4_config import Int4GemmConfig
 from kernels.int4_dequant import (
     DequantScratch,
     dequantize_int4,
@@ -23,7 +24,7 @@ from kernels.int4_dequant import (
 )
 from kernels.int4_gemm import int4_gemm, int4_gemm_ref
 from kernels.int4_gemv import SPLIT_MODES, zeroed_scratch
-from kernels.int4_plan import GEMV_MAX_M, MMA_M, WGMMA_M, Int4GemmConfig, pick_config
+from kernels.int4_plan import GEMV_MAX_M, MMA_M, WGMMA_M, pick_config
 from tests.kernels.helpers import DEVICE, int4_weights, rel_err, tolerance, ttgir_sm90
 
 K, N = 128, 48

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.int4_config import Int4GemmConfig
 from kernels.int4_gemm import int4_gemm, int4_gemm_ref
 from kernels.int4_gemm_wgmma import gluon
-from kernels.int4_plan import Int4GemmConfig, pick_config
+from kernels.int4_plan import pick_config
 from tests.kernels.helpers import DEVICE, dequantized_int4, gluon_sm90, packed_int4, rel_err, tolerance
 
 WGMMA = Int4GemmConfig(kernel="wgmma")
@@ -147,7 +148,7 @@ def test_replayed_from_a_cuda_graph(gen: torch.Generator) -> None:
 def test_switched_off_by_environment() -> None:
     """``PAGEDSERVE_INT4_WGMMA=0``: tl.dot at 17-64 rows, and the linear layer dequantizes from 65 again."""
     script = (
-        "from kernels.int4_plan import Int4GemmConfig, pick_config\n"
+        "from kernels.int4_config import Int4GemmConfig\nfrom kernels.int4_plan import pick_config\n"
         "print(pick_config(64, 4096, 4096, 128, 132, Int4GemmConfig()).kernel)\n"
     )
     env = {**os.environ, "PAGEDSERVE_INT4_WGMMA": "0"}

@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.int4_config import Int4GemmConfig
 from kernels.int4_dequant import pack_int4
 from kernels.int4_gemm import int4_gemm, int4_gemm_ref
 from kernels.int4_gemv_mma import PERMUTE_SPAN, gluon, int4_gemv_mma_ref, mma_position
-from kernels.int4_plan import MMA_BLOCK_M, Int4GemmConfig, pick_config
+from kernels.int4_plan import MMA_BLOCK_M, pick_config
 from tests.kernels.helpers import DEVICE, dequantized_int4, gluon_sm90, packed_int4, rel_err, tolerance
 
 MMA = Int4GemmConfig(kernel="mma")

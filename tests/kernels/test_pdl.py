@@ -13,8 +13,9 @@ import torch
 import kernels.norm as norm_module
 import kernels.paged_attention as paged_attention
 from kernels.activation import silu_and_mul_ref
+from kernels.int4_config import Int4GemmConfig
 from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_ref, int4_gemm_residual
-from kernels.int4_plan import GEMV_PDL, Int4GemmConfig, pick_config
+from kernels.int4_plan import GEMV_PDL, pick_config
 from kernels.norm import rms_norm, rms_norm_ref
 from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.pdl import pdl_supported

@@ -34,10 +34,15 @@ except ImportError:  # pragma: no cover - no Triton, or one without Gluon
 WARPGROUP_ROWS = 64  # output features of one warpgroup MMA tile (4 warps x 16)
 
 
+def on_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is an sm_90 GPU (the warpgroup MMA is Hopper's only) and Gluon is here."""
+    return gluon is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def wgmma_available(x: torch.Tensor, group_size: int, has_g_idx: bool) -> bool:
     """Whether this kernel can run ``x``: Gluon, an sm_90 GPU, bf16/fp16 with unit stride along K, no g_idx, groups
     of multiples of 32 k's. Where it can't, ``kernels.int4_gemm`` runs tl.dot."""
-    if gluon is None or x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
+    if not on_hopper(x.device):
         return False
     shape_ok = x.shape[1] <= 1 or x.stride(1) == 1
     return x.dtype in BASE and shape_ok and not has_g_idx and group_size % PERMUTE_SPAN == 0

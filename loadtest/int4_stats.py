@@ -12,6 +12,7 @@ import torch
 
 from kernels import int4_plan
 from kernels.int4_dequant import DEQUANT_MIN_M
+from kernels.int4_gemm_wgmma import on_hopper
 
 FUSED, DEQUANT = "fused", "dequant+matmul"  # the two paths' default variants in a row's "us"
 
@@ -19,8 +20,7 @@ FUSED, DEQUANT = "fused", "dequant+matmul"  # the two paths' default variants in
 def engine_path(m: int) -> str:
     """The path ``engine.quantization.int4_linear`` takes at M rows on this machine's GPU: the fused GEMM below
     DEQUANT_MIN_M rows, and at ``int4_plan.WGMMA_M`` rows on an sm_90 GPU (the wgmma GEMM)."""
-    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-    wgmma = hopper and int4_plan.WGMMA_M[0] <= m <= int4_plan.WGMMA_M[1]
+    wgmma = torch.cuda.is_available() and on_hopper(torch.device("cuda")) and int4_plan.default_kernel(m) == "wgmma"
     return DEQUANT if m >= DEQUANT_MIN_M and not wgmma else FUSED
 
 

@@ -119,12 +119,10 @@ class Int4LinearMethod:
     def dequantizes(self, layer: Any, x: torch.Tensor) -> bool:
         """Whether ``x``'s rows go to the dense weight (dequantized, then cuBLAS): from DEQUANT_MIN_M rows, but not
         where the wgmma GEMM runs them (``kernels.int4_plan.WGMMA_M`` on sm_90; faster up to 128 rows)."""
-        m = x.shape[0]
-        if m < DEQUANT_MIN_M:
+        if x.shape[0] < DEQUANT_MIN_M:
             return False
-        rows = int4_plan.WGMMA_M  # read per call: benchmarks switch it
-        wgmma = rows[0] <= m <= rows[1] and wgmma_available(x, layer.group_size, layer.g_idx is not None)
-        return not wgmma
+        wgmma = int4_plan.default_kernel(x.shape[0]) == "wgmma"  # read per call: benchmarks switch WGMMA_M
+        return not (wgmma and wgmma_available(x, layer.group_size, layer.g_idx is not None))
 
     def apply_gated(self, layer: Any, x2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``apply(layer, act(x2))`` for the gated MLP's down projection (``x2 = gate | up``, ``act`` its

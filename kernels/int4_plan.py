@@ -12,8 +12,9 @@ from functools import lru_cache
 import torch
 
 from kernels._triton import next_pow2
-from kernels.int4_config import Int4GemmConfig, Int4Launch, Kernel, SplitPolicy, SplitReduce
+from kernels.int4_config import Int4GemmConfig, Int4Launch, Kernel, SplitPolicy, SplitReduce, WgmmaLoop
 from kernels.int4_dequant import PACK
+from kernels.int4_gemm_wgmma import check_tile
 from kernels.int4_gemv_mma import PERMUTE_SPAN
 
 GEMV_MAX_M = 4  # the default kernel is the GEMV up to this many rows (pick_config says why)
@@ -74,8 +75,9 @@ GEMV_PDL = os.environ.get("PAGEDSERVE_INT4_PDL", "1") != "0"
 MMA_M = (2, 16)
 MMA_BLOCK_M = 16
 MMA_DEQUANT_BLOCK_M = 16
-# by block_m: (block_n, block_k, num_warps, programs per SM); sm_90 compile, no spills: 127 registers at 16 rows, 167
-# at 32, 251 at 64 (32 and 64: a user's block_m); 2 programs per SM from 16 rows (1.08x faster at 16)
+# by block_m: (block_n, block_k, num_warps, programs per SM); sm_90 compile (K, N and K ranges divisible by 16, as
+# Triton specializes them at launch): 72 registers at 8 rows, 120 at 16, 148 at 32, and at 64 255 with 16 bytes of
+# spills (32 and 64: a user's block_m); 2 programs per SM from 16 rows (1.08x faster at 16)
 _MMA_TILES = {8: (128, 128, 4, 4), 16: (128, 128, 4, 2), 32: (128, 64, 4, 2), 64: (128, 64, 4, 2)}
 
 
@@ -229,25 +231,27 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
 # 128 k's a tile): 97.8 us at M = 32 against the MMA kernel's 136.5, 131.3 at 64 against tl.dot's 159.4, 219.5 at 128
 # against dequantization + cuBLAS's 288.1, which won at 256 and 512. PAGEDSERVE_INT4_WGMMA=0 turns it off.
 WGMMA_M = (17, 128) if os.environ.get("PAGEDSERVE_INT4_WGMMA", "1") != "0" else (1 << 30, 1 << 30)
-WGMMA_TILE = (64, 64, 128, 2)  # (block_m cap, block_n, block_k, programs per SM): 171 registers on sm_90, no spills
-WGMMA_PREFETCH = False  # the next K tile's loads issued ahead, into registers (244 registers): not yet measured
+WGMMA_TILE = (64, 64, 128, 2)  # (block_m cap, block_n, block_k, programs per SM): 141 registers on sm_90, no spills
+# its K loop (kernels.int4_config.LOOPS) and warps (8: two warpgroups sharing x's tile, block_n 128): "prefetch" (242
+# registers), "async" and 8 warps are not yet measured
+WGMMA_LOOP: WgmmaLoop = "plain"
+WGMMA_WARPS = 4
 
 
 def _pick_wgmma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:
     """WGMMA_TILE: block_m M's power of two from 8 up to its cap (the MMA's N), block_k at most the group's largest
-    power-of-two divisor; split-K filled to the tile's programs per SM, summed by atomics."""
+    power-of-two divisor, one warpgroup (or ``user.num_warps`` 8: two sharing x's tile); split-K filled to the
+    tile's programs per SM, summed by atomics."""
     cap, tile_bn, tile_bk, pps = WGMMA_TILE
     bm = user.block_m or min(max(8, next_pow2(m)), cap)
     bn, bk = user.block_n or tile_bn, user.block_k or min(tile_bk, group_size & -group_size)
-    if bm % 8 or bm > 256 or bn % 64 or bk % PERMUTE_SPAN or group_size % bk:
-        raise ValueError(
-            f"wgmma: tile {bm} x {bn} x {bk}: rows 8-256 in 8s, columns in 64s, k in 32s dividing the group"
-        )
+    warps, loop = user.num_warps or WGMMA_WARPS, user.loop or WGMMA_LOOP
+    check_tile(bm, bn, bk, group_size, warps, loop)
     target = (user.programs_per_sm or pps) * num_sms
     split = user.split_k or _fill_split(-(-n // bn) * -(-m // bm), -(-k // bk), target, 32)
     return Int4Launch(
-        "wgmma", bm, bn, bk, split, "atomic" if split > 1 else "counter", 4, 1, unpack_in_registers=False,
-        factored=False, prefetch=WGMMA_PREFETCH if user.prefetch is None else user.prefetch,
+        "wgmma", bm, bn, bk, split, "atomic" if split > 1 else "counter", warps, 1, unpack_in_registers=False,
+        factored=False, loop=loop,
     )  # fmt: skip
 
 

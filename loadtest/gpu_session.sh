@@ -81,12 +81,16 @@
 #                     sweep's mma and wgmma rows (WG_M, default 16 32 64 128 256 512), then the int4 model at batches
 #                     WG_BATCHES (default 1 16 24 32 64 128) and `mixed`, the defaults beside variant mma8 (both
 #                     Session 25 defaults off) and bf16, in one process
+#   stage wa (~8 min): int4 at 129-512 rows (Session 26): the wgmma GEMM's GPU tests (its async loop and two-warpgroup
+#                     programs among them), the sweep's wgmma rows at WA_M (default 64 128 256 512), then the int4
+#                     model at batches WA_BATCHES (default 128 256 512) and `mixed`, the defaults beside variants
+#                     wg512 and wg512async (the wgmma GEMM to 512 rows instead of dequantization + cuBLAS) and bf16
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, mlp, sd, sa, v, wg, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, mlp, sd, sa, v, wg, wa, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -142,6 +146,16 @@ elif [ "$stage" = wg ]; then
   # shellcheck disable=SC2086  # WG_BATCHES is a list
   python -m loadtest.int4_bench --only model --batches ${WG_BATCHES:-1 16 24 32 64 128} --gemv-variants mma8 --mixed \
     --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-4000
+elif [ "$stage" = wa ]; then
+  python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_gemm_wgmma.py > "$out/wgmma_tests.txt" 2>&1 \
+    && echo "WGMMA GPU TESTS PASSED" || echo "WGMMA GPU TESTS FAILED (see wgmma_tests.txt)"
+  tail -3 "$out/wgmma_tests.txt"
+  # shellcheck disable=SC2086  # WA_M is a list
+  INT4_SWEEP_ONLY="wgmma" python -m loadtest.int4_bench --only gemm --m ${WA_M:-64 128 256 512} \
+    --out "$out/int4_gemm.json" 2>&1 | grep "time/best\|layer sum\|engine path\|wrong" || echo "int4 GEMM sweep FAILED"
+  # shellcheck disable=SC2086  # WA_BATCHES is a list
+  python -m loadtest.int4_bench --only model --batches ${WA_BATCHES:-128 256 512} --gemv-variants wg512 wg512async \
+    --mixed --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-4000
 elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24
   python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \

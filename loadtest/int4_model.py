@@ -112,6 +112,15 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     "nomma": {"kernels.int4_plan:MMA_M": (1 << 30, 1 << 30)},  # the GEMV and tl.dot at M = 2-8, as before 6b4189b
     # the MMA kernel to 8 rows, tl.dot to 64, dequantization + cuBLAS above: the defaults before 2026-12-04 night
     "mma8": {"kernels.int4_plan:MMA_M": (2, 8), "kernels.int4_plan:WGMMA_M": (1 << 30, 1 << 30)},
+    # the wgmma GEMM to 512 rows (no dequantization + cuBLAS below 513), with its default tile, then with the async
+    # K loop and two warpgroups a program (Session 26, not yet measured)
+    "wg512": {"kernels.int4_plan:WGMMA_M": (17, 512)},
+    "wg512async": {
+        "kernels.int4_plan:WGMMA_M": (17, 512),
+        "kernels.int4_plan:WGMMA_LOOP": "async",
+        "kernels.int4_plan:WGMMA_WARPS": 8,
+        "kernels.int4_plan:WGMMA_TILE": (64, 128, 128, 2),
+    },
     # no programmatic dependent launch (kernels.pdl) anywhere: the defaults before 2026-12-04 evening
     "nopdl": {
         "kernels.int4_plan:GEMV_PDL": False,

@@ -159,7 +159,7 @@ types = {"qw_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
          "out_ptr": half, "s_ptr": half}
 names = kernel.arg_names
 signature = {a: "constexpr" if a in c else types.get(a, "i32") for a in names}
-aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a.endswith("_ptr") or a.startswith("stride")}
+aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a.endswith("_ptr") or a.startswith("stride") or a in ("N", "K", "K_PER_SPLIT")}
 compiled = triton.compile(GluonASTSource(kernel, signature, c, aligned), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": c["num_warps"]})
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

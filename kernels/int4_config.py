@@ -31,7 +31,7 @@ class Int4GemmConfig:
     block_n: int | None = None
     block_k: int | None = None
     split_k: int | None = None
-    # how split-K partials are summed (kernels.int4_gemv's docstring); None: atomic up to ATOMIC_MAX_M rows
+    # how split-K partials are summed (kernels.int4_split's docstring); None: atomic up to ATOMIC_MAX_M rows
     split_reduce: SplitReduce | None = None
     num_warps: int | None = None
     num_stages: int | None = None

@@ -21,10 +21,11 @@ from kernels.fused_norm import NormIn, materialize, residual_sum_ref
 from kernels.int4_config import Int4GemmConfig, Int4Launch, Kernel
 from kernels.int4_dequant import MAGIC_BITS, PACK, check_int4_weights, codes_tile, dequant_tile, dequantize_int4
 from kernels.int4_gemm_wgmma import int4_gemm_wgmma, wgmma_available
-from kernels.int4_gemv import finish_tile, int4_gemv_launch, split_target
+from kernels.int4_gemv import int4_gemv_launch
 from kernels.int4_gemv_cols import int4_gemv_cols_launch
 from kernels.int4_gemv_mma import gemv_mma_available, int4_gemv_mma
 from kernels.int4_plan import GEMV_COLS_LIMIT_M, GEMV_MAX_M, num_sms, pick_config
+from kernels.int4_split import finish_tile, split_target
 
 
 def int4_gemm_ref(

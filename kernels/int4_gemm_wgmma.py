@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from kernels.int4_config import LOOPS, WgmmaLoop
-from kernels.int4_gemv import zeroed_scratch
 from kernels.int4_gemv_mma import BASE, PERMUTE_SPAN, words_layout
+from kernels.int4_split import zeroed_scratch
 
 try:
     from triton.experimental import gluon

@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import next_pow2, tl, triton
-from kernels.int4_gemv import finish_tile, nibble, split_target
+from kernels.int4_gemv import nibble
+from kernels.int4_split import finish_tile, split_target
 
 
 @triton.jit

@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from kernels.int4_dequant import unpack_int4
-from kernels.int4_gemv import zeroed_scratch
+from kernels.int4_split import zeroed_scratch
 from kernels.pdl import LAUNCH_DEPENDENTS_ASM, WAIT_ASM, pdl_supported
 
 try:
@@ -272,7 +272,7 @@ if gluon is not None:
     def store_split(acc, offs_n, offs_m, N, M, out_ptr, stride_om, ws_ptr, cnt_ptr, SPLIT: gl.constexpr):
         """``acc [BN, BM]`` (features by rows of x) to ``out [M, N]``; split-K (``SPLIT`` programs along grid axis
         2 per tile): fp32 atomics into ``ws [M, N]`` and an arrival counter per tile, the last program writes the
-        sum and leaves both at zero (``kernels.int4_gemv.zeroed_scratch``)."""
+        sum and leaves both at zero (``kernels.int4_split.zeroed_scratch``)."""
         mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
         out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
         if SPLIT == 1:
@@ -280,7 +280,7 @@ if gluon is not None:
         else:
             mn = offs_m[None, :] * N + offs_n[:, None]
             gl.atomic_add(ws_ptr + mn, acc, mask=mask, sem="relaxed")
-            _cta_barrier()  # every thread's adds before thread 0's release (kernels.int4_gemv.finish_tile)
+            _cta_barrier()  # every thread's adds before thread 0's release (kernels.int4_split.finish_tile)
             tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
             arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
             if arrived == SPLIT - 1:

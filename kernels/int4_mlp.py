@@ -6,7 +6,7 @@ each is short enough that its ramp, its tail and its split-K reduction weigh (H2
 intermediate activation: it computes their gate and up over the whole hidden size (no split-K, so nothing
 waits for another program), applies ``silu_and_mul``, and multiplies those ``BLOCK_I`` values by the matching
 ``BLOCK_I`` rows of the down projection at once. The down projection's split over the intermediate dimension is
-reduced with fp32 atomics, and each output tile's last program writes it (``kernels.int4_gemv.finish_tile``,
+reduced with fp32 atomics, and each output tile's last program writes it (``kernels.int4_split.finish_tile``,
 the GEMVs' ``atomic`` split mode). The ``[1, I]`` activation never reaches memory.
 
 Same weight layout and arithmetic as the GEMVs (``kernels.int4_gemv._factored_tile``: codes as ``1 + c / 16``
@@ -33,7 +33,8 @@ from kernels._triton import check_float, require_triton, tl, triton
 from kernels.activation import silu_mul
 from kernels.int4_dequant import PACK, check_int4_weights
 from kernels.int4_gemm import int4_gemm_gated_ref, int4_gemm_ref
-from kernels.int4_gemv import _factored_tile, finish_tile, split_target
+from kernels.int4_gemv import _factored_tile
+from kernels.int4_split import finish_tile, split_target
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.int4_config import Int4GemmConfig
 from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_gated_ref
-from kernels.int4_gemv import zeroed_scratch
+from kernels.int4_split import zeroed_scratch
 from tests.kernels.helpers import DEVICE, int4_weights, rel_err, tolerance, ttgir_sm90
 
 K, N = 128, 48

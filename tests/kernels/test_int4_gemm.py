@@ -23,8 +23,8 @@ from kernels.int4_dequant import (
     unpack_int4,
 )
 from kernels.int4_gemm import int4_gemm, int4_gemm_ref
-from kernels.int4_gemv import SPLIT_MODES, zeroed_scratch
 from kernels.int4_plan import GEMV_MAX_M, MMA_M, WGMMA_M, pick_config
+from kernels.int4_split import SPLIT_MODES, zeroed_scratch
 from tests.kernels.helpers import DEVICE, int4_weights, rel_err, tolerance, ttgir_sm90
 
 K, N = 128, 48

@@ -11,9 +11,9 @@ import torch
 from kernels.int4_config import Int4GemmConfig
 from kernels.int4_dequant import pack_int4
 from kernels.int4_gemm import int4_gemm, int4_gemm_ref
-from kernels.int4_gemv import zeroed_scratch
 from kernels.int4_gemv_cols import tile_qweight
 from kernels.int4_plan import GEMV_COLS_LIMIT_M, pick_config
+from kernels.int4_split import zeroed_scratch
 from tests.kernels.helpers import DEVICE, rel_err, tolerance
 
 K = 128

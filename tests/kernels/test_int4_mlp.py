@@ -12,8 +12,8 @@ import torch
 
 from kernels.int4_config import Int4GemmConfig
 from kernels.int4_gemm import int4_gemm, int4_gemm_gated
-from kernels.int4_gemv import zeroed_scratch
 from kernels.int4_mlp import Int4Weights, MlpTile, fused_mlp_fits, int4_mlp, int4_mlp_ref
+from kernels.int4_split import zeroed_scratch
 from tests.kernels.helpers import DEVICE, capture_graph, int4_weights, rel_err, tolerance, ttgir_sm90
 
 HIDDEN, INTER = 128, 64

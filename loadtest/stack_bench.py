@@ -42,6 +42,7 @@ from loadtest.stack_profile import StackProfiler
 from loadtest.stack_stats import compare, format_engine_again, format_table, summarize, worker_histograms, worker_means
 from loadtest.step_stats import decode_step_p50_ms, level_ramps, print_ramps, wave_windows
 from loadtest.stream_client import ClientPool, Record, StreamJob, finish_record
+from loadtest.throughput import git_commit
 from worker.pump_trace import ENV_VAR as PUMP_TRACE_ENV
 from worker.pump_trace import read_pump_trace
 
@@ -317,11 +318,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _git_commit() -> str:
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
-    return git.stdout.strip() or "unknown"
-
-
 def run_engine_subprocess(argv: list[str], args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """The engine side in its own process, so its device memory is free before the stack starts."""
     flags = ["--model", args.model, "--load-format", args.load_format, "--max-num-seqs", str(args.max_num_seqs)]
@@ -336,7 +332,7 @@ def run_engine_subprocess(argv: list[str], args: argparse.Namespace, out: Path) 
 def run_both(argv: list[str], args: argparse.Namespace, base: Path) -> dict[str, Any]:
     """Engine reference, then the stack; a stack that fails to start is recorded with its log's tail.
     ``base``.engine.json and ``base``.serve.log are written beside the result."""
-    res: dict[str, Any] = {"date": str(date.today()), "commit": args.commit or _git_commit()}
+    res: dict[str, Any] = {"date": str(date.today()), "commit": args.commit or git_commit()}
     res["command"] = "pagedserve bench stack " + " ".join(argv)
     res["model"], res["shape"] = args.model or "SmolLM2-135M-Instruct (default)", args.shape
     res["config"] = {k: v for k, v in vars(args).items() if k not in ("engine_only", "commit")}

@@ -212,10 +212,12 @@ def cprofile_decode(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def git_commit() -> str:
+    """The checkout's short commit, or "unknown" outside a git checkout (the device machine's copy may be one)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     except OSError:
         return "unknown"
+    return git.stdout.strip() or "unknown"
 
 
 def moved_graph_route(engine: Engine) -> dict[int, int] | None:

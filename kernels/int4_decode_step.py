@@ -1,0 +1,254 @@
+"""The 4-bit Llama decode step at batch 1 in one persistent launch: every layer's projections, rotary embedding,
+KV-cache write and attention (#13's batch-1 goal; ``kernels.int4_decode_tasks`` builds its tables and launches it).
+
+Why (docs/benchmarks.md, Sessions 21-24): a batch-1 int4 step is ~275 kernels. With every GEMV at the speed of a
+copy of its bytes it would still take ~1.8 ms against the 1.1 ms floor; the ramps, tails and launches of short
+kernels are the rest. Here a grid of programs (all resident at once) walks one task table: program ``p`` takes tasks
+``p, p + grid, ...`` in order. A task waits on the counter of the phase before it, does its part and counts itself
+in. Each layer has five phases:
+
+- QKV: ``TN`` columns of qkv_proj over the residual stream ``h``, normalized as it is loaded (input_layernorm);
+- ATTN: one KV head and one partition of ``PART`` positions: its query heads and the new key rotated (neox), the
+  scores over the cached keys and the new one, an online softmax. The partition holding the new token stores its
+  key and value in the cache; the head's last partition to arrive merges all of them into the attention output;
+- O: ``TN`` columns of o_proj over that, added to ``h``;
+- GATE_UP: ``TN / 2`` columns of gate and as many of up over ``h`` normalized (post_attention_layernorm), then
+  ``silu(gate) * up``;
+- DOWN: ``TN`` columns of down_proj over that, added to ``h``.
+
+Outputs reach the next phase through the L2: the producer's barrier and release add, the consumer's acquire, and
+``.cg`` loads. The last program to finish zeroes the counters for the next launch (CUDA graph replays). The table
+lists the tasks phase by phase, so the lowest unfinished task can always run: no deadlock while every program is
+resident. Under the interpreter (one program) the tasks run in table order.
+
+The arithmetic is the engine's, rounding where it rounds: ``kernels.fused_norm.normalize``, the GEMV's factored
+int4 tile (``kernels.int4_gemv``), ``kernels.activation.silu_mul``, the residual adds in x's dtype. Not yet done: a
+program loads its next task's weights only after that task's wait (they depend on nothing); attention multiplies
+on the CUDA cores.
+"""
+
+from __future__ import annotations
+
+from kernels._triton import tl, triton
+from kernels.activation import silu_mul
+from kernels.fused_norm import normalize
+from kernels.int4_gemv import _factored_tile
+
+QKV, ATTN, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3, 4  # task kinds, in a layer's phase order
+PHASES = 5
+TASK_FIELDS = 6  # kind, layer, index, wait slot, wait target, done slot
+# a layer's row of the pointer table: qweight, scales, zeros of qkv, o, gate_up, down; the two norm weights; the cache
+IN_NORM, POST_NORM, KV_CACHE = 12, 13, 14
+PTR_FIELDS = 15
+
+
+@triton.jit
+def _wait(cnt_ptr, target):
+    """Spins until the counter reaches ``target`` (acquire: the counted tasks' stores are visible after)."""
+    c = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+    while c < target:
+        c = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+
+
+@triton.jit
+def _ptr(ptrs_ptr, layer, field, dtype: tl.constexpr):
+    return tl.load(ptrs_ptr + layer * PTR_FIELDS + field).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def _inv_rms(h_ptr, H, eps, HP: tl.constexpr):
+    """``1 / rms`` of the stream ``h [H]``, as ``kernels.norm``: ``1 / sqrt(sum h^2 / H + eps)``."""
+    offs = tl.arange(0, HP)
+    h = tl.load(h_ptr + offs, mask=offs < H, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
+
+
+@triton.jit
+def _gemv(x_ptr, nw_ptr, inv, qw_ptr, s_ptr, z_ptr, offs_n, N, K, one_bits,
+          GROUP: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+    """``x @ W`` at columns ``offs_n [TN]`` ``[1, TN]`` fp32, x normalized as it is loaded (``nw`` ones and ``inv``
+    1 leave it as it is); W int4 ``[K // 8, N]`` with scales and zeros ``[K // GROUP, N]``, all contiguous."""
+    R: tl.constexpr = BK // 8
+    offs_i = tl.arange(0, R)
+    mask_n = offs_n < N
+    acc = tl.zeros((1, offs_n.shape[0]), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
+        rows = k0 // 8 + offs_i
+        words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+        xk = k0 + 8 * offs_i[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
+        x = normalize(tl.load(x_ptr + xk, cache_modifier=".cg"), tl.load(nw_ptr + xk), inv)
+        acc += _factored_tile(
+            words, x.to(tl.float32)[None, :, :], s_ptr, z_ptr, k0 // GROUP, N, N, offs_n, N, one_bits, 1, R, False,
+            False,
+        )  # fmt: skip
+    return acc
+
+
+@triton.jit
+def _rotated(src_ptr, cos, sin, offs_d, HALF: tl.constexpr):
+    """Rows ``src [.., D]`` (offsets ``offs_d`` broadcast) rotated by neox halves in fp32."""
+    x = tl.load(src_ptr + offs_d, cache_modifier=".cg").to(tl.float32)
+    partner = tl.load(src_ptr + (offs_d + HALF) % (2 * HALF), cache_modifier=".cg").to(tl.float32)
+    sign = tl.where(offs_d % (2 * HALF) < HALF, -1.0, 1.0)
+    return x * cos + sign * partner * sin
+
+
+@triton.jit
+def _attend(q, k_new, v_new, kv_ptr, v_off, bt_ptr, g, start, end, pos, scale, HKV,
+            D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+    """Positions ``[start, end)`` of KV head ``g`` for its query rows ``q [QG, D]``: the online softmax's
+    ``(acc [QG, D], m [QG], lsum [QG])``; position ``pos`` is the new token, ``k_new`` / ``v_new`` ``[D]``."""
+    QG: tl.constexpr = q.shape[0]
+    offs_d = tl.arange(0, D)
+    m = tl.full((QG,), float("-inf"), tl.float32)
+    lsum = tl.zeros((QG,), tl.float32)
+    acc = tl.zeros((QG, D), tl.float32)
+    for t0 in range(start, end, BT):
+        t = t0 + tl.arange(0, BT)
+        valid = t < end
+        cached = valid & (t < pos)
+        blk = tl.load(bt_ptr + t // BS, mask=valid, other=0)
+        rows = (blk * BS + t % BS) * (HKV * D) + g * D  # [BT] element offsets of the slots
+        k = tl.load(kv_ptr + rows[:, None] + offs_d[None, :], mask=cached[:, None], other=0.0).to(tl.float32)
+        v = tl.load(kv_ptr + v_off + rows[:, None] + offs_d[None, :], mask=cached[:, None], other=0.0)
+        k = tl.where((t == pos)[:, None], k_new[None, :], k)
+        v = tl.where((t == pos)[:, None], v_new[None, :], v.to(tl.float32))
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [QG, BT]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    return acc, m, lsum
+
+
+@triton.jit
+def _merge(ws_o, ws_m, ws_l, attn_ptr, rows, num_parts, P_MAX, D: tl.constexpr, PP: tl.constexpr):
+    """Query heads ``rows [QG]``: their ``num_parts`` partitions' results merged, normalized, stored."""
+    offs_p = tl.arange(0, PP)
+    offs_d = tl.arange(0, D)
+    mask = (offs_p < num_parts)[None, :]
+    ml = rows[:, None] * P_MAX + offs_p[None, :]  # [QG, PP]
+    m = tl.load(ws_m + ml, mask=mask, other=float("-inf"), cache_modifier=".cg")
+    lsum = tl.load(ws_l + ml, mask=mask, other=0.0, cache_modifier=".cg")
+    top = tl.max(m, axis=1)
+    w = tl.where(mask, tl.exp(m - top[:, None]), 0.0)  # [QG, PP]
+    o = tl.load(ws_o + ml[:, :, None] * D + offs_d[None, None, :], mask=mask[:, :, None], other=0.0,
+                cache_modifier=".cg")  # fmt: skip
+    out = tl.sum(w[:, :, None] * o, axis=1) / tl.sum(w * lsum, axis=1)[:, None]
+    tl.store(attn_ptr + rows[:, None] * D + offs_d[None, :], out.to(attn_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _attn_task(qkv_ptr, attn_ptr, kv_ptr, v_off, bt_ptr, cs_ptr, ws_o, ws_m, ws_l, head_cnt, g, part, pos,
+               num_parts, scale, HQ, HKV, P_MAX, D: tl.constexpr, QG: tl.constexpr, PART: tl.constexpr,
+               BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr):  # fmt: skip
+    """KV head ``g``'s partition ``part`` (none past ``num_parts``), then the merge if it arrives last."""
+    HALF: tl.constexpr = D // 2
+    rows = g * QG + tl.arange(0, QG)
+    offs_d = tl.arange(0, D)
+    cos = tl.load(cs_ptr + pos * D + offs_d % HALF).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * D + HALF + offs_d % HALF).to(tl.float32)
+    dtype = attn_ptr.dtype.element_ty
+    start = part * PART
+    if start <= pos:
+        end = tl.minimum(start + PART, pos + 1)
+        q = _rotated(qkv_ptr + rows[:, None] * D, cos[None, :], sin[None, :], offs_d[None, :], HALF)
+        k_new = _rotated(qkv_ptr + (HQ + g) * D, cos, sin, offs_d, HALF).to(dtype)
+        v_new = tl.load(qkv_ptr + (HQ + HKV + g) * D + offs_d, cache_modifier=".cg")
+        acc, m, lsum = _attend(
+            q.to(dtype).to(tl.float32), k_new.to(tl.float32), v_new.to(tl.float32), kv_ptr, v_off, bt_ptr, g, start,
+            end, pos, scale, HKV, D, BS, BT,
+        )  # fmt: skip
+        if end == pos + 1:  # this partition holds the new token: its key and value into the cache
+            slot = (tl.load(bt_ptr + pos // BS) * BS + pos % BS) * (HKV * D) + g * D
+            tl.store(kv_ptr + slot + offs_d, k_new)
+            tl.store(kv_ptr + v_off + slot + offs_d, v_new)
+        ml = rows * P_MAX + part
+        tl.store(ws_o + ml[:, None] * D + offs_d[None, :], acc)
+        tl.store(ws_m + ml, m)
+        tl.store(ws_l + ml, lsum)
+    tl.debug_barrier()  # every thread's partials before thread 0's release (kernels.int4_split.finish_tile)
+    if tl.atomic_add(head_cnt, 1, sem="acq_rel") == P_MAX - 1:
+        _merge(ws_o, ws_m, ws_l, attn_ptr, rows, num_parts, P_MAX, D, PP)
+
+
+@triton.jit
+def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, eps, one_bits, H, INTER, NQKV,
+               HQD, GROUP: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
+               NUM_STAGES: tl.constexpr):  # fmt: skip
+    """One GEMV task of ``kind`` (QKV, O_PROJ, GATE_UP or DOWN) at column tile ``index``."""
+    dtype = h_ptr.dtype.element_ty
+    HALF: tl.constexpr = TN // 2
+    j = tl.arange(0, TN)
+    gi = tl.where(kind > ATTN, kind - 1, kind)  # the projection's index in the pointer table: 0..3
+    nw_ptr = ones_ptr
+    inv = tl.full((), 1.0, tl.float32)
+    if kind == QKV:
+        x_ptr, K, N, offs_n = h_ptr, H, NQKV, index * TN + j
+        nw_ptr = _ptr(ptrs_ptr, layer, IN_NORM, dtype)
+        inv = _inv_rms(h_ptr, H, eps, HP)
+    elif kind == O_PROJ:
+        x_ptr, K, N, offs_n = attn_ptr, HQD, H, index * TN + j
+    elif kind == GATE_UP:  # gate columns index * HALF .., then the same of up, INTER columns on
+        x_ptr, K, N, offs_n = h_ptr, H, 2 * INTER, index * HALF + j + (j >= HALF).to(tl.int32) * (INTER - HALF)
+        nw_ptr = _ptr(ptrs_ptr, layer, POST_NORM, dtype)
+        inv = _inv_rms(h_ptr, H, eps, HP)
+    else:
+        x_ptr, K, N, offs_n = act_ptr, INTER, H, index * TN + j
+    acc = _gemv(
+        x_ptr, nw_ptr, inv, _ptr(ptrs_ptr, layer, 3 * gi, tl.int32), _ptr(ptrs_ptr, layer, 3 * gi + 1, dtype),
+        _ptr(ptrs_ptr, layer, 3 * gi + 2, tl.uint8), offs_n, N, K, one_bits, GROUP, BK, NUM_STAGES,
+    )  # fmt: skip
+    y = tl.reshape(acc, (TN,)).to(dtype)
+    if kind == QKV:
+        tl.store(qkv_ptr + offs_n, y, mask=offs_n < N)
+    elif kind == GATE_UP:
+        gate, up = tl.split(tl.permute(tl.reshape(y, (2, HALF)), (1, 0)))
+        cols = index * HALF + tl.arange(0, HALF)
+        tl.store(act_ptr + cols, silu_mul(gate, up), mask=cols < INTER)
+    else:  # O_PROJ, DOWN: the residual add
+        h = tl.load(h_ptr + offs_n, mask=offs_n < N, other=0.0, cache_modifier=".cg")
+        tl.store(h_ptr + offs_n, (h.to(tl.float32) + y.to(tl.float32)).to(dtype), mask=offs_n < N)
+
+
+@triton.jit
+def _int4_decode_step_kernel(
+    tasks_ptr, num_tasks, cnt_ptr, num_counters, ptrs_ptr,
+    h_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, ws_o, ws_m, ws_l, bt_ptr, seq_len_ptr, cs_ptr,
+    v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, head_slots,
+    GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr, PART: tl.constexpr,
+    BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """The module docstring's task loop. ``cnt`` holds the phase counters, then the heads' arrival counters
+    (``head_slots`` on, one per layer and KV head), then the exit counter."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    pos = tl.load(seq_len_ptr) - 1
+    num_parts = pos // PART + 1
+    for t in range(pid, num_tasks, grid):
+        row = tasks_ptr + t * TASK_FIELDS
+        kind, layer, index = tl.load(row), tl.load(row + 1), tl.load(row + 2)
+        _wait(cnt_ptr + tl.load(row + 3), tl.load(row + 4))
+        if kind == ATTN:
+            g, part = index // P_MAX, index % P_MAX
+            _attn_task(
+                qkv_ptr, attn_ptr, _ptr(ptrs_ptr, layer, KV_CACHE, h_ptr.dtype.element_ty), v_off, bt_ptr, cs_ptr,
+                ws_o, ws_m, ws_l, cnt_ptr + head_slots + layer * HKV + g, g, part, pos, num_parts, scale, HQ, HKV,
+                P_MAX, D, QG, PART, BS, BT, PP,
+            )  # fmt: skip
+        else:
+            _gemv_task(
+                kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, eps, one_bits, H, INTER,
+                (HQ + 2 * HKV) * D, HQ * D, GROUP, HP, BK, TN, NUM_STAGES,
+            )  # fmt: skip
+        tl.debug_barrier()  # every thread's stores before thread 0's release
+        tl.atomic_add(cnt_ptr + tl.load(row + 5), 1, sem="release")
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr + num_counters - 1, 1, sem="acq_rel") == grid - 1:  # the last program out
+        for c0 in range(0, num_counters, 1024):
+            offs = c0 + tl.arange(0, 1024)
+            tl.store(cnt_ptr + offs, tl.zeros((1024,), tl.int32), mask=offs < num_counters)

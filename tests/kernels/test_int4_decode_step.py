@@ -1,0 +1,109 @@
+"""The one-launch int4 decode step (``kernels.int4_decode_step``) against its reference, the engine's layer
+arithmetic (``kernels.int4_decode_tasks.int4_decode_step_ref``): the residual stream after every layer and the KV
+caches, on tiny random layers under the interpreter; its counters back at zero for the next step; its task table;
+the kernel compiled for sm_90. On a GPU: the 8B shapes, and replays from a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.int4_decode_step import ATTN, DOWN, GATE_UP, O_PROJ, PHASES, QKV
+from kernels.int4_decode_tasks import (
+    Int4DecodeStep,
+    Int4Proj,
+    StepLayer,
+    StepShape,
+    StepTiles,
+    int4_decode_step_ref,
+    task_table,
+)
+from tests.kernels.helpers import DEVICE, packed_int4, rel_err
+
+TINY = StepTiles(tn=16, bk=32, num_stages=1, part=32, bt=16)
+
+
+def make_layers(
+    num_layers: int, hidden: int, shape: StepShape, inter: int, num_blocks: int, block_size: int,
+    dtype: torch.dtype, gen: torch.Generator,
+) -> list[StepLayer]:  # fmt: skip
+    """Random layers (scales sized so the stream neither vanishes nor explodes) and caches of random K/V."""
+    hqd, kvd = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+
+    def proj(k: int, n: int) -> Int4Proj:
+        qweight, scales, zeros = packed_int4(k, n, shape.group_size, dtype, gen)
+        return Int4Proj(qweight, (scales.float() * 4 / k**0.5).to(dtype), zeros)
+
+    def norm() -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(DEVICE)
+
+    cache = (num_blocks, block_size, shape.kv_heads, shape.head_dim)
+    return [
+        StepLayer(
+            proj(hidden, hqd + 2 * kvd),
+            proj(hqd, hidden),
+            proj(hidden, 2 * inter),
+            proj(inter, hidden),
+            norm(),
+            norm(),
+            torch.randn(2, *cache, generator=gen).to(dtype).to(DEVICE),
+        )  # fmt: skip
+        for _ in range(num_layers)
+    ]
+
+
+def rope_cache(max_pos: int, head_dim: int) -> torch.Tensor:
+    inv = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.arange(max_pos).float()[:, None] * inv[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=1).to(DEVICE)
+
+
+def test_task_table_waits_on_the_phase_before() -> None:
+    counts = {QKV: 3, ATTN: 4, O_PROJ: 2, GATE_UP: 5, DOWN: 2}
+    rows = task_table(2, counts, torch.device("cpu")).tolist()
+    assert len(rows) == 2 * sum(counts.values())
+    assert rows[0] == [QKV, 0, 0, 0, 0, QKV]  # the first layer's qkv waits for nothing
+    second_qkv = next(r for r in rows if r[0] == QKV and r[1] == 1)
+    assert second_qkv == [QKV, 1, 0, DOWN, 2, PHASES + QKV]  # layer 0's down_proj, both its tasks
+    downs = [r for r in rows if r[0] == DOWN and r[1] == 1]
+    assert [r[2] for r in downs] == [0, 1] and downs[0][3:] == [PHASES + GATE_UP, 5, PHASES + DOWN]
+    kinds = [(r[1], r[0]) for r in rows]
+    assert kinds == sorted(kinds, key=lambda lk: (lk[0], [QKV, ATTN, O_PROJ, GATE_UP, DOWN].index(lk[1])))
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "dtype"),
+    [(1, torch.float32), (37, torch.float32), (64, torch.float32), (50, torch.bfloat16)],
+    ids=["first-token", "two-partitions", "full-table", "bf16"],
+)
+def test_equals_the_layer_by_layer_reference(seq_len: int, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """Two layers, GQA (4 query heads on 2 KV heads), a shuffled block table; then the next position on the same
+    step object (its counters reset by the last program out)."""
+    shape = StepShape(heads=4, kv_heads=2, head_dim=16, group_size=32, eps=1e-5, scale=16**-0.5)
+    layers = make_layers(2, 64, shape, 96, 6, 16, dtype, gen)
+    ref_layers = [StepLayer(**{**vars(lr), "kv_cache": lr.kv_cache.clone()}) for lr in layers]
+    block_table = torch.randperm(6, generator=gen)[:4].to(torch.int32).to(DEVICE)
+    cs = rope_cache(128, 16)
+    step = Int4DecodeStep(layers, shape, max_blocks=4, tiles=TINY)
+    hidden = torch.randn(64, generator=gen).to(dtype).to(DEVICE)
+    # bf16: Triton 3.7's interpreter rounds fp32 -> bf16 by truncation (a GPU rounds to nearest even), at every
+    # rounding of the engine's arithmetic: ~1.5 % from the exact result here, against ~0.5 % for torch's bf16
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for n in (seq_len, seq_len + 1) if seq_len < 64 else (seq_len,):
+        want = int4_decode_step_ref(ref_layers, shape, hidden.clone(), n, block_table, cs)
+        out = hidden.clone()
+        step(out, torch.tensor([n], dtype=torch.int32, device=DEVICE), block_table, cs)
+        assert rel_err(out, want) < tol, n
+        for got, ref in zip(layers, ref_layers, strict=True):
+            assert rel_err(got.kv_cache, ref.kv_cache) < tol, n
+        assert not step.counters.any(), step.counters
+
+
+def test_refuses_tiles_that_do_not_divide() -> None:
+    shape = StepShape(heads=4, kv_heads=2, head_dim=16, group_size=32, eps=1e-5, scale=0.25)
+    layers = make_layers(1, 64, shape, 96, 2, 16, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="bk"):
+        Int4DecodeStep(layers, shape, 2, StepTiles(tn=16, bk=64))  # past the group of 32
+    with pytest.raises(ValueError, match="gate_up.qweight"):
+        bad = StepLayer(**{**vars(layers[0]), "gate_up": layers[0].o})
+        Int4DecodeStep([bad], shape, 2, TINY)

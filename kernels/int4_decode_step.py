@@ -29,7 +29,7 @@ on the CUDA cores.
 
 from __future__ import annotations
 
-from kernels._triton import tl, triton
+from kernels._triton import HAS_TRITON, tl, triton
 from kernels.activation import silu_mul
 from kernels.fused_norm import normalize
 from kernels.int4_gemv import _factored_tile
@@ -42,6 +42,16 @@ IN_NORM, POST_NORM, KV_CACHE = 12, 13, 14
 PTR_FIELDS = 15
 
 
+def _const(value: int) -> int:
+    """``value`` as the kernels below read module globals: a Triton constexpr (a plain int without Triton)."""
+    return tl.constexpr(value) if HAS_TRITON else value  # type: ignore[no-any-return]
+
+
+_QKV, _ATTN, _O, _GATE_UP = _const(QKV), _const(ATTN), _const(O_PROJ), _const(GATE_UP)
+_TASK_FIELDS, _PTR_FIELDS = _const(TASK_FIELDS), _const(PTR_FIELDS)
+_IN_NORM, _POST_NORM, _KV_CACHE = _const(IN_NORM), _const(POST_NORM), _const(KV_CACHE)
+
+
 @triton.jit
 def _wait(cnt_ptr, target):
     """Spins until the counter reaches ``target`` (acquire: the counted tasks' stores are visible after)."""
@@ -52,7 +62,7 @@ def _wait(cnt_ptr, target):
 
 @triton.jit
 def _ptr(ptrs_ptr, layer, field, dtype: tl.constexpr):
-    return tl.load(ptrs_ptr + layer * PTR_FIELDS + field).to(tl.pointer_type(dtype))
+    return tl.load(ptrs_ptr + layer * _PTR_FIELDS + field).to(tl.pointer_type(dtype))
 
 
 @triton.jit
@@ -183,18 +193,18 @@ def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, 
     dtype = h_ptr.dtype.element_ty
     HALF: tl.constexpr = TN // 2
     j = tl.arange(0, TN)
-    gi = tl.where(kind > ATTN, kind - 1, kind)  # the projection's index in the pointer table: 0..3
+    gi = tl.where(kind > _ATTN, kind - 1, kind)  # the projection's index in the pointer table: 0..3
     nw_ptr = ones_ptr
     inv = tl.full((), 1.0, tl.float32)
-    if kind == QKV:
+    if kind == _QKV:
         x_ptr, K, N, offs_n = h_ptr, H, NQKV, index * TN + j
-        nw_ptr = _ptr(ptrs_ptr, layer, IN_NORM, dtype)
+        nw_ptr = _ptr(ptrs_ptr, layer, _IN_NORM, dtype)
         inv = _inv_rms(h_ptr, H, eps, HP)
-    elif kind == O_PROJ:
+    elif kind == _O:
         x_ptr, K, N, offs_n = attn_ptr, HQD, H, index * TN + j
-    elif kind == GATE_UP:  # gate columns index * HALF .., then the same of up, INTER columns on
+    elif kind == _GATE_UP:  # gate columns index * HALF .., then the same of up, INTER columns on
         x_ptr, K, N, offs_n = h_ptr, H, 2 * INTER, index * HALF + j + (j >= HALF).to(tl.int32) * (INTER - HALF)
-        nw_ptr = _ptr(ptrs_ptr, layer, POST_NORM, dtype)
+        nw_ptr = _ptr(ptrs_ptr, layer, _POST_NORM, dtype)
         inv = _inv_rms(h_ptr, H, eps, HP)
     else:
         x_ptr, K, N, offs_n = act_ptr, INTER, H, index * TN + j
@@ -203,9 +213,9 @@ def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, 
         _ptr(ptrs_ptr, layer, 3 * gi + 2, tl.uint8), offs_n, N, K, one_bits, GROUP, BK, NUM_STAGES,
     )  # fmt: skip
     y = tl.reshape(acc, (TN,)).to(dtype)
-    if kind == QKV:
+    if kind == _QKV:
         tl.store(qkv_ptr + offs_n, y, mask=offs_n < N)
-    elif kind == GATE_UP:
+    elif kind == _GATE_UP:
         gate, up = tl.split(tl.permute(tl.reshape(y, (2, HALF)), (1, 0)))
         cols = index * HALF + tl.arange(0, HALF)
         tl.store(act_ptr + cols, silu_mul(gate, up), mask=cols < INTER)
@@ -230,13 +240,13 @@ def _int4_decode_step_kernel(
     pos = tl.load(seq_len_ptr) - 1
     num_parts = pos // PART + 1
     for t in range(pid, num_tasks, grid):
-        row = tasks_ptr + t * TASK_FIELDS
+        row = tasks_ptr + t * _TASK_FIELDS
         kind, layer, index = tl.load(row), tl.load(row + 1), tl.load(row + 2)
         _wait(cnt_ptr + tl.load(row + 3), tl.load(row + 4))
-        if kind == ATTN:
+        if kind == _ATTN:
             g, part = index // P_MAX, index % P_MAX
             _attn_task(
-                qkv_ptr, attn_ptr, _ptr(ptrs_ptr, layer, KV_CACHE, h_ptr.dtype.element_ty), v_off, bt_ptr, cs_ptr,
+                qkv_ptr, attn_ptr, _ptr(ptrs_ptr, layer, _KV_CACHE, h_ptr.dtype.element_ty), v_off, bt_ptr, cs_ptr,
                 ws_o, ws_m, ws_l, cnt_ptr + head_slots + layer * HKV + g, g, part, pos, num_parts, scale, HQ, HKV,
                 P_MAX, D, QG, PART, BS, BT, PP,
             )  # fmt: skip

@@ -85,12 +85,16 @@
 #                     programs among them), the sweep's wgmma rows at WA_M (default 64 128 256 512), then the int4
 #                     model at batches WA_BATCHES (default 128 256 512) and `mixed`, the defaults beside variants
 #                     wg512 and wg512async (the wgmma GEMM to 512 rows instead of dequantization + cuBLAS) and bf16
+#   stage ds (~6 min): the one-launch int4 decode step (kernels.int4_decode_step, Session 26, never run on a GPU): its
+#                     GPU tests, then loadtest.decode_step_bench on the engine's 8B int4 model (its reference check,
+#                     then its time for 32 layers against their floor, the LM head, the engine's batch-1 TPOT) at the
+#                     tiles of each JSON word of DS_TILES (default: four)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, mlp, sd, sa, v, wg, wa, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, mlp, sd, sa, v, wg, wa, ds, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -156,6 +160,13 @@ elif [ "$stage" = wa ]; then
   # shellcheck disable=SC2086  # WA_BATCHES is a list
   python -m loadtest.int4_bench --only model --batches ${WA_BATCHES:-128 256 512} --gemv-variants wg512 wg512async \
     --mixed --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-4000
+elif [ "$stage" = ds ]; then
+  timeout 240 python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_decode_step.py -m gpu \
+    > "$out/step_tests.txt" 2>&1 && echo "STEP GPU TESTS PASSED" || echo "STEP GPU TESTS FAILED (see step_tests.txt)"
+  tail -3 "$out/step_tests.txt"
+  # shellcheck disable=SC2086  # DS_TILES is a list of JSON words
+  python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
+    --tiles ${DS_TILES:-'{}' '{"programs_per_sm":2}' '{"tn":64}' '{"num_stages":5,"programs_per_sm":2}'} 2>&1 | tail -14
 elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24
   python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \

@@ -5,6 +5,9 @@ the kernel compiled for sm_90. On a GPU: the 8B shapes, and replays from a CUDA 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,6 +21,7 @@ from kernels.int4_decode_tasks import (
     int4_decode_step_ref,
     task_table,
 )
+from loadtest import decode_step_bench
 from tests.kernels.helpers import DEVICE, packed_int4, rel_err
 
 TINY = StepTiles(tn=16, bk=32, num_stages=1, part=32, bt=16)
@@ -107,3 +111,42 @@ def test_refuses_tiles_that_do_not_divide() -> None:
     with pytest.raises(ValueError, match="gate_up.qweight"):
         bad = StepLayer(**{**vars(layers[0]), "gate_up": layers[0].o})
         Int4DecodeStep([bad], shape, 2, TINY)
+
+
+def test_bench_checks_an_engine_model_on_cpu(tmp_path: Path) -> None:
+    """``loadtest.decode_step_bench --tiny``: the engine's own tiny int4 model (2 layers, its KV cache and rope
+    table) through the kernel and the reference."""
+    out = tmp_path / "step.json"
+    assert decode_step_bench.main(["--tiny", "--max-model-len", "256", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["context"] == 40 and row["rel_err"] < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seq_len", [1, 300, 2049])
+def test_8b_shapes_on_the_gpu(seq_len: int, gen: torch.Generator) -> None:
+    """Two layers of the 8B shape in bf16 (32 query heads on 8 KV heads, group 128), the default tiles: within bf16's
+    tolerance of the reference; twice, from a CUDA graph (the counters reset by the kernel)."""
+    shape = StepShape(heads=32, kv_heads=8, head_dim=128, group_size=128, eps=1e-5, scale=128**-0.5)
+    layers = make_layers(2, 4096, shape, 14336, 160, 16, torch.bfloat16, gen)
+    ref_layers = [StepLayer(**{**vars(lr), "kv_cache": lr.kv_cache.clone()}) for lr in layers]
+    block_table = torch.randperm(160, generator=gen)[:130].to(torch.int32).to(DEVICE)
+    cs = rope_cache(4096, 128)
+    step = Int4DecodeStep(layers, shape, max_blocks=130)
+    embedding = torch.randn(4096, generator=gen).to(torch.bfloat16).to(DEVICE)
+    hidden = embedding.clone()
+    seq = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)
+    step(hidden, seq, block_table, cs)  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(hidden, seq, block_table, cs)
+    for _ in range(2):
+        want = int4_decode_step_ref(ref_layers, shape, embedding.clone(), seq_len, block_table, cs)
+        hidden.copy_(embedding)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(hidden, want) < 1e-2
+        for got, ref in zip(layers, ref_layers, strict=True):
+            assert rel_err(got.kv_cache, ref.kv_cache) < 1e-2
+        assert not step.counters.any()

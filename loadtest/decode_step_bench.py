@@ -1,0 +1,155 @@
+"""The one-launch int4 decode step (``kernels.int4_decode_step``) on an engine's own int4 model (8B shape, random
+weights, GPTQ group 128): first equal to its layer-by-layer reference on the same weights, KV cache and position,
+then its time for every layer of one batch-1 step against those layers' 4-bit floor (their bytes / the measured copy
+bandwidth), beside the LM head alone and, in the same process, the engine's batch-1 time per output token.
+
+    python -m loadtest.decode_step_bench --contexts 128 1024 4096 --tiles '{}' '{"programs_per_sm": 2}'
+    python -m loadtest.decode_step_bench --tiny                      # CPU: 2 tiny layers under the interpreter
+
+Each timed replay copies the embedding into the residual stream first (one small copy), so every replay starts
+from the same input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels.int4_decode_tasks import Int4DecodeStep, Int4Proj, StepLayer, StepShape, StepTiles, int4_decode_step_ref
+from loadtest.kernel_bench_common import rel_err, time_graph
+
+TINY_TILES = StepTiles(tn=16, bk=32, num_stages=1, part=32, bt=16)
+
+
+def step_layers(model: Any) -> tuple[list[StepLayer], StepShape]:
+    """The kernel's view of an engine ``LlamaForCausalLM`` with 4-bit projections (no g_idx, TP 1)."""
+    layers = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, o, gate_up, down = (Int4Proj(p.qweight, p.scales, p.zeros) for p in (attn.qkv_proj, attn.o_proj,
+                                 mlp.gate_up_proj, mlp.down_proj))  # fmt: skip
+        layers.append(StepLayer(qkv, o, gate_up, down, layer.input_layernorm.weight,
+                                layer.post_attention_layernorm.weight, attn.attn.kv_cache))  # fmt: skip
+    first = model.model.layers[0]
+    inner = first.self_attn.attn
+    shape = StepShape(
+        inner.num_heads, inner.num_kv_heads, inner.head_dim, first.self_attn.qkv_proj.group_size,
+        first.input_layernorm.eps, inner.scale,
+    )  # fmt: skip
+    return layers, shape
+
+
+def filled_table(layers: list[StepLayer], context: int, gen: torch.Generator) -> torch.Tensor:
+    """A block table over the first blocks of the caches, wide enough for ``context`` positions, every cached
+    position before the last one holding random keys and values."""
+    block_size = layers[0].kv_cache.shape[2]
+    blocks = -(-context // block_size)
+    for layer in layers:
+        kv = layer.kv_cache[:, :blocks]
+        kv.copy_(torch.randn(kv.shape, generator=gen).to(kv.dtype))
+    return torch.arange(blocks, dtype=torch.int32, device=layers[0].kv_cache.device)
+
+
+def check(step: Int4DecodeStep, layers: list[StepLayer], shape: StepShape, table: torch.Tensor, context: int,
+          cos_sin: torch.Tensor, embedding: torch.Tensor) -> float:  # fmt: skip
+    """The kernel's residual stream against the reference's after every layer (caches restored in between)."""
+    saved = [layer.kv_cache.clone() for layer in layers]
+    want = int4_decode_step_ref(layers, shape, embedding.clone(), context, table, cos_sin)
+    for layer, kv in zip(layers, saved, strict=True):
+        layer.kv_cache.copy_(kv)
+    out = embedding.clone()
+    step(out, torch.tensor([context], dtype=torch.int32, device=out.device), table, cos_sin)
+    return rel_err(out, want)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.args import EngineArgs
+    from engine.engine import Engine
+    from loadtest.int4_model import quantized_shape_folder
+    from loadtest.shapes import measure_copy_bandwidth
+    from loadtest.throughput import run_latency
+    from loadtest.workloads import make_workload
+
+    folder = quantized_shape_folder("tiny" if args.tiny else args.shape, args.max_model_len)
+    engine = Engine(EngineArgs(
+        model=str(folder), load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
+        device="cpu" if args.tiny else "auto", dtype="float32" if args.tiny else "bfloat16",
+        num_gpu_blocks_override=64 if args.tiny else None,
+    ).create_engine_config())  # fmt: skip
+    res: dict[str, Any] = {"shape": "tiny" if args.tiny else args.shape}
+    if not args.tiny:
+        res["copy_tb_s"] = round(measure_copy_bandwidth(), 3)
+        res["engine_tpot_ms"] = run_latency(engine, make_workload("latency", engine.vocab_size)[0])["tpot_ms"]
+    model = engine.executor.runner.model  # type: ignore[attr-defined]  # the in-process executor's
+    layers, shape = step_layers(model)
+    layer_bytes = sum(t.numel() * t.element_size() for layer in layers for p in (layer.qkv, layer.o, layer.gate_up,
+                      layer.down) for t in vars(p).values())  # fmt: skip
+    res["layer_gb"] = round(layer_bytes / 1e9, 3)
+    cos_sin = model.model.rotary_emb.cos_sin_cache
+    gen = torch.Generator().manual_seed(0)
+    width = -(-args.max_model_len // layers[0].kv_cache.shape[2])
+    embedding = torch.randn(layers[0].in_norm.numel(), generator=gen).to(layers[0].in_norm.dtype).to(cos_sin.device)
+    res["rows"] = []
+    for tiles in [TINY_TILES] if args.tiny else [StepTiles(**json.loads(t)) for t in args.tiles]:
+        step = Int4DecodeStep(layers, shape, width, tiles)
+        for context in args.contexts if not args.tiny else [40]:
+            table = torch.zeros(width, dtype=torch.int32, device=cos_sin.device)
+            table[: -(-context // layers[0].kv_cache.shape[2])] = filled_table(layers, context, gen)
+            err = check(step, layers, shape, table, context, cos_sin, embedding)
+            row: dict[str, Any] = {"tiles": vars(tiles), "context": context, "rel_err": err}
+            if not args.tiny:
+                row.update(_timings(step, model, table, context, cos_sin, embedding, layer_bytes, res["copy_tb_s"]))
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    engine.shutdown()
+    return res
+
+
+def _timings(step: Int4DecodeStep, model: Any, table: torch.Tensor, context: int, cos_sin: torch.Tensor,
+             embedding: torch.Tensor, layer_bytes: int, copy_tb_s: float) -> dict[str, float]:  # fmt: skip
+    hidden = torch.empty_like(embedding)
+    seq_len = torch.tensor([context], dtype=torch.int32, device=hidden.device)
+
+    def one_step() -> None:
+        hidden.copy_(embedding)
+        step(hidden, seq_len, table, cos_sin)
+
+    layers_ms = time_graph([one_step], 20) * 1e3
+    head = model.lm_head.weight
+    lm_head_ms = time_graph([lambda: torch.nn.functional.linear(embedding[None], head)], 20) * 1e3
+    floor_ms = layer_bytes / (copy_tb_s * 1e12) * 1e3
+    return {"layers_ms": round(layers_ms, 4), "layers_floor_ms": round(floor_ms, 4),
+            "layers_x_floor": round(layers_ms / floor_ms, 3), "lm_head_ms": round(lm_head_ms, 4)}  # fmt: skip
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="8b")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096])
+    ap.add_argument(
+        "--tiles",
+        nargs="+",
+        default=["{}"],
+        help="StepTiles fields as JSON, one launch each, e.g. '{}' '{\"tn\": 64, \"programs_per_sm\": 2}'",
+    )
+    ap.add_argument("--tiny", action="store_true", help="2 tiny layers on CPU under the interpreter (tests)")
+    ap.add_argument("--out", type=Path)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    res = run(args)
+    print(json.dumps(res))
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -22,7 +22,7 @@ from kernels.int4_decode_tasks import (
     task_table,
 )
 from loadtest import decode_step_bench
-from tests.kernels.helpers import DEVICE, packed_int4, rel_err
+from tests.kernels.helpers import DEVICE, packed_int4, rel_err, run_without_interpreter
 
 TINY = StepTiles(tn=16, bk=32, num_stages=1, part=32, bt=16)
 
@@ -111,6 +111,47 @@ def test_refuses_tiles_that_do_not_divide() -> None:
     with pytest.raises(ValueError, match="gate_up.qweight"):
         bad = StepLayer(**{**vars(layers[0]), "gate_up": layers[0].o})
         Int4DecodeStep([bad], shape, 2, TINY)
+
+
+# Compiles the step kernel for sm_90 (argv: constexprs as JSON) with the launch's 16-aligned pointers and sizes, and
+# prints ptxas's report and how many cp.async copies (LDGSTS: the GEMV loop's pipelined loads) the SASS has.
+_COMPILE_SM90 = """
+import json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.int4_decode_step import _int4_decode_step_kernel as kernel
+c = json.loads(sys.argv[1])
+types = {"tasks_ptr": "*i32", "cnt_ptr": "*i32", "ptrs_ptr": "*i64", "ws_o": "*fp32", "ws_m": "*fp32",
+         "ws_l": "*fp32", "bt_ptr": "*i32", "seq_len_ptr": "*i32", "cs_ptr": "*fp32", "scale": "fp32", "eps": "fp32",
+         "v_off": "i64"}
+names = kernel.arg_names
+signature = {a: "constexpr" if a in c else types.get(a, "*bf16" if a.endswith("_ptr") else "i32") for a in names}
+aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+           if a.endswith("_ptr") or a in ("ws_o", "ws_m", "ws_l", "H", "INTER", "v_off")}
+compiled = triton.compile(ASTSource(kernel, signature, c, aligned), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4})
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+with tempfile.TemporaryDirectory() as tmp:
+    ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.o")
+    with open(ptx, "w") as f:
+        f.write(compiled.asm["ptx"])
+    print(subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
+                         capture_output=True, text=True, check=True).stderr)
+    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+print("LDGSTS" * sass.count("LDGSTS"))
+"""
+
+
+def test_compiles_for_sm90() -> None:
+    """The 8B shape's constexprs at the default tiles: no spills, and the GEMV loop's loads pipelined through
+    cp.async (the spin-waits, atomics and pointer table compile as the interpreter ran them)."""
+    tiles = StepTiles()
+    constexprs = {"GROUP": 128, "HP": 4096, "D": 128, "QG": 4, "PART": tiles.part, "BS": 16, "BT": tiles.bt,
+                  "PP": 16, "BK": tiles.bk, "TN": tiles.tn, "NUM_STAGES": tiles.num_stages}  # fmt: skip
+    report = run_without_interpreter(_COMPILE_SM90, json.dumps(constexprs))
+    assert "0 bytes spill stores" in report, report
+    assert "LDGSTS" in report, report
 
 
 def test_bench_checks_an_engine_model_on_cpu(tmp_path: Path) -> None:

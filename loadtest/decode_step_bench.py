@@ -19,28 +19,11 @@ from typing import Any
 
 import torch
 
-from kernels.int4_decode_tasks import Int4DecodeStep, Int4Proj, StepLayer, StepShape, StepTiles, int4_decode_step_ref
+from engine.models.decode_step import step_layers
+from kernels.int4_decode_tasks import Int4DecodeStep, StepLayer, StepShape, StepTiles, int4_decode_step_ref
 from loadtest.kernel_bench_common import rel_err, time_graph
 
 TINY_TILES = StepTiles(tn=16, bk=32, num_stages=1, part=32, bt=16)
-
-
-def step_layers(model: Any) -> tuple[list[StepLayer], StepShape]:
-    """The kernel's view of an engine ``LlamaForCausalLM`` with 4-bit projections (no g_idx, TP 1)."""
-    layers = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv, o, gate_up, down = (Int4Proj(p.qweight, p.scales, p.zeros) for p in (attn.qkv_proj, attn.o_proj,
-                                 mlp.gate_up_proj, mlp.down_proj))  # fmt: skip
-        layers.append(StepLayer(qkv, o, gate_up, down, layer.input_layernorm.weight,
-                                layer.post_attention_layernorm.weight, attn.attn.kv_cache))  # fmt: skip
-    first = model.model.layers[0]
-    inner = first.self_attn.attn
-    shape = StepShape(
-        inner.num_heads, inner.num_kv_heads, inner.head_dim, first.self_attn.qkv_proj.group_size,
-        first.input_layernorm.eps, inner.scale,
-    )  # fmt: skip
-    return layers, shape
 
 
 def filled_table(layers: list[StepLayer], context: int, gen: torch.Generator) -> torch.Tensor:
@@ -85,7 +68,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["copy_tb_s"] = round(measure_copy_bandwidth(), 3)
         res["engine_tpot_ms"] = run_latency(engine, make_workload("latency", engine.vocab_size)[0])["tpot_ms"]
     model = engine.executor.runner.model  # type: ignore[attr-defined]  # the in-process executor's
-    layers, shape = step_layers(model)
+    layers, shape = step_layers(model.model)
     layer_bytes = sum(t.numel() * t.element_size() for layer in layers for p in (layer.qkv, layer.o, layer.gate_up,
                       layer.down) for t in vars(p).values())  # fmt: skip
     res["layer_gb"] = round(layer_bytes / 1e9, 3)

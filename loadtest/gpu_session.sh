@@ -88,7 +88,8 @@
 #   stage ds (~6 min): the one-launch int4 decode step (kernels.int4_decode_step, Session 26, never run on a GPU): its
 #                     GPU tests, then loadtest.decode_step_bench on the engine's 8B int4 model (its reference check,
 #                     then its time for 32 layers against their floor, the LM head, the engine's batch-1 TPOT) at the
-#                     tiles of each JSON word of DS_TILES (default: four)
+#                     tiles of each JSON word of DS_TILES (default: four); then the int4 model's batch-1 TPOT with
+#                     the path in the engine (int4_model variant step) beside the default and bf16
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
@@ -167,6 +168,8 @@ elif [ "$stage" = ds ]; then
   # shellcheck disable=SC2086  # DS_TILES is a list of JSON words
   python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
     --tiles ${DS_TILES:-'{}' '{"programs_per_sm":2}' '{"tn":64}' '{"num_stages":5,"programs_per_sm":2}'} 2>&1 | tail -14
+  python -m loadtest.int4_bench --only model --gemv-variants step --out "$out/int4_model.json" 2>&1 | grep -v '^\[' \
+    | tail -1 | cut -c1-3000
 elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24
   python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \

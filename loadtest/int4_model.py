@@ -121,6 +121,8 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
         "kernels.int4_plan:WGMMA_WARPS": 8,
         "kernels.int4_plan:WGMMA_TILE": (64, 128, 128, 2),
     },
+    # every layer of a batch-1 decode step in one launch (engine.models.decode_step; Session 26, not yet measured)
+    "step": {"engine.models.decode_step:DECODE_STEP": True},
     # no programmatic dependent launch (kernels.pdl) anywhere: the defaults before 2026-12-04 evening
     "nopdl": {
         "kernels.int4_plan:GEMV_PDL": False,

@@ -28,6 +28,7 @@ from engine.layers import (
 )
 from engine.layers.linear import QuantMethod
 from engine.layers.weights import WeightSource, get_weight_loader
+from engine.models.decode_step import DecodeStepPath
 from engine.parallel import ParallelState
 from engine.quantization.config import Int4Config
 from engine.quantization.formats import param_name
@@ -180,9 +181,14 @@ class LlamaModel(nn.Module):
         self.fused_norm_dtypes = half if quant is None else (*half, torch.float32)
         self.fuse_norm = FUSED_NORM[quant is not None]
         self.gemvs_carry_norms: bool | None = None
+        self.decode_step = DecodeStepPath(self)  # batch-1 4-bit decode steps in one launch, when switched on
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.decode_step.takes(hidden, meta):
+            out = self.norm(self.decode_step.run(hidden, meta))
+            assert isinstance(out, torch.Tensor)
+            return out
         stream = Stream(hidden, None, None)
         fused = self._fused_norms(hidden)
         for layer in self.layers:

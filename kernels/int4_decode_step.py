@@ -3,8 +3,7 @@ KV-cache write and attention (#13's batch-1 goal; ``kernels.int4_decode_tasks`` 
 
 Why (docs/benchmarks.md, Sessions 21-24): a batch-1 int4 step is ~275 kernels. With every GEMV at the speed of a
 copy of its bytes it would still take ~1.8 ms against the 1.1 ms floor; the ramps, tails and launches of short
-kernels are the rest. Here a grid of programs (all resident at once) walks one task table: program ``p`` takes tasks
-``p, p + grid, ...`` in order. A task waits on the counter of the phase before it, does its part and counts itself
+kernels are the rest. Here a grid of programs (all resident at once) walks one task table. A task waits on the counter of the phase before it, does its part and counts itself
 in. Each layer has five phases:
 
 - QKV: ``TN`` columns of qkv_proj over the residual stream ``h``, normalized as it is loaded (input_layernorm);
@@ -16,10 +15,11 @@ in. Each layer has five phases:
   ``silu(gate) * up``;
 - DOWN: ``TN`` columns of down_proj over that, added to ``h``.
 
-Outputs reach the next phase through the L2: the producer's barrier and release add, the consumer's acquire, and
-``.cg`` loads. The last program to finish zeroes the counters for the next launch (CUDA graph replays). The table
-lists the tasks phase by phase, so the lowest unfinished task can always run: no deadlock while every program is
-resident. Under the interpreter (one program) the tasks run in table order.
+The table lists the tasks phase by phase, and programs claim them in that order from a shared counter: the lowest
+unfinished task is always a running program's current one, so no program waits forever, whatever the grid and
+however many programs are resident. Outputs reach the next phase through the L2: the producer's barrier and
+release add, the consumer's acquire, and ``.cg`` loads. The last program to finish zeroes the counters for the next
+launch (CUDA graph replays). Under the interpreter (one program) the tasks run in table order.
 
 The arithmetic is the engine's, rounding where it rounds: ``kernels.fused_norm.normalize``, the GEMV's factored
 int4 tile (``kernels.int4_gemv``), ``kernels.activation.silu_mul``, the residual adds in x's dtype. Not yet done: a
@@ -54,10 +54,13 @@ _IN_NORM, _POST_NORM, _KV_CACHE = _const(IN_NORM), _const(POST_NORM), _const(KV_
 
 @triton.jit
 def _wait(cnt_ptr, target):
-    """Spins until the counter reaches ``target`` (acquire: the counted tasks' stores are visible after)."""
-    c = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+    """Spins until the counter reaches ``target``, then acquires it: the counted tasks' stores are visible after.
+    The spin reads (volatile loads, not atomics, so the pollers do not queue up with the producers' adds)."""
+    c = tl.load(cnt_ptr, volatile=True)
     while c < target:
-        c = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+        c = tl.load(cnt_ptr, volatile=True)
+    tl.atomic_add(cnt_ptr, 0, sem="acquire")
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -234,12 +237,17 @@ def _int4_decode_step_kernel(
     NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     """The module docstring's task loop. ``cnt`` holds the phase counters, then the heads' arrival counters
-    (``head_slots`` on, one per layer and KV head), then the exit counter."""
-    pid = tl.program_id(0)
+    (``head_slots`` on, one per layer and KV head), the claim counter and the exit counter. A program claims its
+    tasks in table order, each one claim ahead (an atomic off the task's path): phases of any size spread over the
+    programs without a static round-robin's last partial round, and the lowest unfinished task is always some
+    program's current one, so it can run."""
     grid = tl.num_programs(0)
     pos = tl.load(seq_len_ptr) - 1
     num_parts = pos // PART + 1
-    for t in range(pid, num_tasks, grid):
+    claim = cnt_ptr + num_counters - 2
+    t = tl.atomic_add(claim, 1, sem="relaxed")
+    while t < num_tasks:
+        t_next = tl.atomic_add(claim, 1, sem="relaxed")
         row = tasks_ptr + t * _TASK_FIELDS
         kind, layer, index = tl.load(row), tl.load(row + 1), tl.load(row + 2)
         _wait(cnt_ptr + tl.load(row + 3), tl.load(row + 4))
@@ -257,6 +265,7 @@ def _int4_decode_step_kernel(
             )  # fmt: skip
         tl.debug_barrier()  # every thread's stores before thread 0's release
         tl.atomic_add(cnt_ptr + tl.load(row + 5), 1, sem="release")
+        t = t_next
     tl.debug_barrier()
     if tl.atomic_add(cnt_ptr + num_counters - 1, 1, sem="acq_rel") == grid - 1:  # the last program out
         for c0 in range(0, num_counters, 1024):

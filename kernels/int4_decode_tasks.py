@@ -116,7 +116,7 @@ class Int4DecodeStep:
         }  # fmt: skip
         self.tasks = task_table(len(layers), counts, self.device)
         self.head_slots = len(layers) * PHASES
-        self.num_counters = self.head_slots + len(layers) * shape.kv_heads + 1
+        self.num_counters = self.head_slots + len(layers) * shape.kv_heads + 2  # + the claim and exit counters
         self.counters = torch.zeros(self.num_counters, dtype=torch.int32, device=self.device)
         self.ptrs = torch.tensor([_pointers(layer) for layer in layers], dtype=torch.int64, device=self.device)
         new = lambda *size, dtype=self.dtype: torch.empty(size, dtype=dtype, device=self.device)  # noqa: E731

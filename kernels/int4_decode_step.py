@@ -7,7 +7,8 @@ kernels are the rest. Here a grid of programs (all resident at once) walks one t
 in. Each layer has five phases:
 
 - QKV: ``TN`` columns of qkv_proj over the residual stream ``h``, normalized as it is loaded (input_layernorm);
-- ATTN: one KV head and one partition of ``PART`` positions: its query heads and the new key rotated (neox), the
+- ATTN: one KV head and one of its ``P_MAX`` partitions of the positions (as long as the context asks, in whole
+  ``BT``-key tiles, so every partition has work): its query heads and the new key rotated (neox), the
   scores over the cached keys and the new one, an online softmax. The partition holding the new token stores its
   key and value in the cache; the head's last partition to arrive merges all of them into the attention output;
 - O: ``TN`` columns of o_proj over that, added to ``h``;
@@ -108,7 +109,7 @@ def _rotated(src_ptr, cos, sin, offs_d, HALF: tl.constexpr):
 
 @triton.jit
 def _attend(q, k_new, v_new, kv_ptr, v_off, bt_ptr, g, start, end, pos, scale, HKV,
-            D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+            D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
     """Positions ``[start, end)`` of KV head ``g`` for its query rows ``q [QG, D]``: the online softmax's
     ``(acc [QG, D], m [QG], lsum [QG])``; position ``pos`` is the new token, ``k_new`` / ``v_new`` ``[D]``."""
     QG: tl.constexpr = q.shape[0]
@@ -116,7 +117,7 @@ def _attend(q, k_new, v_new, kv_ptr, v_off, bt_ptr, g, start, end, pos, scale, H
     m = tl.full((QG,), float("-inf"), tl.float32)
     lsum = tl.zeros((QG,), tl.float32)
     acc = tl.zeros((QG, D), tl.float32)
-    for t0 in range(start, end, BT):
+    for t0 in tl.range(start, end, BT, num_stages=NUM_STAGES):
         t = t0 + tl.arange(0, BT)
         valid = t < end
         cached = valid & (t < pos)
@@ -156,8 +157,8 @@ def _merge(ws_o, ws_m, ws_l, attn_ptr, rows, num_parts, P_MAX, D: tl.constexpr, 
 
 @triton.jit
 def _attn_task(qkv_ptr, attn_ptr, kv_ptr, v_off, bt_ptr, cs_ptr, ws_o, ws_m, ws_l, head_cnt, g, part, pos,
-               num_parts, scale, HQ, HKV, P_MAX, D: tl.constexpr, QG: tl.constexpr, PART: tl.constexpr,
-               BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr):  # fmt: skip
+               part_len, num_parts, scale, HQ, HKV, P_MAX, D: tl.constexpr, QG: tl.constexpr, BS: tl.constexpr,
+               BT: tl.constexpr, PP: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
     """KV head ``g``'s partition ``part`` (none past ``num_parts``), then the merge if it arrives last."""
     HALF: tl.constexpr = D // 2
     rows = g * QG + tl.arange(0, QG)
@@ -165,15 +166,15 @@ def _attn_task(qkv_ptr, attn_ptr, kv_ptr, v_off, bt_ptr, cs_ptr, ws_o, ws_m, ws_
     cos = tl.load(cs_ptr + pos * D + offs_d % HALF).to(tl.float32)
     sin = tl.load(cs_ptr + pos * D + HALF + offs_d % HALF).to(tl.float32)
     dtype = attn_ptr.dtype.element_ty
-    start = part * PART
+    start = part * part_len
     if start <= pos:
-        end = tl.minimum(start + PART, pos + 1)
+        end = tl.minimum(start + part_len, pos + 1)
         q = _rotated(qkv_ptr + rows[:, None] * D, cos[None, :], sin[None, :], offs_d[None, :], HALF)
         k_new = _rotated(qkv_ptr + (HQ + g) * D, cos, sin, offs_d, HALF).to(dtype)
         v_new = tl.load(qkv_ptr + (HQ + HKV + g) * D + offs_d, cache_modifier=".cg")
         acc, m, lsum = _attend(
             q.to(dtype).to(tl.float32), k_new.to(tl.float32), v_new.to(tl.float32), kv_ptr, v_off, bt_ptr, g, start,
-            end, pos, scale, HKV, D, BS, BT,
+            end, pos, scale, HKV, D, BS, BT, NUM_STAGES,
         )  # fmt: skip
         if end == pos + 1:  # this partition holds the new token: its key and value into the cache
             slot = (tl.load(bt_ptr + pos // BS) * BS + pos % BS) * (HKV * D) + g * D
@@ -232,7 +233,7 @@ def _int4_decode_step_kernel(
     tasks_ptr, num_tasks, cnt_ptr, num_counters, ptrs_ptr,
     h_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, ws_o, ws_m, ws_l, bt_ptr, seq_len_ptr, cs_ptr,
     v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, head_slots,
-    GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr, PART: tl.constexpr,
+    GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
@@ -243,7 +244,8 @@ def _int4_decode_step_kernel(
     program's current one, so it can run."""
     grid = tl.num_programs(0)
     pos = tl.load(seq_len_ptr) - 1
-    num_parts = pos // PART + 1
+    part_len = tl.cdiv(tl.cdiv(pos + 1, P_MAX), BT) * BT  # the context over P_MAX partitions, in whole tiles
+    num_parts = tl.cdiv(pos + 1, part_len)
     claim = cnt_ptr + num_counters - 2
     t = tl.atomic_add(claim, 1, sem="relaxed")
     while t < num_tasks:
@@ -255,8 +257,8 @@ def _int4_decode_step_kernel(
             g, part = index // P_MAX, index % P_MAX
             _attn_task(
                 qkv_ptr, attn_ptr, _ptr(ptrs_ptr, layer, _KV_CACHE, h_ptr.dtype.element_ty), v_off, bt_ptr, cs_ptr,
-                ws_o, ws_m, ws_l, cnt_ptr + head_slots + layer * HKV + g, g, part, pos, num_parts, scale, HQ, HKV,
-                P_MAX, D, QG, PART, BS, BT, PP,
+                ws_o, ws_m, ws_l, cnt_ptr + head_slots + layer * HKV + g, g, part, pos, part_len, num_parts, scale,
+                HQ, HKV, P_MAX, D, QG, BS, BT, PP, NUM_STAGES,
             )  # fmt: skip
         else:
             _gemv_task(

@@ -66,12 +66,13 @@ class StepShape:
 @dataclass(frozen=True)
 class StepTiles:
     """Launch choices, not yet tuned on a GPU: ``tn`` output columns a GEMV task, ``bk`` k's a loop step (dividing
-    the group), ``part`` positions an attention task, ``bt`` keys a step of its loop, programs per SM."""
+    the group), ``parts`` attention partitions a KV head (the context split over them), ``bt`` keys a step of their
+    loops, ``num_stages`` loads in flight in both loops, programs per SM."""
 
     tn: int = 32
     bk: int = 128
     num_stages: int = 3
-    part: int = 256
+    parts: int = 16
     bt: int = 16
     programs_per_sm: int = 1
 
@@ -95,10 +96,10 @@ def task_table(num_layers: int, counts: dict[int, int], device: torch.device) ->
 
 class Int4DecodeStep:
     """Every layer of a batch-1 decode step in one launch (``kernels.int4_decode_step``) over ``layers``, whose
-    KV caches share one shape; block tables up to ``max_blocks`` wide. Calls update ``hidden`` (the residual stream
-    ``[hidden]``, the embedding in) and the caches in place."""
+    KV caches share one shape. Calls update ``hidden`` (the residual stream ``[hidden]``, the embedding in) and the
+    caches in place."""
 
-    def __init__(self, layers: list[StepLayer], shape: StepShape, max_blocks: int, tiles: StepTiles = StepTiles()):
+    def __init__(self, layers: list[StepLayer], shape: StepShape, tiles: StepTiles = StepTiles()):
         require_triton("int4_decode_step")
         first = layers[0]
         self.layers, self.shape, self.tiles = layers, shape, tiles
@@ -109,7 +110,7 @@ class Int4DecodeStep:
         self.nqkv = hqd + 2 * kvd
         _check(layers, shape, tiles, self.hidden, self.inter, hqd)
         self.block_size = first.kv_cache.shape[2]
-        self.p_max = _cdiv(max_blocks * self.block_size, tiles.part)
+        self.p_max = tiles.parts
         counts = {
             QKV: _cdiv(self.nqkv, tiles.tn), ATTN: shape.kv_heads * self.p_max, O_PROJ: _cdiv(self.hidden, tiles.tn),
             GATE_UP: _cdiv(self.inter, tiles.tn // 2), DOWN: _cdiv(self.hidden, tiles.tn),
@@ -145,7 +146,7 @@ class Int4DecodeStep:
             cos_sin_cache, first.kv_cache[0].numel(), shape.scale, shape.eps, 0x3F800000,
             self.hidden, self.inter, shape.heads, shape.kv_heads, self.p_max, self.head_slots,
             GROUP=shape.group_size, HP=next_pow2(self.hidden), D=shape.head_dim, QG=shape.heads // shape.kv_heads,
-            PART=tiles.part, BS=self.block_size, BT=tiles.bt, PP=next_pow2(self.p_max), BK=tiles.bk, TN=tiles.tn,
+            BS=self.block_size, BT=tiles.bt, PP=next_pow2(self.p_max), BK=tiles.bk, TN=tiles.tn,
             NUM_STAGES=tiles.num_stages,
         )  # fmt: skip
 

@@ -23,7 +23,7 @@ from engine.models.decode_step import step_layers
 from kernels.int4_decode_tasks import Int4DecodeStep, StepLayer, StepShape, StepTiles, int4_decode_step_ref
 from loadtest.kernel_bench_common import rel_err, time_graph
 
-TINY_TILES = StepTiles(tn=16, bk=32, num_stages=1, part=32, bt=16)
+TINY_TILES = StepTiles(tn=16, bk=32, num_stages=1, parts=3, bt=16)
 
 
 def filled_table(layers: list[StepLayer], context: int, gen: torch.Generator) -> torch.Tensor:
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     embedding = torch.randn(layers[0].in_norm.numel(), generator=gen).to(layers[0].in_norm.dtype).to(cos_sin.device)
     res["rows"] = []
     for tiles in [TINY_TILES] if args.tiny else [StepTiles(**json.loads(t)) for t in args.tiles]:
-        step = Int4DecodeStep(layers, shape, width, tiles)
+        step = Int4DecodeStep(layers, shape, tiles)
         for context in args.contexts if not args.tiny else [40]:
             table = torch.zeros(width, dtype=torch.int32, device=cos_sin.device)
             table[: -(-context // layers[0].kv_cache.shape[2])] = filled_table(layers, context, gen)

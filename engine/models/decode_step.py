@@ -4,8 +4,8 @@
 Off by default: it has not yet run on a GPU. ``PAGEDSERVE_INT4_DECODE_STEP=1`` turns it on, on CUDA (tests add
 "cpu", where the Triton interpreter runs it). The model fits when its projections are 4-bit without act-order, one
 group size, no biases, no q/k norms, no sliding window, rope over the whole head, one rank. The kernel reads the
-step's ``seq_lens`` and block table from the device, so CUDA graphs replay it; one kernel object per block-table
-width (the graphs' and eager steps' differ), rebuilt if the KV caches are reallocated.
+step's ``seq_lens`` and block table from the device, so CUDA graphs replay it; its kernel object is rebuilt if the
+KV caches are reallocated.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class DecodeStepPath:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.reason = unfit_reason(model)
-        self.steps: dict[int, tuple[int, Int4DecodeStep]] = {}  # width -> (first cache's address, its kernel)
+        self.step: tuple[int, Int4DecodeStep] | None = None  # (the first cache's address, the kernel for it)
 
     def takes(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A decode step of one sequence, on a device the path is on, of a model that fits."""
@@ -76,13 +76,10 @@ class DecodeStepPath:
 
     def run(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Every layer on ``hidden`` (the step's embedding, ``[1, hidden]``) in place; the new K/V into the caches."""
-        width = int(meta.block_tables.shape[1])
         cache = self.model.layers[0].self_attn.attn.kv_cache.data_ptr()
-        built = self.steps.get(width)
-        if built is None or built[0] != cache:
+        if self.step is None or self.step[0] != cache:
             layers, shape = step_layers(self.model)
             tiles = StepTiles(bk=min(StepTiles.bk, shape.group_size & -shape.group_size))
-            built = (cache, Int4DecodeStep(layers, shape, width, tiles))
-            self.steps[width] = built
-        built[1](hidden[0], meta.seq_lens, meta.block_tables[0], self.model.rotary_emb.cos_sin_cache)
+            self.step = (cache, Int4DecodeStep(layers, shape, tiles))
+        self.step[1](hidden[0], meta.seq_lens, meta.block_tables[0], self.model.rotary_emb.cos_sin_cache)
         return hidden

@@ -24,7 +24,7 @@ from kernels.int4_decode_tasks import (
 from loadtest import decode_step_bench
 from tests.kernels.helpers import DEVICE, packed_int4, rel_err, run_without_interpreter
 
-TINY = StepTiles(tn=16, bk=32, num_stages=1, part=32, bt=16)
+TINY = StepTiles(tn=16, bk=32, num_stages=1, parts=3, bt=16)  # 3 partitions: some empty at short contexts
 
 
 def make_layers(
@@ -88,7 +88,7 @@ def test_equals_the_layer_by_layer_reference(seq_len: int, dtype: torch.dtype, g
     ref_layers = [StepLayer(**{**vars(lr), "kv_cache": lr.kv_cache.clone()}) for lr in layers]
     block_table = torch.randperm(6, generator=gen)[:4].to(torch.int32).to(DEVICE)
     cs = rope_cache(128, 16)
-    step = Int4DecodeStep(layers, shape, max_blocks=4, tiles=TINY)
+    step = Int4DecodeStep(layers, shape, TINY)
     hidden = torch.randn(64, generator=gen).to(dtype).to(DEVICE)
     # bf16: Triton 3.7's interpreter rounds fp32 -> bf16 by truncation (a GPU rounds to nearest even), at every
     # rounding of the engine's arithmetic: ~1.5 % from the exact result here, against ~0.5 % for torch's bf16
@@ -107,10 +107,10 @@ def test_refuses_tiles_that_do_not_divide() -> None:
     shape = StepShape(heads=4, kv_heads=2, head_dim=16, group_size=32, eps=1e-5, scale=0.25)
     layers = make_layers(1, 64, shape, 96, 2, 16, torch.float32, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="bk"):
-        Int4DecodeStep(layers, shape, 2, StepTiles(tn=16, bk=64))  # past the group of 32
+        Int4DecodeStep(layers, shape, StepTiles(tn=16, bk=64))  # past the group of 32
     with pytest.raises(ValueError, match="gate_up.qweight"):
         bad = StepLayer(**{**vars(layers[0]), "gate_up": layers[0].o})
-        Int4DecodeStep([bad], shape, 2, TINY)
+        Int4DecodeStep([bad], shape, TINY)
 
 
 # Compiles the step kernel for sm_90 (argv: constexprs as JSON) with the launch's 16-aligned pointers and sizes, and
@@ -147,8 +147,8 @@ def test_compiles_for_sm90() -> None:
     """The 8B shape's constexprs at the default tiles: no spills, and the GEMV loop's loads pipelined through
     cp.async (the spin-waits, atomics and pointer table compile as the interpreter ran them)."""
     tiles = StepTiles()
-    constexprs = {"GROUP": 128, "HP": 4096, "D": 128, "QG": 4, "PART": tiles.part, "BS": 16, "BT": tiles.bt,
-                  "PP": 16, "BK": tiles.bk, "TN": tiles.tn, "NUM_STAGES": tiles.num_stages}  # fmt: skip
+    constexprs = {"GROUP": 128, "HP": 4096, "D": 128, "QG": 4, "BS": 16, "BT": tiles.bt, "PP": tiles.parts,
+                  "BK": tiles.bk, "TN": tiles.tn, "NUM_STAGES": tiles.num_stages}  # fmt: skip
     report = run_without_interpreter(_COMPILE_SM90, json.dumps(constexprs))
     assert "0 bytes spill stores" in report, report
     assert "LDGSTS" in report, report
@@ -174,7 +174,7 @@ def test_8b_shapes_on_the_gpu(seq_len: int, gen: torch.Generator) -> None:
     ref_layers = [StepLayer(**{**vars(lr), "kv_cache": lr.kv_cache.clone()}) for lr in layers]
     block_table = torch.randperm(160, generator=gen)[:130].to(torch.int32).to(DEVICE)
     cs = rope_cache(4096, 128)
-    step = Int4DecodeStep(layers, shape, max_blocks=130)
+    step = Int4DecodeStep(layers, shape)
     embedding = torch.randn(4096, generator=gen).to(torch.bfloat16).to(DEVICE)
     hidden = embedding.clone()
     seq = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)

@@ -141,11 +141,27 @@ def dequantized_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return ((codes - zeros.float()[groups]) * scales.float()[groups]).to(scales.dtype)
 
 
+# The end of a compile script: ``compiled`` (a triton.compile result for sm_90) through the wheel's ptxas, whose
+# report it prints, and cuobjdump, whose SASS it leaves in ``sass``.
+PTXAS_REPORT = """
+import os, subprocess, tempfile
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+with tempfile.TemporaryDirectory() as tmp:
+    ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.o")
+    with open(ptx, "w") as f:
+        f.write(compiled.asm["ptx"])
+    print(subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
+                         capture_output=True, text=True, check=True).stderr)
+    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+"""
+
+
 # Compiles a Gluon int4 GEMM kernel (argv: its module, its name, constexprs as JSON; W_LAYOUT made from them) for
 # sm_90 and prints ptxas's report, then one "griddepcontrol" per such PTX instruction and one "HGMMA" per warpgroup
 # MMA in the SASS.
-_COMPILE_GLUON_SM90 = """
-import importlib, json, os, subprocess, sys, tempfile
+_COMPILE_GLUON_SM90 = (
+    """
+import importlib, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -162,17 +178,13 @@ signature = {a: "constexpr" if a in c else types.get(a, "i32") for a in names}
 aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a.endswith("_ptr") or a.startswith("stride") or a in ("N", "K", "K_PER_SPLIT")}
 compiled = triton.compile(GluonASTSource(kernel, signature, c, aligned), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": c["num_warps"]})
-bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-with tempfile.TemporaryDirectory() as tmp:
-    ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.o")
-    with open(ptx, "w") as f:
-        f.write(compiled.asm["ptx"])
-    print(subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
-                         capture_output=True, text=True, check=True).stderr)
-    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+"""
+    + PTXAS_REPORT
+    + """
 print("griddepcontrol" * compiled.asm["ptx"].count("griddepcontrol"))
 print("HGMMA" * sass.count("HGMMA"))
 """
+)
 
 
 def gluon_sm90(module: str, kernel: str, constexprs: dict[str, object]) -> str:

@@ -22,7 +22,7 @@ from kernels.int4_decode_tasks import (
     task_table,
 )
 from loadtest import decode_step_bench
-from tests.kernels.helpers import DEVICE, packed_int4, rel_err, run_without_interpreter
+from tests.kernels.helpers import DEVICE, PTXAS_REPORT, packed_int4, rel_err, run_without_interpreter
 
 TINY = StepTiles(tn=16, bk=32, num_stages=1, parts=3, bt=16)  # 3 partitions: some empty at short contexts
 
@@ -115,8 +115,9 @@ def test_refuses_tiles_that_do_not_divide() -> None:
 
 # Compiles the step kernel for sm_90 (argv: constexprs as JSON) with the launch's 16-aligned pointers and sizes, and
 # prints ptxas's report and how many cp.async copies (LDGSTS: the GEMV loop's pipelined loads) the SASS has.
-_COMPILE_SM90 = """
-import json, os, subprocess, sys, tempfile
+_COMPILE_SM90 = (
+    """
+import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -131,16 +132,12 @@ aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
            if a.endswith("_ptr") or a in ("ws_o", "ws_m", "ws_l", "H", "INTER", "v_off")}
 compiled = triton.compile(ASTSource(kernel, signature, c, aligned), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4})
-bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-with tempfile.TemporaryDirectory() as tmp:
-    ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.o")
-    with open(ptx, "w") as f:
-        f.write(compiled.asm["ptx"])
-    print(subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
-                         capture_output=True, text=True, check=True).stderr)
-    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+"""
+    + PTXAS_REPORT
+    + """
 print("LDGSTS" * sass.count("LDGSTS"))
 """
+)
 
 
 def test_compiles_for_sm90() -> None:

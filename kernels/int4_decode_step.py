@@ -16,6 +16,9 @@ in. Each layer has five phases:
   ``silu(gate) * up``;
 - DOWN: ``TN`` columns of down_proj over that, added to ``h``.
 
+A projection may split K over several tasks (``splits``: o_proj and down_proj have few columns for many SMs); their
+sums meet in fp32 atomics and the column tile's last task writes it.
+
 The table lists the tasks phase by phase, and programs claim them in that order from a shared counter: the lowest
 unfinished task is always a running program's current one, so no program waits forever, whatever the grid and
 however many programs are resident. Outputs reach the next phase through the L2: the producer's barrier and
@@ -78,15 +81,16 @@ def _inv_rms(h_ptr, H, eps, HP: tl.constexpr):
 
 
 @triton.jit
-def _gemv(x_ptr, nw_ptr, inv, qw_ptr, s_ptr, z_ptr, offs_n, N, K, one_bits,
+def _gemv(x_ptr, nw_ptr, inv, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, one_bits,
           GROUP: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
-    """``x @ W`` at columns ``offs_n [TN]`` ``[1, TN]`` fp32, x normalized as it is loaded (``nw`` ones and ``inv``
-    1 leave it as it is); W int4 ``[K // 8, N]`` with scales and zeros ``[K // GROUP, N]``, all contiguous."""
+    """``x[k_lo:k_hi] @ W[k_lo:k_hi]`` at columns ``offs_n [TN]``: ``[1, TN]`` fp32, x normalized as it is loaded
+    (``nw`` ones and ``inv`` 1 leave it as it is); W int4 ``[K // 8, N]`` with scales and zeros ``[K // GROUP, N]``,
+    all contiguous."""
     R: tl.constexpr = BK // 8
     offs_i = tl.arange(0, R)
     mask_n = offs_n < N
     acc = tl.zeros((1, offs_n.shape[0]), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_lo, k_hi, BK, num_stages=NUM_STAGES):
         rows = k0 // 8 + offs_i
         words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
         xk = k0 + 8 * offs_i[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
@@ -190,55 +194,81 @@ def _attn_task(qkv_ptr, attn_ptr, kv_ptr, v_off, bt_ptr, cs_ptr, ws_o, ws_m, ws_
 
 
 @triton.jit
-def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, eps, one_bits, H, INTER, NQKV,
-               HQD, GROUP: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
-               NUM_STAGES: tl.constexpr):  # fmt: skip
-    """One GEMV task of ``kind`` (QKV, O_PROJ, GATE_UP or DOWN) at column tile ``index``."""
+def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, tile_cnt, split,
+               eps, one_bits, H, INTER, NQKV, HQD, GROUP: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr,
+               TN: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+    """One GEMV task of ``kind`` (QKV, O_PROJ, GATE_UP or DOWN): column tile ``index // split``, the ``index %
+    split``-th of its K ranges. Split K ranges add their sums into ``gws`` (fp32 atomics); the tile's last one to
+    arrive (its counter in ``tile_cnt``) takes the total, leaves both at zero, and writes the output."""
     dtype = h_ptr.dtype.element_ty
     HALF: tl.constexpr = TN // 2
     j = tl.arange(0, TN)
+    tile = index // split
     gi = tl.where(kind > _ATTN, kind - 1, kind)  # the projection's index in the pointer table: 0..3
     nw_ptr = ones_ptr
     inv = tl.full((), 1.0, tl.float32)
     if kind == _QKV:
-        x_ptr, K, N, offs_n = h_ptr, H, NQKV, index * TN + j
+        x_ptr, K, N, offs_n = h_ptr, H, NQKV, tile * TN + j
         nw_ptr = _ptr(ptrs_ptr, layer, _IN_NORM, dtype)
         inv = _inv_rms(h_ptr, H, eps, HP)
     elif kind == _O:
-        x_ptr, K, N, offs_n = attn_ptr, HQD, H, index * TN + j
-    elif kind == _GATE_UP:  # gate columns index * HALF .., then the same of up, INTER columns on
-        x_ptr, K, N, offs_n = h_ptr, H, 2 * INTER, index * HALF + j + (j >= HALF).to(tl.int32) * (INTER - HALF)
+        x_ptr, K, N, offs_n = attn_ptr, HQD, H, tile * TN + j
+    elif kind == _GATE_UP:  # gate columns tile * HALF .., then the same of up, INTER columns on
+        x_ptr, K, N, offs_n = h_ptr, H, 2 * INTER, tile * HALF + j + (j >= HALF).to(tl.int32) * (INTER - HALF)
         nw_ptr = _ptr(ptrs_ptr, layer, _POST_NORM, dtype)
         inv = _inv_rms(h_ptr, H, eps, HP)
     else:
-        x_ptr, K, N, offs_n = act_ptr, INTER, H, index * TN + j
+        x_ptr, K, N, offs_n = act_ptr, INTER, H, tile * TN + j
+    k_per = tl.cdiv(tl.cdiv(K, BK), split) * BK
+    k_lo = (index % split) * k_per
     acc = _gemv(
         x_ptr, nw_ptr, inv, _ptr(ptrs_ptr, layer, 3 * gi, tl.int32), _ptr(ptrs_ptr, layer, 3 * gi + 1, dtype),
-        _ptr(ptrs_ptr, layer, 3 * gi + 2, tl.uint8), offs_n, N, K, one_bits, GROUP, BK, NUM_STAGES,
+        _ptr(ptrs_ptr, layer, 3 * gi + 2, tl.uint8), offs_n, N, k_lo, tl.minimum(k_lo + k_per, K), one_bits, GROUP,
+        BK, NUM_STAGES,
     )  # fmt: skip
-    y = tl.reshape(acc, (TN,)).to(dtype)
+    acc = tl.reshape(acc, (TN,))
+    mask = offs_n < N
+    last = split == 1
+    if split > 1:  # kernels.int4_split.finish_tile's ordering
+        tl.atomic_add(gws_ptr + offs_n, acc, mask=mask, sem="relaxed")
+        tl.debug_barrier()
+        if tl.atomic_add(tile_cnt + tile, 1, sem="acq_rel") == split - 1:
+            acc = tl.load(gws_ptr + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.debug_barrier()  # every thread's read before any zeroing
+            tl.store(gws_ptr + offs_n, tl.zeros_like(acc), mask=mask)
+            tl.store(tile_cnt + tile, 0)
+            last = True
+    if last:
+        _gemv_out(kind, acc.to(dtype), offs_n, tile, h_ptr, qkv_ptr, act_ptr, N, INTER, TN)
+
+
+@triton.jit
+def _gemv_out(kind, y, offs_n, tile, h_ptr, qkv_ptr, act_ptr, N, INTER, TN: tl.constexpr):
+    """A finished column tile ``y [TN]`` (x's dtype) to its place: qkv, silu(gate) * up, or added to ``h``."""
+    HALF: tl.constexpr = TN // 2
     if kind == _QKV:
         tl.store(qkv_ptr + offs_n, y, mask=offs_n < N)
     elif kind == _GATE_UP:
         gate, up = tl.split(tl.permute(tl.reshape(y, (2, HALF)), (1, 0)))
-        cols = index * HALF + tl.arange(0, HALF)
+        cols = tile * HALF + tl.arange(0, HALF)
         tl.store(act_ptr + cols, silu_mul(gate, up), mask=cols < INTER)
     else:  # O_PROJ, DOWN: the residual add
         h = tl.load(h_ptr + offs_n, mask=offs_n < N, other=0.0, cache_modifier=".cg")
-        tl.store(h_ptr + offs_n, (h.to(tl.float32) + y.to(tl.float32)).to(dtype), mask=offs_n < N)
+        tl.store(h_ptr + offs_n, (h.to(tl.float32) + y.to(tl.float32)).to(y.dtype), mask=offs_n < N)
 
 
 @triton.jit
 def _int4_decode_step_kernel(
     tasks_ptr, num_tasks, cnt_ptr, num_counters, ptrs_ptr,
-    h_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, ws_o, ws_m, ws_l, bt_ptr, seq_len_ptr, cs_ptr,
-    v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, head_slots,
+    h_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, ws_o, ws_m, ws_l, gws_ptr, splits_ptr, bt_ptr, seq_len_ptr,
+    cs_ptr, v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, head_slots, tile_slots,
     GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     """The module docstring's task loop. ``cnt`` holds the phase counters, then the heads' arrival counters
-    (``head_slots`` on, one per layer and KV head), the claim counter and the exit counter. A program claims its
+    (``head_slots`` on, one per layer and KV head), the GEMV column tiles' (``tile_slots`` on; one phase at a time
+    uses them), the claim counter and the exit counter. A program claims its
     tasks in table order, each one claim ahead (an atomic off the task's path): phases of any size spread over the
     programs without a static round-robin's last partial round, and the lowest unfinished task is always some
     program's current one, so it can run."""
@@ -262,8 +292,9 @@ def _int4_decode_step_kernel(
             )  # fmt: skip
         else:
             _gemv_task(
-                kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, eps, one_bits, H, INTER,
-                (HQ + 2 * HKV) * D, HQ * D, GROUP, HP, BK, TN, NUM_STAGES,
+                kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr,
+                cnt_ptr + tile_slots, tl.load(splits_ptr + tl.where(kind > _ATTN, kind - 1, kind)), eps, one_bits,
+                H, INTER, (HQ + 2 * HKV) * D, HQ * D, GROUP, HP, BK, TN, NUM_STAGES,
             )  # fmt: skip
         tl.debug_barrier()  # every thread's stores before thread 0's release
         tl.atomic_add(cnt_ptr + tl.load(row + 5), 1, sem="release")

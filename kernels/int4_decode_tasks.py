@@ -67,7 +67,8 @@ class StepShape:
 class StepTiles:
     """Launch choices, not yet tuned on a GPU: ``tn`` output columns a GEMV task, ``bk`` k's a loop step (dividing
     the group), ``parts`` attention partitions a KV head (the context split over them), ``bt`` keys a step of their
-    loops, ``num_stages`` loads in flight in both loops, programs per SM."""
+    loops, ``num_stages`` loads in flight in both loops, programs per SM, and K split over ``splits`` tasks per
+    projection (qkv, o, gate_up, down)."""
 
     tn: int = 32
     bk: int = 128
@@ -75,6 +76,7 @@ class StepTiles:
     parts: int = 16
     bt: int = 16
     programs_per_sm: int = 1
+    splits: tuple[int, int, int, int] = (1, 2, 1, 4)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -111,17 +113,20 @@ class Int4DecodeStep:
         _check(layers, shape, tiles, self.hidden, self.inter, hqd)
         self.block_size = first.kv_cache.shape[2]
         self.p_max = tiles.parts
-        counts = {
-            QKV: _cdiv(self.nqkv, tiles.tn), ATTN: shape.kv_heads * self.p_max, O_PROJ: _cdiv(self.hidden, tiles.tn),
-            GATE_UP: _cdiv(self.inter, tiles.tn // 2), DOWN: _cdiv(self.hidden, tiles.tn),
-        }  # fmt: skip
+        col_tiles = {QKV: _cdiv(self.nqkv, tiles.tn), O_PROJ: _cdiv(self.hidden, tiles.tn),
+                     GATE_UP: _cdiv(self.inter, tiles.tn // 2), DOWN: _cdiv(self.hidden, tiles.tn)}  # fmt: skip
+        splits = dict(zip((QKV, O_PROJ, GATE_UP, DOWN), tiles.splits, strict=True))
+        counts = {kind: n * splits[kind] for kind, n in col_tiles.items()} | {ATTN: shape.kv_heads * self.p_max}
         self.tasks = task_table(len(layers), counts, self.device)
         self.head_slots = len(layers) * PHASES
-        self.num_counters = self.head_slots + len(layers) * shape.kv_heads + 2  # + the claim and exit counters
+        self.tile_slots = self.head_slots + len(layers) * shape.kv_heads
+        self.num_counters = self.tile_slots + max(col_tiles.values()) + 2  # + the claim and exit counters
         self.counters = torch.zeros(self.num_counters, dtype=torch.int32, device=self.device)
         self.ptrs = torch.tensor([_pointers(layer) for layer in layers], dtype=torch.int64, device=self.device)
         new = lambda *size, dtype=self.dtype: torch.empty(size, dtype=dtype, device=self.device)  # noqa: E731
         self.qkv, self.attn, self.act = new(self.nqkv), new(hqd), new(self.inter)
+        self.splits = torch.tensor(tiles.splits, dtype=torch.int32, device=self.device)
+        self.gws = torch.zeros(max(self.nqkv, 2 * self.inter, self.hidden), dtype=torch.float32, device=self.device)
         self.ones = torch.ones(max(self.hidden, self.inter, hqd), dtype=self.dtype, device=self.device)
         self.ws_o = new(shape.heads, self.p_max, shape.head_dim, dtype=torch.float32)
         self.ws_m, self.ws_l = (
@@ -142,9 +147,9 @@ class Int4DecodeStep:
         shape, tiles, first = self.shape, self.tiles, self.layers[0]
         _int4_decode_step_kernel[(self.grid,)](
             self.tasks, self.tasks.shape[0], self.counters, self.num_counters, self.ptrs,
-            hidden, self.qkv, self.attn, self.act, self.ones, self.ws_o, self.ws_m, self.ws_l, block_table, seq_len,
-            cos_sin_cache, first.kv_cache[0].numel(), shape.scale, shape.eps, 0x3F800000,
-            self.hidden, self.inter, shape.heads, shape.kv_heads, self.p_max, self.head_slots,
+            hidden, self.qkv, self.attn, self.act, self.ones, self.ws_o, self.ws_m, self.ws_l, self.gws, self.splits,
+            block_table, seq_len, cos_sin_cache, first.kv_cache[0].numel(), shape.scale, shape.eps, 0x3F800000,
+            self.hidden, self.inter, shape.heads, shape.kv_heads, self.p_max, self.head_slots, self.tile_slots,
             GROUP=shape.group_size, HP=next_pow2(self.hidden), D=shape.head_dim, QG=shape.heads // shape.kv_heads,
             BS=self.block_size, BT=tiles.bt, PP=next_pow2(self.p_max), BK=tiles.bk, TN=tiles.tn,
             NUM_STAGES=tiles.num_stages,
@@ -166,6 +171,9 @@ def _check(layers: list[StepLayer], shape: StepShape, tiles: StepTiles, hidden: 
     group, cache = shape.group_size, layers[0].kv_cache
     if tiles.tn % 2 or tiles.bk % 8 or group % tiles.bk or any(k % tiles.bk for k in (hidden, inter, hqd)):
         raise ValueError(f"tiles {tiles}: tn even, bk a multiple of 8 dividing the group {group} and every K")
+    ks = (hidden, hqd, hidden, inter)  # qkv, o, gate_up, down
+    if len(tiles.splits) != 4 or any(not 1 <= s <= k // tiles.bk for s, k in zip(tiles.splits, ks, strict=False)):
+        raise ValueError(f"splits {tiles.splits}: four, each from 1 to its projection's K / bk")
     if shape.heads % shape.kv_heads or shape.head_dim % 2:
         raise ValueError(f"heads {shape.heads} must be a multiple of kv_heads {shape.kv_heads}, head_dim even")
     dims = {"qkv": (hidden, hqd + 2 * shape.kv_heads * shape.head_dim), "o": (hqd, hidden),

@@ -24,7 +24,7 @@ from kernels.int4_decode_tasks import (
 from loadtest import decode_step_bench
 from tests.kernels.helpers import DEVICE, PTXAS_REPORT, packed_int4, rel_err, run_without_interpreter
 
-TINY = StepTiles(tn=16, bk=32, num_stages=1, parts=3, bt=16)  # 3 partitions: some empty at short contexts
+TINY = StepTiles(tn=16, bk=32, num_stages=1, parts=3, bt=16, splits=(2, 2, 1, 3))  # some partitions empty
 
 
 def make_layers(
@@ -108,6 +108,8 @@ def test_refuses_tiles_that_do_not_divide() -> None:
     layers = make_layers(1, 64, shape, 96, 2, 16, torch.float32, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="bk"):
         Int4DecodeStep(layers, shape, StepTiles(tn=16, bk=64))  # past the group of 32
+    with pytest.raises(ValueError, match="splits"):
+        Int4DecodeStep(layers, shape, StepTiles(tn=16, bk=32, splits=(1, 1, 1, 4)))  # down: 96 k's, 3 tiles
     with pytest.raises(ValueError, match="gate_up.qweight"):
         bad = StepLayer(**{**vars(layers[0]), "gate_up": layers[0].o})
         Int4DecodeStep([bad], shape, TINY)
@@ -124,7 +126,7 @@ from triton.compiler import ASTSource
 from kernels.int4_decode_step import _int4_decode_step_kernel as kernel
 c = json.loads(sys.argv[1])
 types = {"tasks_ptr": "*i32", "cnt_ptr": "*i32", "ptrs_ptr": "*i64", "ws_o": "*fp32", "ws_m": "*fp32",
-         "ws_l": "*fp32", "bt_ptr": "*i32", "seq_len_ptr": "*i32", "cs_ptr": "*fp32", "scale": "fp32", "eps": "fp32",
+         "ws_l": "*fp32", "gws_ptr": "*fp32", "splits_ptr": "*i32", "bt_ptr": "*i32", "seq_len_ptr": "*i32", "cs_ptr": "*fp32", "scale": "fp32", "eps": "fp32",
          "v_off": "i64"}
 names = kernel.arg_names
 signature = {a: "constexpr" if a in c else types.get(a, "*bf16" if a.endswith("_ptr") else "i32") for a in names}

@@ -70,13 +70,16 @@ class StepTiles:
     loops, ``num_stages`` loads in flight in both loops, programs per SM, and K split over ``splits`` tasks per
     projection (qkv, o, gate_up, down)."""
 
-    tn: int = 32
+    # guesses from the byte counts, to be swept (loadtest.decode_step_bench --tiles): 64 columns x 128 k's of int4 is
+    # 4 KB a load, 4 in flight a program, 2 programs an SM: 32 KB in flight an SM, about what 4.2 TB/s needs over
+    # 132 SMs at ~1 us of latency; splits give every phase ~200 tasks
+    tn: int = 64
     bk: int = 128
-    num_stages: int = 3
+    num_stages: int = 4
     parts: int = 16
     bt: int = 16
-    programs_per_sm: int = 1
-    splits: tuple[int, int, int, int] = (1, 2, 1, 4)
+    programs_per_sm: int = 2
+    splits: tuple[int, int, int, int] = (2, 4, 1, 4)
 
 
 def _cdiv(a: int, b: int) -> int:

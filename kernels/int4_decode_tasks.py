@@ -5,7 +5,7 @@ engine's layer arithmetic on the same weights, layer by layer, with the same ref
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -80,6 +80,15 @@ class StepTiles:
     bt: int = 16
     programs_per_sm: int = 2
     splits: tuple[int, int, int, int] = (2, 4, 1, 4)
+
+
+def fit_tiles(shape: StepShape, hidden: int, inter: int, tiles: StepTiles = StepTiles()) -> StepTiles:
+    """``tiles`` for a model they may not fit: ``bk`` at most the group's largest power-of-two divisor, each split
+    at most its projection's K / bk."""
+    bk = min(tiles.bk, shape.group_size & -shape.group_size)
+    ks = (hidden, shape.heads * shape.head_dim, hidden, inter)  # qkv, o, gate_up, down
+    splits = tuple(max(1, min(s, k // bk)) for s, k in zip(tiles.splits, ks, strict=True))
+    return replace(tiles, bk=bk, splits=splits)  # type: ignore[arg-type]
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -18,6 +18,7 @@ from kernels.int4_decode_tasks import (
     StepLayer,
     StepShape,
     StepTiles,
+    fit_tiles,
     int4_decode_step_ref,
     task_table,
 )
@@ -101,6 +102,14 @@ def test_equals_the_layer_by_layer_reference(seq_len: int, dtype: torch.dtype, g
         for got, ref in zip(layers, ref_layers, strict=True):
             assert rel_err(got.kv_cache, ref.kv_cache) < tol, n
         assert not step.counters.any(), step.counters
+
+
+def test_fit_tiles() -> None:
+    """The engine's tiles for a model: bk inside the group, each split at most its projection's K tiles."""
+    small = StepShape(heads=4, kv_heads=2, head_dim=16, group_size=32, eps=1e-5, scale=0.25)
+    assert fit_tiles(small, 64, 96) == StepTiles(bk=32, splits=(2, 2, 1, 3))
+    big = StepShape(heads=32, kv_heads=8, head_dim=128, group_size=128, eps=1e-5, scale=0.25)
+    assert fit_tiles(big, 4096, 14336) == StepTiles()
 
 
 def test_refuses_tiles_that_do_not_divide() -> None:

@@ -126,7 +126,7 @@ def _attend(q, k_new, v_new, kv_ptr, v_off, bt_ptr, g, start, end, pos, scale, H
         valid = t < end
         cached = valid & (t < pos)
         blk = tl.load(bt_ptr + t // BS, mask=valid, other=0)
-        rows = (blk * BS + t % BS) * (HKV * D) + g * D  # [BT] element offsets of the slots
+        rows = (blk.to(tl.int64) * BS + t % BS) * (HKV * D) + g * D  # [BT] element offsets (int64: large caches)
         k = tl.load(kv_ptr + rows[:, None] + offs_d[None, :], mask=cached[:, None], other=0.0).to(tl.float32)
         v = tl.load(kv_ptr + v_off + rows[:, None] + offs_d[None, :], mask=cached[:, None], other=0.0)
         k = tl.where((t == pos)[:, None], k_new[None, :], k)
@@ -181,7 +181,7 @@ def _attn_task(qkv_ptr, attn_ptr, kv_ptr, v_off, bt_ptr, cs_ptr, ws_o, ws_m, ws_
             end, pos, scale, HKV, D, BS, BT, NUM_STAGES,
         )  # fmt: skip
         if end == pos + 1:  # this partition holds the new token: its key and value into the cache
-            slot = (tl.load(bt_ptr + pos // BS) * BS + pos % BS) * (HKV * D) + g * D
+            slot = (tl.load(bt_ptr + pos // BS).to(tl.int64) * BS + pos % BS) * (HKV * D) + g * D
             tl.store(kv_ptr + slot + offs_d, k_new)
             tl.store(kv_ptr + v_off + slot + offs_d, v_new)
         ml = rows * P_MAX + part

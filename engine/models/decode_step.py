@@ -72,7 +72,8 @@ class DecodeStepPath:
     def takes(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A decode step of one sequence, on a device the path is on, of a model that fits."""
         on = DECODE_STEP and hidden.device.type in DECODE_STEP_DEVICES and self.reason is None
-        return on and hidden.shape[0] == 1 and meta.is_decode_only and meta.num_seqs == 1
+        cached = self.model.layers[0].self_attn.attn.kv_cache.numel() > 0  # not the memory profile's forward
+        return on and cached and hidden.shape[0] == 1 and meta.is_decode_only and meta.num_seqs == 1
 
     def run(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Every layer on ``hidden`` (the step's embedding, ``[1, hidden]``) in place; the new K/V into the caches."""

@@ -54,8 +54,8 @@ def run_level(engine: Engine, concurrency: int, prompt_len: int, output_len: int
     assert all_started is not None
     return {
         "concurrency": concurrency,
-        "elapsed_s": round(end - start, 4),
-        "all_started_s": round(all_started - start, 4),
+        "elapsed_s": round(end - start, 6),  # to the microsecond: a tiny level takes a few ms
+        "all_started_s": round(all_started - start, 6),
         "start_steps": start_steps,  # steps until every request had its first token (prefill under the budget)
         "tpot_ms": round((end - all_started) / max(1, decode_steps) * 1e3, 3),
         "output_tok_s": round(concurrency * output_len / (end - start), 1),

@@ -37,6 +37,7 @@ from kernels._triton import HAS_TRITON, tl, triton
 from kernels.activation import silu_mul
 from kernels.fused_norm import normalize
 from kernels.int4_gemv import _factored_tile
+from kernels.l2_prefetch import _LINE_ASM
 
 QKV, ATTN, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3, 4  # task kinds, in a layer's phase order
 PHASES = 5
@@ -194,6 +195,42 @@ def _attn_task(qkv_ptr, attn_ptr, kv_ptr, v_off, bt_ptr, cs_ptr, ws_o, ws_m, ws_
 
 
 @triton.jit
+def _columns(kind, tile, j, H, INTER, NQKV, HQD, TN: tl.constexpr):
+    """A GEMV task's K, its weight's N and the columns ``j`` of column tile ``tile`` (GATE_UP: the gate's
+    ``TN / 2`` columns there, then the same of up, INTER columns on)."""
+    HALF: tl.constexpr = TN // 2
+    if kind == _QKV:
+        K, N, offs_n = H, NQKV, tile * TN + j
+    elif kind == _O:
+        K, N, offs_n = HQD, H, tile * TN + j
+    elif kind == _GATE_UP:
+        K, N, offs_n = H, 2 * INTER, tile * HALF + j + (j >= HALF).to(tl.int32) * (INTER - HALF)
+    else:
+        K, N, offs_n = INTER, H, tile * TN + j
+    return K, N, offs_n
+
+
+@triton.jit
+def _prefetch_words(kind, layer, index, split, ptrs_ptr, H, INTER, NQKV, HQD, BK: tl.constexpr, TN: tl.constexpr):
+    """Asks the L2 for a GEMV task's packed words, one ``prefetch.global.L2`` per 128-byte line (32 words of a row;
+    fire and forget), so they stream in while this program is busy or waiting."""
+    LINES: tl.constexpr = TN // 32 if TN >= 32 else 1
+    tile = index // split
+    K, N, offs = _columns(kind, tile, tl.arange(0, LINES) * 32, H, INTER, NQKV, HQD, TN)
+    k_per = tl.cdiv(tl.cdiv(K, BK), split) * BK
+    r_lo = (index % split) * k_per // 8
+    r_hi = tl.minimum((index % split) * k_per + k_per, K) // 8
+    qw_ptr = _ptr(ptrs_ptr, layer, 3 * tl.where(kind > _ATTN, kind - 1, kind), tl.int32)
+    for r0 in range(r_lo, r_hi, 32):
+        rows = r0 + tl.arange(0, 32)
+        live = (rows < r_hi)[:, None] & (offs < N)[None, :]
+        tl.inline_asm_elementwise(
+            _LINE_ASM, "=r,l,r", [qw_ptr + rows[:, None] * N + offs[None, :], live.to(tl.int32)], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, tile_cnt, split,
                eps, one_bits, H, INTER, NQKV, HQD, GROUP: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr,
                TN: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
@@ -201,24 +238,22 @@ def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, 
     split``-th of its K ranges. Split K ranges add their sums into ``gws`` (fp32 atomics); the tile's last one to
     arrive (its counter in ``tile_cnt``) takes the total, leaves both at zero, and writes the output."""
     dtype = h_ptr.dtype.element_ty
-    HALF: tl.constexpr = TN // 2
-    j = tl.arange(0, TN)
     tile = index // split
     gi = tl.where(kind > _ATTN, kind - 1, kind)  # the projection's index in the pointer table: 0..3
+    K, N, offs_n = _columns(kind, tile, tl.arange(0, TN), H, INTER, NQKV, HQD, TN)
     nw_ptr = ones_ptr
     inv = tl.full((), 1.0, tl.float32)
+    x_ptr = act_ptr  # DOWN
     if kind == _QKV:
-        x_ptr, K, N, offs_n = h_ptr, H, NQKV, tile * TN + j
+        x_ptr = h_ptr
         nw_ptr = _ptr(ptrs_ptr, layer, _IN_NORM, dtype)
         inv = _inv_rms(h_ptr, H, eps, HP)
     elif kind == _O:
-        x_ptr, K, N, offs_n = attn_ptr, HQD, H, tile * TN + j
-    elif kind == _GATE_UP:  # gate columns tile * HALF .., then the same of up, INTER columns on
-        x_ptr, K, N, offs_n = h_ptr, H, 2 * INTER, tile * HALF + j + (j >= HALF).to(tl.int32) * (INTER - HALF)
+        x_ptr = attn_ptr
+    elif kind == _GATE_UP:
+        x_ptr = h_ptr
         nw_ptr = _ptr(ptrs_ptr, layer, _POST_NORM, dtype)
         inv = _inv_rms(h_ptr, H, eps, HP)
-    else:
-        x_ptr, K, N, offs_n = act_ptr, INTER, H, tile * TN + j
     k_per = tl.cdiv(tl.cdiv(K, BK), split) * BK
     k_lo = (index % split) * k_per
     acc = _gemv(
@@ -264,9 +299,10 @@ def _int4_decode_step_kernel(
     cs_ptr, v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, head_slots, tile_slots,
     GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    """The module docstring's task loop. ``cnt`` holds the phase counters, then the heads' arrival counters
+    """The module docstring's task loop. PREFETCH: a claimed GEMV task's words are asked of the L2 (fire and
+    forget) as soon as it is claimed, one task ahead of running it. ``cnt`` holds the phase counters, then the heads' arrival counters
     (``head_slots`` on, one per layer and KV head), the GEMV column tiles' (``tile_slots`` on; one phase at a time
     uses them), the claim counter and the exit counter. A program claims its
     tasks in table order, each one claim ahead (an atomic off the task's path): phases of any size spread over the
@@ -280,6 +316,16 @@ def _int4_decode_step_kernel(
     t = tl.atomic_add(claim, 1, sem="relaxed")
     while t < num_tasks:
         t_next = tl.atomic_add(claim, 1, sem="relaxed")
+        if PREFETCH:  # noqa: SIM102  # a compile-time branch around a runtime one
+            if t_next < num_tasks:
+                row_next = tasks_ptr + t_next * _TASK_FIELDS
+                kind_next = tl.load(row_next)
+                if kind_next != _ATTN:
+                    _prefetch_words(
+                        kind_next, tl.load(row_next + 1), tl.load(row_next + 2),
+                        tl.load(splits_ptr + tl.where(kind_next > _ATTN, kind_next - 1, kind_next)), ptrs_ptr, H,
+                        INTER, (HQ + 2 * HKV) * D, HQ * D, BK, TN,
+                    )  # fmt: skip
         row = tasks_ptr + t * _TASK_FIELDS
         kind, layer, index = tl.load(row), tl.load(row + 1), tl.load(row + 2)
         _wait(cnt_ptr + tl.load(row + 3), tl.load(row + 4))

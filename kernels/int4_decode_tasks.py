@@ -80,6 +80,7 @@ class StepTiles:
     bt: int = 16
     programs_per_sm: int = 2
     splits: tuple[int, int, int, int] = (2, 4, 1, 4)
+    prefetch: bool = False  # the next task's words asked of the L2 when claimed (sm_90 only: not the interpreter)
 
 
 def fit_tiles(shape: StepShape, hidden: int, inter: int, tiles: StepTiles = StepTiles()) -> StepTiles:
@@ -164,7 +165,7 @@ class Int4DecodeStep:
             self.hidden, self.inter, shape.heads, shape.kv_heads, self.p_max, self.head_slots, self.tile_slots,
             GROUP=shape.group_size, HP=next_pow2(self.hidden), D=shape.head_dim, QG=shape.heads // shape.kv_heads,
             BS=self.block_size, BT=tiles.bt, PP=next_pow2(self.p_max), BK=tiles.bk, TN=tiles.tn,
-            NUM_STAGES=tiles.num_stages,
+            NUM_STAGES=tiles.num_stages, PREFETCH=tiles.prefetch,
         )  # fmt: skip
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import require_triton, tl, triton
+from kernels._triton import HAS_TRITON, require_triton, tl, triton
 
 MODES = ("bulk", "line")
 LINE_BYTES = 128
@@ -31,13 +31,11 @@ PROGRAM_THREADS = 32  # prefetches (= threads: one warp) a program, so the bytes
 
 
 # The two instructions, each predicated on its second operand (0: past the end) and returning a dummy register
-# (inline asm must return something).
-_BULK_ASM = tl.constexpr(
-    "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }"
-)
-_LINE_ASM = tl.constexpr(
-    "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }"
-)
+# (inline asm must return something); constexprs for the kernels (plain strings without Triton).
+BULK_ASM = "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }"
+LINE_ASM = "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }"
+_BULK_ASM = tl.constexpr(BULK_ASM) if HAS_TRITON else BULK_ASM
+_LINE_ASM = tl.constexpr(LINE_ASM) if HAS_TRITON else LINE_ASM
 
 
 @triton.jit

@@ -167,7 +167,8 @@ elif [ "$stage" = ds ]; then
   tail -3 "$out/step_tests.txt"
   # shellcheck disable=SC2086  # DS_TILES is a list of JSON words
   python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
-    --tiles ${DS_TILES:-'{}' '{"num_stages":6}' '{"programs_per_sm":1}' '{"tn":32,"splits":[1,2,1,4]}'} 2>&1 | tail -14
+    --tiles ${DS_TILES:-'{}' '{"prefetch":true}' '{"num_stages":6}' '{"programs_per_sm":1}' \
+    '{"tn":32,"splits":[1,2,1,4]}'} 2>&1 | tail -17
   python -m loadtest.int4_bench --only model --gemv-variants step --out "$out/int4_model.json" 2>&1 | grep -v '^\[' \
     | tail -1 | cut -c1-3000
 elif [ "$stage" = i ]; then

@@ -147,19 +147,23 @@ compiled = triton.compile(ASTSource(kernel, signature, c, aligned), target=GPUTa
     + PTXAS_REPORT
     + """
 print("LDGSTS" * sass.count("LDGSTS"))
+print("PML2" * sass.count("CCTL.E.PML2"))
 """
 )
 
 
-def test_compiles_for_sm90() -> None:
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_compiles_for_sm90(prefetch: bool) -> None:
     """The 8B shape's constexprs at the default tiles: no spills, and the GEMV loop's loads pipelined through
-    cp.async (the spin-waits, atomics and pointer table compile as the interpreter ran them)."""
+    cp.async (the spin-waits, atomics and pointer table compile as the interpreter ran them); with PREFETCH (inline
+    PTX, which the interpreter cannot run) the L2 prefetches are in the code."""
     tiles = StepTiles()
     constexprs = {"GROUP": 128, "HP": 4096, "D": 128, "QG": 4, "BS": 16, "BT": tiles.bt, "PP": tiles.parts,
-                  "BK": tiles.bk, "TN": tiles.tn, "NUM_STAGES": tiles.num_stages}  # fmt: skip
+                  "BK": tiles.bk, "TN": tiles.tn, "NUM_STAGES": tiles.num_stages, "PREFETCH": prefetch}  # fmt: skip
     report = run_without_interpreter(_COMPILE_SM90, json.dumps(constexprs))
     assert "0 bytes spill stores" in report, report
     assert "LDGSTS" in report, report
+    assert ("PML2" in report) == prefetch, report  # prefetch.global.L2::evict_last: CCTL.E.PML2 in the SASS
 
 
 def test_bench_checks_an_engine_model_on_cpu(tmp_path: Path) -> None:

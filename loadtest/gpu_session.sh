@@ -88,14 +88,15 @@
 #   stage ds (~6 min): the one-launch int4 decode step (kernels.int4_decode_step, Session 26, never run on a GPU): its
 #                     GPU tests, then loadtest.decode_step_bench on the engine's 8B int4 model (its reference check,
 #                     then its time for 32 layers against their floor, the LM head, the engine's batch-1 TPOT) at the
-#                     tiles of each JSON word of DS_TILES (default: four); then the int4 model's batch-1 TPOT with
-#                     the path in the engine (int4_model variant step) beside the default and bf16
+#                     tiles of each JSON word of DS_TILES (default: three)
+#   stage dm (~4 min): the int4 model's batch-1 TPOT with the one-launch step in the engine (int4_model variant step)
+#                     beside the default and bf16, one process
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, mlp, sd, sa, v, wg, wa, ds, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, mlp, sd, sa, v, wg, wa, ds, dm, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -167,8 +168,8 @@ elif [ "$stage" = ds ]; then
   tail -3 "$out/step_tests.txt"
   # shellcheck disable=SC2086  # DS_TILES is a list of JSON words
   python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
-    --tiles ${DS_TILES:-'{}' '{"prefetch":true}' '{"num_stages":6}' '{"programs_per_sm":1}' \
-    '{"tn":32,"splits":[1,2,1,4]}'} 2>&1 | tail -17
+    --tiles ${DS_TILES:-'{}' '{"prefetch":true}' '{"tn":32,"splits":[1,2,1,4]}'} 2>&1 | tail -11
+elif [ "$stage" = dm ]; then
   python -m loadtest.int4_bench --only model --gemv-variants step --out "$out/int4_model.json" 2>&1 | grep -v '^\[' \
     | tail -1 | cut -c1-3000
 elif [ "$stage" = i ]; then

@@ -3,8 +3,8 @@ KV-cache write and attention (#13's batch-1 goal; ``kernels.int4_decode_tasks`` 
 
 Why (docs/benchmarks.md, Sessions 21-24): a batch-1 int4 step is ~275 kernels. With every GEMV at the speed of a
 copy of its bytes it would still take ~1.8 ms against the 1.1 ms floor; the ramps, tails and launches of short
-kernels are the rest. Here a grid of programs (all resident at once) walks one task table. A task waits on the counter of the phase before it, does its part and counts itself
-in. Each layer has five phases:
+kernels are the rest. Here a grid of programs walks one task table. A task waits on the counter of the phase
+before it, does its part and counts itself in. Each layer has five phases:
 
 - QKV: ``TN`` columns of qkv_proj over the residual stream ``h``, normalized as it is loaded (input_layernorm);
 - ATTN: one KV head and one of its ``P_MAX`` partitions of the positions (as long as the context asks, in whole
@@ -26,9 +26,9 @@ release add, the consumer's acquire, and ``.cg`` loads. The last program to fini
 launch (CUDA graph replays). Under the interpreter (one program) the tasks run in table order.
 
 The arithmetic is the engine's, rounding where it rounds: ``kernels.fused_norm.normalize``, the GEMV's factored
-int4 tile (``kernels.int4_gemv``), ``kernels.activation.silu_mul``, the residual adds in x's dtype. Not yet done: a
-program loads its next task's weights only after that task's wait (they depend on nothing); attention multiplies
-on the CUDA cores.
+int4 tile (``kernels.int4_gemv``), ``kernels.activation.silu_mul``, the residual adds in x's dtype. Not yet
+measured on a GPU (docs/benchmarks.md): its tiles are guesses from the byte counts; PREFETCH (an L2 prefetch of
+the next task's words when it is claimed) is off; attention multiplies on the CUDA cores.
 """
 
 from __future__ import annotations

@@ -179,6 +179,17 @@ def _pointers(layer: StepLayer) -> list[int]:
     return row
 
 
+def shape_reason(shape: StepShape) -> str | None:
+    """Why the kernel cannot run a model of ``shape`` (its tiles are powers of two: the head and the query heads
+    a KV head serves), or None."""
+    group = shape.heads // shape.kv_heads
+    if shape.heads % shape.kv_heads or group & (group - 1) or shape.head_dim & (shape.head_dim - 1):
+        return (
+            f"{shape.heads} heads on {shape.kv_heads} KV heads of {shape.head_dim}: powers of two per KV head and dim"
+        )
+    return None
+
+
 def _check(layers: list[StepLayer], shape: StepShape, tiles: StepTiles, hidden: int, inter: int, hqd: int) -> None:
     """ValueError unless every layer has the shapes, dtypes and layout the kernel reads."""
     group, cache = shape.group_size, layers[0].kv_cache
@@ -187,8 +198,9 @@ def _check(layers: list[StepLayer], shape: StepShape, tiles: StepTiles, hidden: 
     ks = (hidden, hqd, hidden, inter)  # qkv, o, gate_up, down
     if len(tiles.splits) != 4 or any(not 1 <= s <= k // tiles.bk for s, k in zip(tiles.splits, ks, strict=False)):
         raise ValueError(f"splits {tiles.splits}: four, each from 1 to its projection's K / bk")
-    if shape.heads % shape.kv_heads or shape.head_dim % 2:
-        raise ValueError(f"heads {shape.heads} must be a multiple of kv_heads {shape.kv_heads}, head_dim even")
+    reason = shape_reason(shape)
+    if reason is not None:
+        raise ValueError(reason)
     dims = {"qkv": (hidden, hqd + 2 * shape.kv_heads * shape.head_dim), "o": (hqd, hidden),
             "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}  # fmt: skip
     for layer in layers:

@@ -17,7 +17,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.quantization.int4_linear import Int4LinearMethod
-from kernels.int4_decode_tasks import Int4DecodeStep, Int4Proj, StepLayer, StepShape, fit_tiles
+from kernels.int4_decode_tasks import Int4DecodeStep, Int4Proj, StepLayer, StepShape, fit_tiles, shape_reason
 
 DECODE_STEP = os.environ.get("PAGEDSERVE_INT4_DECODE_STEP") == "1"
 DECODE_STEP_DEVICES = ("cuda",)
@@ -40,7 +40,7 @@ def unfit_reason(model: Any) -> str | None:
         return "several group sizes"
     if model.rotary_emb.cos_sin_cache.shape[1] != model.layers[0].self_attn.attn.head_dim:
         return "rope over part of the head"
-    return None
+    return shape_reason(step_layers(model)[1])
 
 
 def step_layers(model: Any) -> tuple[list[StepLayer], StepShape]:

@@ -104,6 +104,24 @@ def test_equals_the_layer_by_layer_reference(seq_len: int, dtype: torch.dtype, g
         assert not step.counters.any(), step.counters
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "hidden", "inter"), [(4, 4, 64, 96), (8, 1, 96, 64)], ids=["mha", "mqa-hidden96"]
+)
+def test_other_head_layouts(heads: int, kv_heads: int, hidden: int, inter: int, gen: torch.Generator) -> None:
+    """One query head a KV head, and eight on one (a hidden size past its power of two): three layers, fp32."""
+    shape = StepShape(heads=heads, kv_heads=kv_heads, head_dim=16, group_size=32, eps=1e-5, scale=0.25)
+    layers = make_layers(3, hidden, shape, inter, 8, 16, torch.float32, gen)
+    ref_layers = [StepLayer(**{**vars(lr), "kv_cache": lr.kv_cache.clone()}) for lr in layers]
+    block_table = torch.randperm(8, generator=gen)[:6].to(torch.int32).to(DEVICE)
+    cs = rope_cache(128, 16)
+    step = Int4DecodeStep(layers, shape, fit_tiles(shape, hidden, inter, TINY))
+    hidden_in = torch.randn(hidden, generator=gen).to(DEVICE)
+    want = int4_decode_step_ref(ref_layers, shape, hidden_in.clone(), 77, block_table, cs)
+    out = hidden_in.clone()
+    step(out, torch.tensor([77], dtype=torch.int32, device=DEVICE), block_table, cs)
+    assert rel_err(out, want) < 1e-4
+
+
 def test_fit_tiles() -> None:
     """The engine's tiles for a model: bk inside the group, each split at most its projection's K tiles."""
     small = StepShape(heads=4, kv_heads=2, head_dim=16, group_size=32, eps=1e-5, scale=0.25)
@@ -119,6 +137,8 @@ def test_refuses_tiles_that_do_not_divide() -> None:
         Int4DecodeStep(layers, shape, StepTiles(tn=16, bk=64))  # past the group of 32
     with pytest.raises(ValueError, match="splits"):
         Int4DecodeStep(layers, shape, StepTiles(tn=16, bk=32, splits=(1, 1, 1, 4)))  # down: 96 k's, 3 tiles
+    with pytest.raises(ValueError, match="powers of two"):  # 6 query heads a KV head (Qwen2-7B has 7)
+        Int4DecodeStep(layers, StepShape(12, 2, 16, 32, 1e-5, 0.25), TINY)
     with pytest.raises(ValueError, match="gate_up.qweight"):
         bad = StepLayer(**{**vars(layers[0]), "gate_up": layers[0].o})
         Int4DecodeStep([bad], shape, TINY)

@@ -69,6 +69,12 @@ def _wait(cnt_ptr, target):
 
 
 @triton.jit
+def _proj(kind):
+    """A GEMV kind's projection: its index (0..3: qkv, o, gate_up, down) in the pointer table and in ``splits``."""
+    return tl.where(kind > _ATTN, kind - 1, kind)
+
+
+@triton.jit
 def _ptr(ptrs_ptr, layer, field, dtype: tl.constexpr):
     return tl.load(ptrs_ptr + layer * _PTR_FIELDS + field).to(tl.pointer_type(dtype))
 
@@ -220,7 +226,7 @@ def _prefetch_words(kind, layer, index, split, ptrs_ptr, H, INTER, NQKV, HQD, BK
     k_per = tl.cdiv(tl.cdiv(K, BK), split) * BK
     r_lo = (index % split) * k_per // 8
     r_hi = tl.minimum((index % split) * k_per + k_per, K) // 8
-    qw_ptr = _ptr(ptrs_ptr, layer, 3 * tl.where(kind > _ATTN, kind - 1, kind), tl.int32)
+    qw_ptr = _ptr(ptrs_ptr, layer, 3 * _proj(kind), tl.int32)
     for r0 in range(r_lo, r_hi, 32):
         rows = r0 + tl.arange(0, 32)
         live = (rows < r_hi)[:, None] & (offs < N)[None, :]
@@ -239,7 +245,7 @@ def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, 
     arrive (its counter in ``tile_cnt``) takes the total, leaves both at zero, and writes the output."""
     dtype = h_ptr.dtype.element_ty
     tile = index // split
-    gi = tl.where(kind > _ATTN, kind - 1, kind)  # the projection's index in the pointer table: 0..3
+    gi = _proj(kind)
     K, N, offs_n = _columns(kind, tile, tl.arange(0, TN), H, INTER, NQKV, HQD, TN)
     nw_ptr = ones_ptr
     inv = tl.full((), 1.0, tl.float32)
@@ -323,7 +329,7 @@ def _int4_decode_step_kernel(
                 if kind_next != _ATTN:
                     _prefetch_words(
                         kind_next, tl.load(row_next + 1), tl.load(row_next + 2),
-                        tl.load(splits_ptr + tl.where(kind_next > _ATTN, kind_next - 1, kind_next)), ptrs_ptr, H,
+                        tl.load(splits_ptr + _proj(kind_next)), ptrs_ptr, H,
                         INTER, (HQ + 2 * HKV) * D, HQ * D, BK, TN,
                     )  # fmt: skip
         row = tasks_ptr + t * _TASK_FIELDS
@@ -339,7 +345,7 @@ def _int4_decode_step_kernel(
         else:
             _gemv_task(
                 kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr,
-                cnt_ptr + tile_slots, tl.load(splits_ptr + tl.where(kind > _ATTN, kind - 1, kind)), eps, one_bits,
+                cnt_ptr + tile_slots, tl.load(splits_ptr + _proj(kind)), eps, one_bits,
                 H, INTER, (HQ + 2 * HKV) * D, HQ * D, GROUP, HP, BK, TN, NUM_STAGES,
             )  # fmt: skip
         tl.debug_barrier()  # every thread's stores before thread 0's release

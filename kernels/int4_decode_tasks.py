@@ -87,9 +87,14 @@ def fit_tiles(shape: StepShape, hidden: int, inter: int, tiles: StepTiles = Step
     """``tiles`` for a model they may not fit: ``bk`` at most the group's largest power-of-two divisor, each split
     at most its projection's K / bk."""
     bk = min(tiles.bk, shape.group_size & -shape.group_size)
-    ks = (hidden, shape.heads * shape.head_dim, hidden, inter)  # qkv, o, gate_up, down
+    ks = _proj_ks(hidden, inter, shape.heads * shape.head_dim)
     splits = tuple(max(1, min(s, k // bk)) for s, k in zip(tiles.splits, ks, strict=True))
     return replace(tiles, bk=bk, splits=splits)  # type: ignore[arg-type]
+
+
+def _proj_ks(hidden: int, inter: int, hqd: int) -> tuple[int, int, int, int]:
+    """The input features of qkv, o, gate_up and down (the order of ``StepTiles.splits``)."""
+    return hidden, hqd, hidden, inter
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -195,7 +200,7 @@ def _check(layers: list[StepLayer], shape: StepShape, tiles: StepTiles, hidden: 
     group, cache = shape.group_size, layers[0].kv_cache
     if tiles.tn % 2 or tiles.bk % 8 or group % tiles.bk or any(k % tiles.bk for k in (hidden, inter, hqd)):
         raise ValueError(f"tiles {tiles}: tn even, bk a multiple of 8 dividing the group {group} and every K")
-    ks = (hidden, hqd, hidden, inter)  # qkv, o, gate_up, down
+    ks = _proj_ks(hidden, inter, hqd)
     if len(tiles.splits) != 4 or any(not 1 <= s <= k // tiles.bk for s, k in zip(tiles.splits, ks, strict=False)):
         raise ValueError(f"splits {tiles.splits}: four, each from 1 to its projection's K / bk")
     reason = shape_reason(shape)

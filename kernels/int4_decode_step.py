@@ -3,26 +3,27 @@ KV-cache write and attention (#13's batch-1 goal; ``kernels.int4_decode_tasks`` 
 
 Why (docs/benchmarks.md, Sessions 21-24): a batch-1 int4 step is ~275 kernels. With every GEMV at the speed of a
 copy of its bytes it would still take ~1.8 ms against the 1.1 ms floor; the ramps, tails and launches of short
-kernels are the rest. Here a grid of programs walks one task table. A task waits on the counter of the phase
-before it, does its part and counts itself in. Each layer has five phases:
+kernels are the rest. Here a grid of programs walks one task table (``kernels.int4_decode_plan``). A task waits on
+a counter of the tasks before it (the whole phase before, or only those writing its inputs), does its part and
+counts itself in. Each layer has five phases:
 
 - QKV: ``TN`` columns of qkv_proj over the residual stream ``h``, normalized as it is loaded (input_layernorm);
 - ATTN: one KV head and one of its ``P_MAX`` partitions of the positions (as long as the context asks, in whole
   ``BT``-key tiles, so every partition has work): its query heads and the new key rotated (neox), the
   scores over the cached keys and the new one, an online softmax. The partition holding the new token stores its
   key and value in the cache; the head's last partition to arrive merges all of them into the attention output;
-- O: ``TN`` columns of o_proj over that, added to ``h``;
-- GATE_UP: ``TN / 2`` columns of gate and as many of up over ``h`` normalized (post_attention_layernorm), then
+- O: ``TN`` columns of o_proj over that, plus ``h``, into the second stream buffer ``h2``;
+- GATE_UP: ``TN / 2`` columns of gate and as many of up over ``h2`` normalized (post_attention_layernorm), then
   ``silu(gate) * up``;
-- DOWN: ``TN`` columns of down_proj over that, added to ``h``.
+- DOWN: ``TN`` columns of down_proj over that, plus ``h2``, into ``h``.
 
 A projection may split K over several tasks (``splits``: o_proj and down_proj have few columns for many SMs); their
 sums meet in fp32 atomics and the column tile's last task writes it.
 
-The table lists the tasks phase by phase, and programs claim them in that order from a shared counter: the lowest
-unfinished task is always a running program's current one, so no program waits forever, whatever the grid and
-however many programs are resident. Outputs reach the next phase through the L2: the producer's barrier and
-release add, the consumer's acquire, and ``.cg`` loads. The last program to finish zeroes the counters for the next
+The table lists the tasks phase by phase, and programs claim them in that order from a shared counter. A task
+waits only for tasks before it in the table, so the lowest unfinished task is always a running program's current
+one, and no program waits forever, whatever the grid and however many programs are resident. Outputs reach their
+readers through the L2: the producer's barrier and release add, the consumer's acquire, and ``.cg`` loads. The last program to finish zeroes the counters for the next
 launch (CUDA graph replays). Under the interpreter (one program) the tasks run in table order.
 
 The arithmetic is the engine's, rounding where it rounds: ``kernels.fused_norm.normalize``, the GEMV's factored
@@ -237,15 +238,19 @@ def _prefetch_words(kind, layer, index, split, ptrs_ptr, H, INTER, NQKV, HQD, BK
 
 
 @triton.jit
-def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, tile_cnt, split,
-               eps, one_bits, H, INTER, NQKV, HQD, GROUP: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr,
+def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, proj_ptr,
+               tile_cnt, eps, one_bits, H, INTER, NQKV, HQD, GROUP: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr,
                TN: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
     """One GEMV task of ``kind`` (QKV, O_PROJ, GATE_UP or DOWN): column tile ``index // split``, the ``index %
-    split``-th of its K ranges. Split K ranges add their sums into ``gws`` (fp32 atomics); the tile's last one to
-    arrive (its counter in ``tile_cnt``) takes the total, leaves both at zero, and writes the output."""
+    split``-th of its K ranges. Split K ranges add their sums into the projection's own part of ``gws`` (fp32
+    atomics); the tile's last one to arrive (its counter in the projection's run of ``tile_cnt``) takes the total,
+    leaves both at zero, and writes the output. ``proj``: per projection its split and the offsets of its runs."""
     dtype = h_ptr.dtype.element_ty
-    tile = index // split
     gi = _proj(kind)
+    split = tl.load(proj_ptr + 3 * gi)
+    tile_cnt += tl.load(proj_ptr + 3 * gi + 1)
+    gws_ptr += tl.load(proj_ptr + 3 * gi + 2)
+    tile = index // split
     K, N, offs_n = _columns(kind, tile, tl.arange(0, TN), H, INTER, NQKV, HQD, TN)
     nw_ptr = ones_ptr
     inv = tl.full((), 1.0, tl.float32)
@@ -257,9 +262,9 @@ def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, 
     elif kind == _O:
         x_ptr = attn_ptr
     elif kind == _GATE_UP:
-        x_ptr = h_ptr
+        x_ptr = h2_ptr
         nw_ptr = _ptr(ptrs_ptr, layer, _POST_NORM, dtype)
-        inv = _inv_rms(h_ptr, H, eps, HP)
+        inv = _inv_rms(h2_ptr, H, eps, HP)
     k_per = tl.cdiv(tl.cdiv(K, BK), split) * BK
     k_lo = (index % split) * k_per
     acc = _gemv(
@@ -280,12 +285,14 @@ def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, 
             tl.store(tile_cnt + tile, 0)
             last = True
     if last:
-        _gemv_out(kind, acc.to(dtype), offs_n, tile, h_ptr, qkv_ptr, act_ptr, N, INTER, TN)
+        _gemv_out(kind, acc.to(dtype), offs_n, tile, h_ptr, h2_ptr, qkv_ptr, act_ptr, N, INTER, TN)
 
 
 @triton.jit
-def _gemv_out(kind, y, offs_n, tile, h_ptr, qkv_ptr, act_ptr, N, INTER, TN: tl.constexpr):
-    """A finished column tile ``y [TN]`` (x's dtype) to its place: qkv, silu(gate) * up, or added to ``h``."""
+def _gemv_out(kind, y, offs_n, tile, h_ptr, h2_ptr, qkv_ptr, act_ptr, N, INTER, TN: tl.constexpr):
+    """A finished column tile ``y [TN]`` (x's dtype) to its place: qkv, silu(gate) * up, or the residual stream
+    plus ``y``: o_proj's from ``h`` into ``h2``, down_proj's from ``h2`` into ``h``. Two buffers, so a layer's
+    o_proj and down_proj never write the stream that its qkv or gate_up tasks may still be reading."""
     HALF: tl.constexpr = TN // 2
     if kind == _QKV:
         tl.store(qkv_ptr + offs_n, y, mask=offs_n < N)
@@ -294,26 +301,29 @@ def _gemv_out(kind, y, offs_n, tile, h_ptr, qkv_ptr, act_ptr, N, INTER, TN: tl.c
         cols = tile * HALF + tl.arange(0, HALF)
         tl.store(act_ptr + cols, silu_mul(gate, up), mask=cols < INTER)
     else:  # O_PROJ, DOWN: the residual add
-        h = tl.load(h_ptr + offs_n, mask=offs_n < N, other=0.0, cache_modifier=".cg")
-        tl.store(h_ptr + offs_n, (h.to(tl.float32) + y.to(tl.float32)).to(y.dtype), mask=offs_n < N)
+        src, dst = h2_ptr, h_ptr
+        if kind == _O:
+            src, dst = h_ptr, h2_ptr
+        h = tl.load(src + offs_n, mask=offs_n < N, other=0.0, cache_modifier=".cg")
+        tl.store(dst + offs_n, (h.to(tl.float32) + y.to(tl.float32)).to(y.dtype), mask=offs_n < N)
 
 
 @triton.jit
 def _int4_decode_step_kernel(
     tasks_ptr, num_tasks, cnt_ptr, num_counters, ptrs_ptr,
-    h_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, ws_o, ws_m, ws_l, gws_ptr, splits_ptr, bt_ptr, seq_len_ptr,
+    h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, ws_o, ws_m, ws_l, gws_ptr, proj_ptr, bt_ptr, seq_len_ptr,
     cs_ptr, v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, head_slots, tile_slots,
     GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
     NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """The module docstring's task loop. PREFETCH: a claimed GEMV task's words are asked of the L2 (fire and
-    forget) as soon as it is claimed, one task ahead of running it. ``cnt`` holds the phase counters, then the heads' arrival counters
-    (``head_slots`` on, one per layer and KV head), the GEMV column tiles' (``tile_slots`` on; one phase at a time
-    uses them), the claim counter and the exit counter. A program claims its
-    tasks in table order, each one claim ahead (an atomic off the task's path): phases of any size spread over the
-    programs without a static round-robin's last partial round, and the lowest unfinished task is always some
-    program's current one, so it can run."""
+    forget) as soon as it is claimed, one task ahead of running it. ``cnt`` holds the wait counters, then the heads'
+    arrival counters (``head_slots`` on, one per layer and KV head), the GEMV column tiles' (``tile_slots`` on, a
+    run per projection), the claim counter and the exit counter (``kernels.int4_decode_plan.TaskPlan``). A program
+    claims its tasks in table order, each one claim ahead (an atomic off the task's path): phases of any size spread
+    over the programs without a static round-robin's last partial round, and, as every task's wait counts only
+    tasks before it in the table, the lowest unfinished task is always some program's current one, so it can run."""
     grid = tl.num_programs(0)
     pos = tl.load(seq_len_ptr) - 1
     part_len = tl.cdiv(tl.cdiv(pos + 1, P_MAX), BT) * BT  # the context over P_MAX partitions, in whole tiles
@@ -329,7 +339,7 @@ def _int4_decode_step_kernel(
                 if kind_next != _ATTN:
                     _prefetch_words(
                         kind_next, tl.load(row_next + 1), tl.load(row_next + 2),
-                        tl.load(splits_ptr + _proj(kind_next)), ptrs_ptr, H,
+                        tl.load(proj_ptr + 3 * _proj(kind_next)), ptrs_ptr, H,
                         INTER, (HQ + 2 * HKV) * D, HQ * D, BK, TN,
                     )  # fmt: skip
         row = tasks_ptr + t * _TASK_FIELDS
@@ -344,9 +354,9 @@ def _int4_decode_step_kernel(
             )  # fmt: skip
         else:
             _gemv_task(
-                kind, layer, index, ptrs_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr,
-                cnt_ptr + tile_slots, tl.load(splits_ptr + _proj(kind)), eps, one_bits,
-                H, INTER, (HQ + 2 * HKV) * D, HQ * D, GROUP, HP, BK, TN, NUM_STAGES,
+                kind, layer, index, ptrs_ptr, h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, proj_ptr,
+                cnt_ptr + tile_slots, eps, one_bits, H, INTER, (HQ + 2 * HKV) * D, HQ * D, GROUP, HP, BK, TN,
+                NUM_STAGES,
             )  # fmt: skip
         tl.debug_barrier()  # every thread's stores before thread 0's release
         tl.atomic_add(cnt_ptr + tl.load(row + 5), 1, sem="release")

@@ -1,29 +1,19 @@
-"""The one-launch int4 decode step (``kernels.int4_decode_step``): its weights as the kernel sees them, its task
-table, buffers and launch (:class:`Int4DecodeStep`), and its torch reference (:func:`int4_decode_step_ref`: the
-engine's layer arithmetic on the same weights, layer by layer, with the same references its CPU path runs)."""
+"""The one-launch int4 decode step (``kernels.int4_decode_step``): its weights as the kernel sees them, its
+buffers and launch (:class:`Int4DecodeStep`; the task table comes from ``kernels.int4_decode_plan``), and its
+torch reference (:func:`int4_decode_step_ref`: the engine's layer arithmetic on the same weights, layer by layer,
+with the same references its CPU path runs)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from kernels._triton import next_pow2, require_triton
 from kernels.activation import silu_and_mul_ref
-from kernels.int4_decode_step import (
-    ATTN,
-    DOWN,
-    GATE_UP,
-    IN_NORM,
-    KV_CACHE,
-    O_PROJ,
-    PHASES,
-    POST_NORM,
-    PTR_FIELDS,
-    QKV,
-    _int4_decode_step_kernel,
-)
+from kernels.int4_decode_plan import StepShape, StepTiles, plan_tasks, proj_ks
+from kernels.int4_decode_step import IN_NORM, KV_CACHE, POST_NORM, PTR_FIELDS, _int4_decode_step_kernel
 from kernels.int4_gemm import int4_gemm_ref
 from kernels.int4_plan import num_sms
 from kernels.norm import rms_norm_ref
@@ -53,67 +43,6 @@ class StepLayer:
     kv_cache: torch.Tensor  # [2, num_blocks, block_size, kv_heads, head_dim]
 
 
-@dataclass(frozen=True)
-class StepShape:
-    heads: int
-    kv_heads: int
-    head_dim: int
-    group_size: int
-    eps: float
-    scale: float
-
-
-@dataclass(frozen=True)
-class StepTiles:
-    """Launch choices, not yet tuned on a GPU: ``tn`` output columns a GEMV task, ``bk`` k's a loop step (dividing
-    the group), ``parts`` attention partitions a KV head (the context split over them), ``bt`` keys a step of their
-    loops, ``num_stages`` loads in flight in both loops, programs per SM, and K split over ``splits`` tasks per
-    projection (qkv, o, gate_up, down)."""
-
-    # guesses from the byte counts, to be swept (loadtest.decode_step_bench --tiles): 64 columns x 128 k's of int4 is
-    # 4 KB a load, 4 in flight a program, 2 programs an SM: 32 KB in flight an SM, about what 4.2 TB/s needs over
-    # 132 SMs at ~1 us of latency; splits give every phase ~200 tasks
-    tn: int = 64
-    bk: int = 128
-    num_stages: int = 4
-    parts: int = 16
-    bt: int = 16
-    programs_per_sm: int = 2
-    splits: tuple[int, int, int, int] = (2, 4, 1, 4)
-    prefetch: bool = False  # the next task's words asked of the L2 when claimed (sm_90 only: not the interpreter)
-
-
-def fit_tiles(shape: StepShape, hidden: int, inter: int, tiles: StepTiles = StepTiles()) -> StepTiles:
-    """``tiles`` for a model they may not fit: ``bk`` at most the group's largest power-of-two divisor, each split
-    at most its projection's K / bk."""
-    bk = min(tiles.bk, shape.group_size & -shape.group_size)
-    ks = _proj_ks(hidden, inter, shape.heads * shape.head_dim)
-    splits = tuple(max(1, min(s, k // bk)) for s, k in zip(tiles.splits, ks, strict=True))
-    return replace(tiles, bk=bk, splits=splits)  # type: ignore[arg-type]
-
-
-def _proj_ks(hidden: int, inter: int, hqd: int) -> tuple[int, int, int, int]:
-    """The input features of qkv, o, gate_up and down (the order of ``StepTiles.splits``)."""
-    return hidden, hqd, hidden, inter
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def task_table(num_layers: int, counts: dict[int, int], device: torch.device) -> torch.Tensor:
-    """``[tasks, 6]`` int32 rows (kind, layer, index, wait slot, wait target, done slot), phase by phase; the phase
-    counter of layer ``l``, kind ``f`` is slot ``l * PHASES + f``. ``counts``: tasks a phase by kind."""
-    before = {QKV: DOWN, ATTN: QKV, O_PROJ: ATTN, GATE_UP: O_PROJ, DOWN: GATE_UP}
-    rows = []
-    for layer in range(num_layers):
-        for kind in (QKV, ATTN, O_PROJ, GATE_UP, DOWN):
-            wait_layer = layer - 1 if kind == QKV else layer
-            slot, target = (0, 0) if wait_layer < 0 else (wait_layer * PHASES + before[kind], counts[before[kind]])
-            rows += [(kind, layer, i, slot, target, layer * PHASES + kind) for i in range(counts[kind])]
-    return torch.tensor(rows, dtype=torch.int32, device=device)
-
-
 class Int4DecodeStep:
     """Every layer of a batch-1 decode step in one launch (``kernels.int4_decode_step``) over ``layers``, whose
     KV caches share one shape. Calls update ``hidden`` (the residual stream ``[hidden]``, the embedding in) and the
@@ -131,20 +60,16 @@ class Int4DecodeStep:
         _check(layers, shape, tiles, self.hidden, self.inter, hqd)
         self.block_size = first.kv_cache.shape[2]
         self.p_max = tiles.parts
-        col_tiles = {QKV: _cdiv(self.nqkv, tiles.tn), O_PROJ: _cdiv(self.hidden, tiles.tn),
-                     GATE_UP: _cdiv(self.inter, tiles.tn // 2), DOWN: _cdiv(self.hidden, tiles.tn)}  # fmt: skip
-        splits = dict(zip((QKV, O_PROJ, GATE_UP, DOWN), tiles.splits, strict=True))
-        counts = {kind: n * splits[kind] for kind, n in col_tiles.items()} | {ATTN: shape.kv_heads * self.p_max}
-        self.tasks = task_table(len(layers), counts, self.device)
-        self.head_slots = len(layers) * PHASES
-        self.tile_slots = self.head_slots + len(layers) * shape.kv_heads
-        self.num_counters = self.tile_slots + max(col_tiles.values()) + 2  # + the claim and exit counters
+        self.plan = plan_tasks(shape, self.hidden, self.inter, len(layers), tiles)
+        self.tasks = torch.tensor(self.plan.rows, dtype=torch.int32, device=self.device)
+        self.num_counters = self.plan.num_counters
         self.counters = torch.zeros(self.num_counters, dtype=torch.int32, device=self.device)
         self.ptrs = torch.tensor([_pointers(layer) for layer in layers], dtype=torch.int64, device=self.device)
         new = lambda *size, dtype=self.dtype: torch.empty(size, dtype=dtype, device=self.device)  # noqa: E731
         self.qkv, self.attn, self.act = new(self.nqkv), new(hqd), new(self.inter)
-        self.splits = torch.tensor(tiles.splits, dtype=torch.int32, device=self.device)
-        self.gws = torch.zeros(max(self.nqkv, 2 * self.inter, self.hidden), dtype=torch.float32, device=self.device)
+        self.proj = torch.tensor(self.plan.proj, dtype=torch.int32, device=self.device)
+        self.gws = torch.zeros(self.plan.gws_size, dtype=torch.float32, device=self.device)
+        self.stream = new(self.hidden)  # the residual stream between o_proj and down_proj (ping-pong with hidden)
         self.ones = torch.ones(max(self.hidden, self.inter, hqd), dtype=self.dtype, device=self.device)
         self.ws_o = new(shape.heads, self.p_max, shape.head_dim, dtype=torch.float32)
         self.ws_m, self.ws_l = (
@@ -164,10 +89,11 @@ class Int4DecodeStep:
     ) -> None:
         shape, tiles, first = self.shape, self.tiles, self.layers[0]
         _int4_decode_step_kernel[(self.grid,)](
-            self.tasks, self.tasks.shape[0], self.counters, self.num_counters, self.ptrs,
-            hidden, self.qkv, self.attn, self.act, self.ones, self.ws_o, self.ws_m, self.ws_l, self.gws, self.splits,
+            self.tasks, self.tasks.shape[0], self.counters, self.num_counters, self.ptrs, hidden, self.stream,
+            self.qkv, self.attn, self.act, self.ones, self.ws_o, self.ws_m, self.ws_l, self.gws, self.proj,
             block_table, seq_len, cos_sin_cache, first.kv_cache[0].numel(), shape.scale, shape.eps, 0x3F800000,
-            self.hidden, self.inter, shape.heads, shape.kv_heads, self.p_max, self.head_slots, self.tile_slots,
+            self.hidden, self.inter, shape.heads, shape.kv_heads, self.p_max, self.plan.head_slots,
+            self.plan.tile_slots,
             GROUP=shape.group_size, HP=next_pow2(self.hidden), D=shape.head_dim, QG=shape.heads // shape.kv_heads,
             BS=self.block_size, BT=tiles.bt, PP=next_pow2(self.p_max), BK=tiles.bk, TN=tiles.tn,
             NUM_STAGES=tiles.num_stages, PREFETCH=tiles.prefetch,
@@ -200,7 +126,7 @@ def _check(layers: list[StepLayer], shape: StepShape, tiles: StepTiles, hidden: 
     group, cache = shape.group_size, layers[0].kv_cache
     if tiles.tn % 2 or tiles.bk % 8 or group % tiles.bk or any(k % tiles.bk for k in (hidden, inter, hqd)):
         raise ValueError(f"tiles {tiles}: tn even, bk a multiple of 8 dividing the group {group} and every K")
-    ks = _proj_ks(hidden, inter, hqd)
+    ks = proj_ks(hidden, inter, hqd)
     if len(tiles.splits) != 4 or any(not 1 <= s <= k // tiles.bk for s, k in zip(tiles.splits, ks, strict=False)):
         raise ValueError(f"splits {tiles.splits}: four, each from 1 to its projection's K / bk")
     reason = shape_reason(shape)

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from engine.models.decode_step import step_layers
-from kernels.int4_decode_tasks import Int4DecodeStep, StepLayer, StepShape, StepTiles, int4_decode_step_ref
+from kernels.int4_decode_plan import StepShape, StepTiles
+from kernels.int4_decode_tasks import Int4DecodeStep, StepLayer, int4_decode_step_ref
 from loadtest.kernel_bench_common import rel_err, time_graph
 
 TINY_TILES = StepTiles(tn=16, bk=32, num_stages=1, parts=3, bt=16, splits=(1, 2, 1, 2))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from deploy.gc_heap import freeze_heap, thaw_heap
+from kernels.int4_decode_plan import StepTiles
 
 GROUP_SIZE = 128  # of the random int4 model, and of int4_bench's GEMM sweep
 
@@ -123,6 +124,11 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     },
     # every layer of a batch-1 decode step in one launch (engine.models.decode_step; Session 26, not yet measured)
     "step": {"engine.models.decode_step:DECODE_STEP": True},
+    # the same, each task waiting only for the tasks writing its inputs (kernels.int4_decode_plan; Session 27)
+    "stepfine": {
+        "engine.models.decode_step:DECODE_STEP": True,
+        "engine.models.decode_step:DECODE_STEP_TILES": StepTiles(fine_deps=True),
+    },
     # no programmatic dependent launch (kernels.pdl) anywhere: the defaults before 2026-12-04 evening
     "nopdl": {
         "kernels.int4_plan:GEMV_PDL": False,

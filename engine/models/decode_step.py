@@ -17,10 +17,12 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.quantization.int4_linear import Int4LinearMethod
-from kernels.int4_decode_tasks import Int4DecodeStep, Int4Proj, StepLayer, StepShape, fit_tiles, shape_reason
+from kernels.int4_decode_plan import StepShape, StepTiles, fit_tiles
+from kernels.int4_decode_tasks import Int4DecodeStep, Int4Proj, StepLayer, shape_reason
 
 DECODE_STEP = os.environ.get("PAGEDSERVE_INT4_DECODE_STEP") == "1"
 DECODE_STEP_DEVICES = ("cuda",)
+DECODE_STEP_TILES = StepTiles()  # fitted to the model (kernels.int4_decode_plan.fit_tiles)
 
 
 def unfit_reason(model: Any) -> str | None:
@@ -80,7 +82,8 @@ class DecodeStepPath:
         cache = self.model.layers[0].self_attn.attn.kv_cache.data_ptr()
         if self.step is None or self.step[0] != cache:
             layers, shape = step_layers(self.model)
-            tiles = fit_tiles(shape, layers[0].in_norm.numel(), layers[0].down.qweight.shape[0] * 8)
+            width, inter = layers[0].in_norm.numel(), layers[0].down.qweight.shape[0] * 8
+            tiles = fit_tiles(shape, width, inter, DECODE_STEP_TILES)
             self.step = (cache, Int4DecodeStep(layers, shape, tiles))
         self.step[1](hidden[0], meta.seq_lens, meta.block_tables[0], self.model.rotary_emb.cos_sin_cache)
         return hidden

@@ -6,22 +6,14 @@ the kernel compiled for sm_90. On a GPU: the 8B shapes, and replays from a CUDA 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from kernels.int4_decode_step import ATTN, DOWN, GATE_UP, O_PROJ, PHASES, QKV
-from kernels.int4_decode_tasks import (
-    Int4DecodeStep,
-    Int4Proj,
-    StepLayer,
-    StepShape,
-    StepTiles,
-    fit_tiles,
-    int4_decode_step_ref,
-    task_table,
-)
+from kernels.int4_decode_plan import StepShape, StepTiles, fit_tiles
+from kernels.int4_decode_tasks import Int4DecodeStep, Int4Proj, StepLayer, int4_decode_step_ref
 from loadtest import decode_step_bench
 from tests.kernels.helpers import DEVICE, PTXAS_REPORT, packed_int4, rel_err, run_without_interpreter
 
@@ -63,33 +55,24 @@ def rope_cache(max_pos: int, head_dim: int) -> torch.Tensor:
     return torch.cat((angles.cos(), angles.sin()), dim=1).to(DEVICE)
 
 
-def test_task_table_waits_on_the_phase_before() -> None:
-    counts = {QKV: 3, ATTN: 4, O_PROJ: 2, GATE_UP: 5, DOWN: 2}
-    rows = task_table(2, counts, torch.device("cpu")).tolist()
-    assert len(rows) == 2 * sum(counts.values())
-    assert rows[0] == [QKV, 0, 0, 0, 0, QKV]  # the first layer's qkv waits for nothing
-    second_qkv = next(r for r in rows if r[0] == QKV and r[1] == 1)
-    assert second_qkv == [QKV, 1, 0, DOWN, 2, PHASES + QKV]  # layer 0's down_proj, both its tasks
-    downs = [r for r in rows if r[0] == DOWN and r[1] == 1]
-    assert [r[2] for r in downs] == [0, 1] and downs[0][3:] == [PHASES + GATE_UP, 5, PHASES + DOWN]
-    kinds = [(r[1], r[0]) for r in rows]
-    assert kinds == sorted(kinds, key=lambda lk: (lk[0], [QKV, ATTN, O_PROJ, GATE_UP, DOWN].index(lk[1])))
-
-
 @pytest.mark.parametrize(
-    ("seq_len", "dtype"),
-    [(1, torch.float32), (37, torch.float32), (64, torch.float32), (50, torch.bfloat16)],
-    ids=["first-token", "two-partitions", "full-table", "bf16"],
-)
-def test_equals_the_layer_by_layer_reference(seq_len: int, dtype: torch.dtype, gen: torch.Generator) -> None:
+    ("seq_len", "dtype", "fine_deps"),
+    [(1, torch.float32, False), (37, torch.float32, False), (64, torch.float32, False), (50, torch.bfloat16, False),
+     (37, torch.float32, True)],
+    ids=["first-token", "two-partitions", "full-table", "bf16", "fine-deps"],
+)  # fmt: skip
+def test_equals_the_layer_by_layer_reference(
+    seq_len: int, dtype: torch.dtype, fine_deps: bool, gen: torch.Generator
+) -> None:
     """Two layers, GQA (4 query heads on 2 KV heads), a shuffled block table; then the next position on the same
-    step object (its counters reset by the last program out)."""
+    step object (its counters reset by the last program out). ``fine_deps``: the table claimed in its order
+    (``tests/kernels/test_int4_decode_plan.py`` checks its waits)."""
     shape = StepShape(heads=4, kv_heads=2, head_dim=16, group_size=32, eps=1e-5, scale=16**-0.5)
     layers = make_layers(2, 64, shape, 96, 6, 16, dtype, gen)
     ref_layers = [StepLayer(**{**vars(lr), "kv_cache": lr.kv_cache.clone()}) for lr in layers]
     block_table = torch.randperm(6, generator=gen)[:4].to(torch.int32).to(DEVICE)
     cs = rope_cache(128, 16)
-    step = Int4DecodeStep(layers, shape, TINY)
+    step = Int4DecodeStep(layers, shape, replace(TINY, fine_deps=fine_deps))
     hidden = torch.randn(64, generator=gen).to(dtype).to(DEVICE)
     # bf16: Triton 3.7's interpreter rounds fp32 -> bf16 by truncation (a GPU rounds to nearest even), at every
     # rounding of the engine's arithmetic: ~1.5 % from the exact result here, against ~0.5 % for torch's bf16
@@ -155,7 +138,7 @@ from triton.compiler import ASTSource
 from kernels.int4_decode_step import _int4_decode_step_kernel as kernel
 c = json.loads(sys.argv[1])
 types = {"tasks_ptr": "*i32", "cnt_ptr": "*i32", "ptrs_ptr": "*i64", "ws_o": "*fp32", "ws_m": "*fp32",
-         "ws_l": "*fp32", "gws_ptr": "*fp32", "splits_ptr": "*i32", "bt_ptr": "*i32", "seq_len_ptr": "*i32", "cs_ptr": "*fp32", "scale": "fp32", "eps": "fp32",
+         "ws_l": "*fp32", "gws_ptr": "*fp32", "proj_ptr": "*i32", "bt_ptr": "*i32", "seq_len_ptr": "*i32", "cs_ptr": "*fp32", "scale": "fp32", "eps": "fp32",
          "v_off": "i64"}
 names = kernel.arg_names
 signature = {a: "constexpr" if a in c else types.get(a, "*bf16" if a.endswith("_ptr") else "i32") for a in names}
@@ -197,16 +180,17 @@ def test_bench_checks_an_engine_model_on_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fine_deps", [False, True], ids=["phases", "fine"])
 @pytest.mark.parametrize("seq_len", [1, 300, 2049])
-def test_8b_shapes_on_the_gpu(seq_len: int, gen: torch.Generator) -> None:
-    """Two layers of the 8B shape in bf16 (32 query heads on 8 KV heads, group 128), the default tiles: within bf16's
-    tolerance of the reference; twice, from a CUDA graph (the counters reset by the kernel)."""
+def test_8b_shapes_on_the_gpu(seq_len: int, fine_deps: bool, gen: torch.Generator) -> None:
+    """Two layers of the 8B shape in bf16 (32 query heads on 8 KV heads, group 128), the default tiles and the fine
+    waits: within bf16's tolerance of the reference; twice, from a CUDA graph (the counters reset by the kernel)."""
     shape = StepShape(heads=32, kv_heads=8, head_dim=128, group_size=128, eps=1e-5, scale=128**-0.5)
     layers = make_layers(2, 4096, shape, 14336, 160, 16, torch.bfloat16, gen)
     ref_layers = [StepLayer(**{**vars(lr), "kv_cache": lr.kv_cache.clone()}) for lr in layers]
     block_table = torch.randperm(160, generator=gen)[:130].to(torch.int32).to(DEVICE)
     cs = rope_cache(4096, 128)
-    step = Int4DecodeStep(layers, shape)
+    step = Int4DecodeStep(layers, shape, StepTiles(fine_deps=fine_deps))
     embedding = torch.randn(4096, generator=gen).to(torch.bfloat16).to(DEVICE)
     hidden = embedding.clone()
     seq = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)

@@ -46,6 +46,9 @@ TASK_FIELDS = 6  # kind, layer, index, wait slot, wait target, done slot
 # a layer's row of the pointer table: qweight, scales, zeros of qkv, o, gate_up, down; the two norm weights; the cache
 IN_NORM, POST_NORM, KV_CACHE = 12, 13, 14
 PTR_FIELDS = 15
+# TRACE's row a task: globaltimer ns at the top of its iteration, after the claim (and prefetch), after its wait,
+# after its release; then its program id << 16 | the SM it ran on
+TRACE_FIELDS = 5
 
 
 def _const(value: int) -> int:
@@ -56,6 +59,27 @@ def _const(value: int) -> int:
 _QKV, _ATTN, _O, _GATE_UP = _const(QKV), _const(ATTN), _const(O_PROJ), _const(GATE_UP)
 _TASK_FIELDS, _PTR_FIELDS = _const(TASK_FIELDS), _const(PTR_FIELDS)
 _IN_NORM, _POST_NORM, _KV_CACHE = _const(IN_NORM), _const(POST_NORM), _const(KV_CACHE)
+_TRACE_FIELDS = _const(TRACE_FIELDS)
+
+
+@triton.jit
+def _stamp(TRACE: tl.constexpr):
+    """The GPU's nanosecond clock (inline PTX: compiled only, never under the interpreter) if TRACE, else 0."""
+    if TRACE:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        return tl.zeros((), tl.int64)
+
+
+@triton.jit
+def _trace(row_ptr, top, claimed, ready, TRACE: tl.constexpr):
+    if TRACE:
+        tl.store(row_ptr, top)
+        tl.store(row_ptr + 1, claimed)
+        tl.store(row_ptr + 2, ready)
+        tl.store(row_ptr + 3, _stamp(TRACE))
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+        tl.store(row_ptr + 4, (tl.program_id(0).to(tl.int64) << 16) | sm.to(tl.int64))
 
 
 @triton.jit
@@ -312,13 +336,14 @@ def _gemv_out(kind, y, offs_n, tile, h_ptr, h2_ptr, qkv_ptr, act_ptr, N, INTER, 
 def _int4_decode_step_kernel(
     tasks_ptr, num_tasks, cnt_ptr, num_counters, ptrs_ptr,
     h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, ws_o, ws_m, ws_l, gws_ptr, proj_ptr, bt_ptr, seq_len_ptr,
-    cs_ptr, v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, head_slots, tile_slots,
+    cs_ptr, trace_ptr, v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, head_slots, tile_slots,
     GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
     """The module docstring's task loop. PREFETCH: a claimed GEMV task's words are asked of the L2 (fire and
-    forget) as soon as it is claimed, one task ahead of running it. ``cnt`` holds the wait counters, then the heads'
+    forget) as soon as it is claimed, one task ahead of running it. TRACE: each task's timestamps into ``trace``
+    (``TRACE_FIELDS`` a task, in table order). ``cnt`` holds the wait counters, then the heads'
     arrival counters (``head_slots`` on, one per layer and KV head), the GEMV column tiles' (``tile_slots`` on, a
     run per projection), the claim counter and the exit counter (``kernels.int4_decode_plan.TaskPlan``). A program
     claims its tasks in table order, each one claim ahead (an atomic off the task's path): phases of any size spread
@@ -331,6 +356,7 @@ def _int4_decode_step_kernel(
     claim = cnt_ptr + num_counters - 2
     t = tl.atomic_add(claim, 1, sem="relaxed")
     while t < num_tasks:
+        top = _stamp(TRACE)
         t_next = tl.atomic_add(claim, 1, sem="relaxed")
         if PREFETCH:  # noqa: SIM102  # a compile-time branch around a runtime one
             if t_next < num_tasks:
@@ -342,9 +368,11 @@ def _int4_decode_step_kernel(
                         tl.load(proj_ptr + 3 * _proj(kind_next)), ptrs_ptr, H,
                         INTER, (HQ + 2 * HKV) * D, HQ * D, BK, TN,
                     )  # fmt: skip
+        claimed = _stamp(TRACE)
         row = tasks_ptr + t * _TASK_FIELDS
         kind, layer, index = tl.load(row), tl.load(row + 1), tl.load(row + 2)
         _wait(cnt_ptr + tl.load(row + 3), tl.load(row + 4))
+        ready = _stamp(TRACE)
         if kind == _ATTN:
             g, part = index // P_MAX, index % P_MAX
             _attn_task(
@@ -360,6 +388,7 @@ def _int4_decode_step_kernel(
             )  # fmt: skip
         tl.debug_barrier()  # every thread's stores before thread 0's release
         tl.atomic_add(cnt_ptr + tl.load(row + 5), 1, sem="release")
+        _trace(trace_ptr + t * _TRACE_FIELDS, top, claimed, ready, TRACE)
         t = t_next
     tl.debug_barrier()
     if tl.atomic_add(cnt_ptr + num_counters - 1, 1, sem="acq_rel") == grid - 1:  # the last program out

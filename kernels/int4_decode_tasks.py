@@ -13,7 +13,14 @@ import torch
 from kernels._triton import next_pow2, require_triton
 from kernels.activation import silu_and_mul_ref
 from kernels.int4_decode_plan import StepShape, StepTiles, plan_tasks, proj_ks
-from kernels.int4_decode_step import IN_NORM, KV_CACHE, POST_NORM, PTR_FIELDS, _int4_decode_step_kernel
+from kernels.int4_decode_step import (
+    IN_NORM,
+    KV_CACHE,
+    POST_NORM,
+    PTR_FIELDS,
+    TRACE_FIELDS,
+    _int4_decode_step_kernel,
+)
 from kernels.int4_gemm import int4_gemm_ref
 from kernels.int4_plan import num_sms
 from kernels.norm import rms_norm_ref
@@ -86,17 +93,20 @@ class Int4DecodeStep:
         seq_len: torch.Tensor,  # [1] int32: the new token's position + 1
         block_table: torch.Tensor,  # [max_blocks] int32
         cos_sin_cache: torch.Tensor,  # [max_positions, head_dim]: cos, then sin
+        trace: torch.Tensor | None = None,  # [tasks, TRACE_FIELDS] int64: each task's timestamps (compiled only)
     ) -> None:
         shape, tiles, first = self.shape, self.tiles, self.layers[0]
+        if trace is not None and (self.grid == 1 or trace.shape != (len(self.plan.rows), TRACE_FIELDS)):
+            raise ValueError(f"trace: [{len(self.plan.rows)}, {TRACE_FIELDS}] int64 on a GPU, not the interpreter")
         _int4_decode_step_kernel[(self.grid,)](
             self.tasks, self.tasks.shape[0], self.counters, self.num_counters, self.ptrs, hidden, self.stream,
             self.qkv, self.attn, self.act, self.ones, self.ws_o, self.ws_m, self.ws_l, self.gws, self.proj,
-            block_table, seq_len, cos_sin_cache, first.kv_cache[0].numel(), shape.scale, shape.eps, 0x3F800000,
+            block_table, seq_len, cos_sin_cache, self.counters if trace is None else trace, first.kv_cache[0].numel(), shape.scale, shape.eps, 0x3F800000,
             self.hidden, self.inter, shape.heads, shape.kv_heads, self.p_max, self.plan.head_slots,
             self.plan.tile_slots,
             GROUP=shape.group_size, HP=next_pow2(self.hidden), D=shape.head_dim, QG=shape.heads // shape.kv_heads,
             BS=self.block_size, BT=tiles.bt, PP=next_pow2(self.p_max), BK=tiles.bk, TN=tiles.tn,
-            NUM_STAGES=tiles.num_stages, PREFETCH=tiles.prefetch,
+            NUM_STAGES=tiles.num_stages, PREFETCH=tiles.prefetch, TRACE=trace is not None,
         )  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """The one-launch int4 decode step (``kernels.int4_decode_step``) on an engine's own int4 model (8B shape, random
 weights, GPTQ group 128): first equal to its layer-by-layer reference on the same weights, KV cache and position,
 then its time for every layer of one batch-1 step against those layers' 4-bit floor (their bytes / the measured copy
-bandwidth), beside the LM head alone and, in the same process, the engine's batch-1 time per output token.
+bandwidth), beside the LM head alone and, in the same process, the engine's batch-1 time per output token; then a
+traced launch, where its programs' time went (``loadtest.decode_step_trace``).
 
     python -m loadtest.decode_step_bench --contexts 128 1024 4096 --tiles '{}' '{"programs_per_sm": 2}'
     python -m loadtest.decode_step_bench --tiny                      # CPU: 2 tiny layers under the interpreter
@@ -21,7 +22,9 @@ import torch
 
 from engine.models.decode_step import step_layers
 from kernels.int4_decode_plan import StepShape, StepTiles
+from kernels.int4_decode_step import ATTN, DOWN, GATE_UP, O_PROJ, QKV, TRACE_FIELDS
 from kernels.int4_decode_tasks import Int4DecodeStep, StepLayer, int4_decode_step_ref
+from loadtest.decode_step_trace import lines, summarize
 from loadtest.kernel_bench_common import rel_err, time_graph
 
 TINY_TILES = StepTiles(tn=16, bk=32, num_stages=1, parts=3, bt=16, splits=(1, 2, 1, 2))
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _timings(step: Int4DecodeStep, model: Any, table: torch.Tensor, context: int, cos_sin: torch.Tensor,
-             embedding: torch.Tensor, layer_bytes: int, copy_tb_s: float) -> dict[str, float]:  # fmt: skip
+             embedding: torch.Tensor, layer_bytes: int, copy_tb_s: float) -> dict[str, Any]:  # fmt: skip
     hidden = torch.empty_like(embedding)
     seq_len = torch.tensor([context], dtype=torch.int32, device=hidden.device)
 
@@ -106,8 +109,24 @@ def _timings(step: Int4DecodeStep, model: Any, table: torch.Tensor, context: int
     head = model.lm_head.weight
     lm_head_ms = time_graph([lambda: torch.nn.functional.linear(embedding[None], head)], 20) * 1e3
     floor_ms = layer_bytes / (copy_tb_s * 1e12) * 1e3
+    trace = torch.zeros(len(step.plan.rows), TRACE_FIELDS, dtype=torch.int64, device=hidden.device)
+    for _ in range(2):  # the second: compiled, caches as in the timed replays
+        hidden.copy_(embedding)
+        step(hidden, seq_len, table, cos_sin, trace=trace)
+    summary = summarize(trace.tolist(), step.plan.rows, step.grid, _kind_bytes(step, context))
+    print("\n".join(lines(summary)), flush=True)
     return {"layers_ms": round(layers_ms, 4), "layers_floor_ms": round(floor_ms, 4),
-            "layers_x_floor": round(layers_ms / floor_ms, 3), "lm_head_ms": round(lm_head_ms, 4)}  # fmt: skip
+            "layers_x_floor": round(layers_ms / floor_ms, 3), "lm_head_ms": round(lm_head_ms, 4),
+            "trace": summary}  # fmt: skip
+
+
+def _kind_bytes(step: Int4DecodeStep, context: int) -> dict[int, int]:
+    """A layer's bytes by kind of task: its projections' packed weights, scales and zeros; the KV cache read."""
+    layer = step.layers[0]
+    out = {kind: sum(t.numel() * t.element_size() for t in vars(proj).values())
+           for kind, proj in ((QKV, layer.qkv), (O_PROJ, layer.o), (GATE_UP, layer.gate_up), (DOWN, layer.down))}  # fmt: skip
+    cache = layer.kv_cache
+    return out | {ATTN: 2 * context * cache.shape[3] * cache.shape[4] * cache.element_size()}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

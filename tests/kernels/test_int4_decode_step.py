@@ -125,6 +125,11 @@ def test_refuses_tiles_that_do_not_divide() -> None:
     with pytest.raises(ValueError, match="gate_up.qweight"):
         bad = StepLayer(**{**vars(layers[0]), "gate_up": layers[0].o})
         Int4DecodeStep([bad], shape, TINY)
+    step = Int4DecodeStep(layers, shape, TINY)
+    with pytest.raises(ValueError, match="trace"):  # its clock reads are inline PTX: not under the interpreter
+        trace = torch.zeros(len(step.plan.rows), 5, dtype=torch.int64)
+        step(torch.zeros(64), torch.tensor([1], dtype=torch.int32), torch.zeros(2, dtype=torch.int32), rope_cache(4, 16),
+             trace=trace)  # fmt: skip
 
 
 # Compiles the step kernel for sm_90 (argv: constexprs as JSON) with the launch's 16-aligned pointers and sizes, and
@@ -138,7 +143,7 @@ from triton.compiler import ASTSource
 from kernels.int4_decode_step import _int4_decode_step_kernel as kernel
 c = json.loads(sys.argv[1])
 types = {"tasks_ptr": "*i32", "cnt_ptr": "*i32", "ptrs_ptr": "*i64", "ws_o": "*fp32", "ws_m": "*fp32",
-         "ws_l": "*fp32", "gws_ptr": "*fp32", "proj_ptr": "*i32", "bt_ptr": "*i32", "seq_len_ptr": "*i32", "cs_ptr": "*fp32", "scale": "fp32", "eps": "fp32",
+         "ws_l": "*fp32", "gws_ptr": "*fp32", "proj_ptr": "*i32", "bt_ptr": "*i32", "seq_len_ptr": "*i32", "cs_ptr": "*fp32", "trace_ptr": "*i64", "scale": "fp32", "eps": "fp32",
          "v_off": "i64"}
 names = kernel.arg_names
 signature = {a: "constexpr" if a in c else types.get(a, "*bf16" if a.endswith("_ptr") else "i32") for a in names}
@@ -151,22 +156,25 @@ compiled = triton.compile(ASTSource(kernel, signature, c, aligned), target=GPUTa
     + """
 print("LDGSTS" * sass.count("LDGSTS"))
 print("PML2" * sass.count("CCTL.E.PML2"))
+print("GLOBALTIMER" * compiled.asm["ptx"].count("%globaltimer"))
 """
 )
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_compiles_for_sm90(prefetch: bool) -> None:
+@pytest.mark.parametrize(("prefetch", "trace"), [(False, False), (True, False), (False, True)])
+def test_compiles_for_sm90(prefetch: bool, trace: bool) -> None:
     """The 8B shape's constexprs at the default tiles: no spills, and the GEMV loop's loads pipelined through
-    cp.async (the spin-waits, atomics and pointer table compile as the interpreter ran them); with PREFETCH (inline
-    PTX, which the interpreter cannot run) the L2 prefetches are in the code."""
+    cp.async (the spin-waits, atomics and pointer table compile as the interpreter ran them); with PREFETCH and
+    TRACE (inline PTX, which the interpreter cannot run) the L2 prefetches and the clock reads are in the code."""
     tiles = StepTiles()
     constexprs = {"GROUP": 128, "HP": 4096, "D": 128, "QG": 4, "BS": 16, "BT": tiles.bt, "PP": tiles.parts,
-                  "BK": tiles.bk, "TN": tiles.tn, "NUM_STAGES": tiles.num_stages, "PREFETCH": prefetch}  # fmt: skip
+                  "BK": tiles.bk, "TN": tiles.tn, "NUM_STAGES": tiles.num_stages, "PREFETCH": prefetch,
+                  "TRACE": trace}  # fmt: skip
     report = run_without_interpreter(_COMPILE_SM90, json.dumps(constexprs))
     assert "0 bytes spill stores" in report, report
     assert "LDGSTS" in report, report
     assert ("PML2" in report) == prefetch, report  # prefetch.global.L2::evict_last: CCTL.E.PML2 in the SASS
+    assert report.count("GLOBALTIMER") == 4 * trace, report  # four clock reads a task
 
 
 def test_bench_checks_an_engine_model_on_cpu(tmp_path: Path) -> None:
@@ -184,7 +192,8 @@ def test_bench_checks_an_engine_model_on_cpu(tmp_path: Path) -> None:
 @pytest.mark.parametrize("seq_len", [1, 300, 2049])
 def test_8b_shapes_on_the_gpu(seq_len: int, fine_deps: bool, gen: torch.Generator) -> None:
     """Two layers of the 8B shape in bf16 (32 query heads on 8 KV heads, group 128), the default tiles and the fine
-    waits: within bf16's tolerance of the reference; twice, from a CUDA graph (the counters reset by the kernel)."""
+    waits: within bf16's tolerance of the reference; twice, from a CUDA graph (the counters reset by the kernel);
+    then traced."""
     shape = StepShape(heads=32, kv_heads=8, head_dim=128, group_size=128, eps=1e-5, scale=128**-0.5)
     layers = make_layers(2, 4096, shape, 14336, 160, 16, torch.bfloat16, gen)
     ref_layers = [StepLayer(**{**vars(lr), "kv_cache": lr.kv_cache.clone()}) for lr in layers]
@@ -207,3 +216,10 @@ def test_8b_shapes_on_the_gpu(seq_len: int, fine_deps: bool, gen: torch.Generato
         for got, ref in zip(layers, ref_layers, strict=True):
             assert rel_err(got.kv_cache, ref.kv_cache) < 1e-2
         assert not step.counters.any()
+    trace = torch.zeros(len(step.plan.rows), 5, dtype=torch.int64, device=DEVICE)
+    hidden.copy_(embedding)
+    step(hidden, seq, block_table, cs, trace=trace)  # traced: the same result, every task's row filled in order
+    assert rel_err(hidden, want) < 1e-2
+    top, claimed, ready, end, who = trace.T
+    assert bool(((top > 0) & (claimed >= top) & (ready >= claimed) & (end >= ready)).all())
+    assert int((who >> 16).max()) < step.grid

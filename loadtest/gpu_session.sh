@@ -88,7 +88,8 @@
 #   stage ds (~6 min): the one-launch int4 decode step (kernels.int4_decode_step, Session 26, never run on a GPU): its
 #                     GPU tests, then loadtest.decode_step_bench on the engine's 8B int4 model (its reference check,
 #                     then its time for 32 layers against their floor, the LM head, the engine's batch-1 TPOT) at the
-#                     tiles of each JSON word of DS_TILES (default: four; one the fine waits)
+#                     tiles of each JSON word of DS_TILES (default: four; one the fine waits), each with a traced
+#                     launch's summary (loadtest.decode_step_trace: where its programs' time went)
 #   stage dm (~4 min): the int4 model's batch-1 TPOT with the one-launch step in the engine (int4_model variants
 #                     step and stepfine, the fine waits) beside the default and bf16, one process
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
@@ -167,9 +168,10 @@ elif [ "$stage" = ds ]; then
     > "$out/step_tests.txt" 2>&1 && echo "STEP GPU TESTS PASSED" || echo "STEP GPU TESTS FAILED (see step_tests.txt)"
   tail -3 "$out/step_tests.txt"
   # shellcheck disable=SC2086  # DS_TILES is a list of JSON words
-  # a persistent kernel that deadlocks would hold the call to its limit: the bench gets 4 minutes
-  timeout -k 10 240 python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
-    --tiles ${DS_TILES:-'{}' '{"fine_deps":true}' '{"prefetch":true}' '{"tn":32,"splits":[1,2,1,4]}'} 2>&1 | tail -14 \
+  # a persistent kernel that deadlocks would hold the call to its limit: the bench gets 5.5 minutes
+  timeout -k 10 330 python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
+    --tiles ${DS_TILES:-'{}' '{"fine_deps":true}' '{"prefetch":true}' '{"tn":32,"splits":[1,2,1,4]}'} 2>&1 \
+    | grep -v '^{"shape"' | tail -100 \
     || echo "decode_step_bench FAILED or timed out"
 elif [ "$stage" = dm ]; then
   timeout -k 10 300 python -m loadtest.int4_bench --only model --gemv-variants step stepfine \

@@ -12,9 +12,13 @@ checked against.
 
 from __future__ import annotations
 
+import json
+import re
+import shlex
 from collections import defaultdict
 from dataclasses import replace
 from math import gcd
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,3 +192,17 @@ def test_finds_a_wrong_wait() -> None:
     swapped[first_o][3] = second[3]
     found = problems(model, [tuple(r) for r in swapped])
     assert any("('attn'," in p and f"task {first_o} " in p for p in found), found
+
+
+def test_the_device_stage_tiles_fit_the_8b_model() -> None:
+    """Stage ds's tile settings (``loadtest/gpu_session.sh``, DS_TILES) are StepTiles that fit the 8B model as they
+    are, and their tables pass the check: a typo there would cost a device call."""
+    script = (Path(__file__).parents[2] / "loadtest" / "gpu_session.sh").read_text()
+    words = shlex.split(re.search(r"DS_TILES:-(.*?)\} 2>&1", script, re.S).group(1).replace("\\\n", " "))  # type: ignore[union-attr]
+    assert len(words) >= 4, words
+    shape, hidden, inter = EIGHT_B
+    for word in words:
+        tiles = StepTiles(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(word).items()})
+        assert fit_tiles(shape, hidden, inter, tiles) == tiles, word
+        plan = plan_tasks(shape, hidden, inter, 2, tiles)
+        assert problems(Model(shape, hidden, inter, tiles, plan, streams=2), plan.rows) == [], word

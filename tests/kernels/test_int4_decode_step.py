@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -223,3 +224,45 @@ def test_8b_shapes_on_the_gpu(seq_len: int, fine_deps: bool, gen: torch.Generato
     top, claimed, ready, end, who = trace.T
     assert bool(((top > 0) & (claimed >= top) & (ready >= claimed) & (end >= ready)).all())
     assert int((who >> 16).max()) < step.grid
+
+
+def engine_tokens_with_the_step(
+    monkeypatch: pytest.MonkeyPatch, device: str, num_prompts: int, max_tokens: int
+) -> dict[tuple[bool, bool], list[Any]]:
+    """The engine's tiny int4 model (random weights, GPTQ group 128) in fp32 on ``device``, one sequence at a time:
+    the greedy tokens layer by layer, and with every layer in one launch (phase waits, then fine waits)."""
+    from engine import LLM, SamplingParams
+    from engine.models import decode_step
+    from loadtest.int4_model import quantized_shape_folder
+
+    folder = quantized_shape_folder("tiny", 128)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(num_prompts)]
+    monkeypatch.setattr(decode_step, "DECODE_STEP_DEVICES", (device,))
+    tokens = {}
+    for on, fine in ((False, False), (True, False), (True, True)):
+        monkeypatch.setattr(decode_step, "DECODE_STEP", on)
+        monkeypatch.setattr(decode_step, "DECODE_STEP_TILES", StepTiles(fine_deps=fine))
+        with LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, device=device, dtype="float32",
+                 max_num_seqs=1, max_model_len=128, num_gpu_blocks_override=32) as llm:  # fmt: skip
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            tokens[on, fine] = [list(o.outputs[0].token_ids) for o in outs]
+            path = llm.engine.executor.runner.model.model.decode_step  # type: ignore[attr-defined]
+            assert (path.step is not None) == on
+            assert path.step is None or path.step[1].tiles.fine_deps == fine
+    return tokens
+
+
+def test_engine_step_tokens_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU test below, under the interpreter (shorter): the same tokens whichever path a decode step takes."""
+    tokens = engine_tokens_with_the_step(monkeypatch, "cpu", 1, 4)
+    assert tokens[False, False] == tokens[True, False] == tokens[True, True] and len(tokens[False, False][0]) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_step_tokens_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU the batch-1 decode steps replay a CUDA graph captured with the one-launch kernel in it (its
+    counters reset by the kernel between replays): the same greedy tokens as layer by layer, in fp32."""
+    tokens = engine_tokens_with_the_step(monkeypatch, "cuda", 2, 24)
+    assert tokens[False, False] == tokens[True, False] == tokens[True, True]

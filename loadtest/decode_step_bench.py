@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = Engine(EngineArgs(
         model=str(folder), load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len,
         device="cpu" if args.tiny else "auto", dtype="float32" if args.tiny else "bfloat16",
-        num_gpu_blocks_override=64 if args.tiny else None,
+        num_gpu_blocks_override=64 if args.tiny else 2 * -(-args.max_model_len // 16),  # room for the check's copies
     ).create_engine_config())  # fmt: skip
     res: dict[str, Any] = {"shape": "tiny" if args.tiny else args.shape}
     if not args.tiny:

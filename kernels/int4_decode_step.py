@@ -114,23 +114,27 @@ def _inv_rms(h_ptr, H, eps, HP: tl.constexpr):
 
 @triton.jit
 def _gemv(x_ptr, nw_ptr, inv, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, one_bits,
-          GROUP: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+          GROUP: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
     """``x[k_lo:k_hi] @ W[k_lo:k_hi]`` at columns ``offs_n [TN]``: ``[1, TN]`` fp32, x normalized as it is loaded
     (``nw`` ones and ``inv`` 1 leave it as it is); W int4 ``[K // 8, N]`` with scales and zeros ``[K // GROUP, N]``,
-    all contiguous."""
+    all contiguous. ``UNROLL`` tiles of ``BK`` a loop step (``k_hi - k_lo`` a multiple of their width)."""
     R: tl.constexpr = BK // 8
     offs_i = tl.arange(0, R)
     mask_n = offs_n < N
     acc = tl.zeros((1, offs_n.shape[0]), dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BK, num_stages=NUM_STAGES):
-        rows = k0 // 8 + offs_i
-        words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-        xk = k0 + 8 * offs_i[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
-        x = normalize(tl.load(x_ptr + xk, cache_modifier=".cg"), tl.load(nw_ptr + xk), inv)
-        acc += _factored_tile(
-            words, x.to(tl.float32)[None, :, :], s_ptr, z_ptr, k0 // GROUP, N, N, offs_n, N, one_bits, 1, R, False,
-            False,
-        )  # fmt: skip
+    for k0 in tl.range(k_lo, k_hi, BK * UNROLL, num_stages=NUM_STAGES):
+        # only the words are pipelined (cp.async): x, its norm weights, the scales and zeros are too narrow a
+        # thread for it, so each step waits for their loads once; unrolled, a step's tiles wait for them together
+        for u in tl.static_range(UNROLL):
+            k1 = k0 + u * BK
+            rows = k1 // 8 + offs_i
+            words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+            xk = k1 + 8 * offs_i[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
+            x = normalize(tl.load(x_ptr + xk, cache_modifier=".cg"), tl.load(nw_ptr + xk), inv)
+            acc += _factored_tile(
+                words, x.to(tl.float32)[None, :, :], s_ptr, z_ptr, k1 // GROUP, N, N, offs_n, N, one_bits, 1, R,
+                False, False,
+            )  # fmt: skip
     return acc
 
 
@@ -264,7 +268,7 @@ def _prefetch_words(kind, layer, index, split, ptrs_ptr, H, INTER, NQKV, HQD, BK
 @triton.jit
 def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, proj_ptr,
                tile_cnt, eps, one_bits, H, INTER, NQKV, HQD, GROUP: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr,
-               TN: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+               TN: tl.constexpr, NUM_STAGES: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
     """One GEMV task of ``kind`` (QKV, O_PROJ, GATE_UP or DOWN): column tile ``index // split``, the ``index %
     split``-th of its K ranges. Split K ranges add their sums into the projection's own part of ``gws`` (fp32
     atomics); the tile's last one to arrive (its counter in the projection's run of ``tile_cnt``) takes the total,
@@ -294,7 +298,7 @@ def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, h2_ptr, qkv_ptr, attn_ptr, a
     acc = _gemv(
         x_ptr, nw_ptr, inv, _ptr(ptrs_ptr, layer, 3 * gi, tl.int32), _ptr(ptrs_ptr, layer, 3 * gi + 1, dtype),
         _ptr(ptrs_ptr, layer, 3 * gi + 2, tl.uint8), offs_n, N, k_lo, tl.minimum(k_lo + k_per, K), one_bits, GROUP,
-        BK, NUM_STAGES,
+        BK, NUM_STAGES, UNROLL,
     )  # fmt: skip
     acc = tl.reshape(acc, (TN,))
     mask = offs_n < N
@@ -339,7 +343,7 @@ def _int4_decode_step_kernel(
     cs_ptr, trace_ptr, v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, head_slots, tile_slots,
     GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
     """The module docstring's task loop. PREFETCH: a claimed GEMV task's words are asked of the L2 (fire and
     forget) as soon as it is claimed, one task ahead of running it. TRACE: each task's timestamps into ``trace``
@@ -384,7 +388,7 @@ def _int4_decode_step_kernel(
             _gemv_task(
                 kind, layer, index, ptrs_ptr, h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, proj_ptr,
                 cnt_ptr + tile_slots, eps, one_bits, H, INTER, (HQ + 2 * HKV) * D, HQ * D, GROUP, HP, BK, TN,
-                NUM_STAGES,
+                NUM_STAGES, UNROLL,
             )  # fmt: skip
         tl.debug_barrier()  # every thread's stores before thread 0's release
         tl.atomic_add(cnt_ptr + tl.load(row + 5), 1, sem="release")

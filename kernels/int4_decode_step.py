@@ -37,7 +37,7 @@ from __future__ import annotations
 from kernels._triton import HAS_TRITON, tl, triton
 from kernels.activation import silu_mul
 from kernels.fused_norm import normalize
-from kernels.int4_gemv import _factored_tile
+from kernels.int4_gemv import _split8, nibble
 from kernels.l2_prefetch import _LINE_ASM
 
 QKV, ATTN, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3, 4  # task kinds, in a layer's phase order
@@ -113,28 +113,70 @@ def _inv_rms(h_ptr, H, eps, HP: tl.constexpr):
 
 
 @triton.jit
+def _narrow_loads(x_ptr, nw_ptr, s_ptr, z_ptr, k0, k_hi, offs_n, mask_n, N,
+                  GROUP: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+    """A loop step's operands too narrow a thread for cp.async, so never pipelined by Triton: x and its norm
+    weights ``[UNROLL * BK / 8, 8]``, the scales and zeros of its tiles' groups ``[UNROLL, TN]``; zeros past
+    ``k_hi``."""
+    RS: tl.constexpr = UNROLL * BK // 8
+    xk = k0 + 8 * tl.arange(0, RS)[:, None] + tl.arange(0, 8)[None, :]  # [RS, 8]
+    x = tl.load(x_ptr + xk, mask=xk < k_hi, other=0.0, cache_modifier=".cg")
+    nw = tl.load(nw_ptr + xk, mask=xk < k_hi, other=0.0)
+    ks = k0 + BK * tl.arange(0, UNROLL)  # [UNROLL]: each tile's first k
+    sz = (ks // GROUP)[:, None] * N + offs_n[None, :]
+    live = (ks < k_hi)[:, None] & mask_n[None, :]
+    return x, nw, tl.load(s_ptr + sz, mask=live, other=0.0), tl.load(z_ptr + sz, mask=live, other=0)
+
+
+@triton.jit
+def _step_sum(words, x, s, z, one_bits, UNROLL: tl.constexpr, R: tl.constexpr):
+    """``kernels.int4_gemv._factored_tile``'s sum for each of a step's ``UNROLL`` tiles (words ``[UNROLL * R,
+    TN]``, x fp32 ``[UNROLL * R, 8]``, scales and zeros ``[UNROLL, TN]``), then over the tiles: ``[TN]`` fp32."""
+    RS: tl.constexpr = UNROLL * R
+    TN: tl.constexpr = words.shape[1]
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(x, (1, RS, 8)), 1, RS)
+    x0, x1, x2, x3 = tl.reshape(x0, (RS,)), tl.reshape(x1, (RS,)), tl.reshape(x2, (RS,)), tl.reshape(x3, (RS,))
+    x4, x5, x6, x7 = tl.reshape(x4, (RS,)), tl.reshape(x5, (RS,)), tl.reshape(x6, (RS,)), tl.reshape(x7, (RS,))
+    t = nibble(words, 0, one_bits) * x0[:, None]  # [RS, TN]: sum_j (1 + c_j / 16) x_j
+    t += nibble(words, 1, one_bits) * x1[:, None]
+    t += nibble(words, 2, one_bits) * x2[:, None]
+    t += nibble(words, 3, one_bits) * x3[:, None]
+    t += nibble(words, 4, one_bits) * x4[:, None]
+    t += nibble(words, 5, one_bits) * x5[:, None]
+    t += nibble(words, 6, one_bits) * x6[:, None]
+    t += nibble(words, 7, one_bits) * x7[:, None]
+    xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [RS]
+    tile_t = tl.sum(tl.reshape(t, (UNROLL, R, TN)), axis=1)  # [UNROLL, TN]
+    tile_xs = tl.sum(tl.reshape(xs, (UNROLL, R)), axis=1)  # [UNROLL]
+    s, z = s.to(tl.float32), z.to(tl.float32)
+    return tl.sum((16.0 * s) * tile_t - (s * (16.0 + z)) * tile_xs[:, None], axis=0)
+
+
+@triton.jit
 def _gemv(x_ptr, nw_ptr, inv, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, one_bits,
           GROUP: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
-    """``x[k_lo:k_hi] @ W[k_lo:k_hi]`` at columns ``offs_n [TN]``: ``[1, TN]`` fp32, x normalized as it is loaded
+    """``x[k_lo:k_hi] @ W[k_lo:k_hi]`` at columns ``offs_n [TN]``: ``[TN]`` fp32, x normalized as it is loaded
     (``nw`` ones and ``inv`` 1 leave it as it is); W int4 ``[K // 8, N]`` with scales and zeros ``[K // GROUP, N]``,
-    all contiguous. ``UNROLL`` tiles of ``BK`` a loop step (``k_hi - k_lo`` a multiple of their width)."""
+    all contiguous. A loop step takes ``UNROLL`` tiles of ``BK`` (``k_hi - k_lo`` a multiple of their width).
+
+    Only the words are pipelined (cp.async): on the H200 a step that loaded its own x, scales and zeros waited
+    ~1.8 us for them (an L2 and an HBM round trip), 5-10x the time of its words (docs/benchmarks.md, Session 27).
+    So each step loads the next step's narrow operands into registers and computes on those loaded a step
+    before."""
     R: tl.constexpr = BK // 8
-    offs_i = tl.arange(0, R)
+    STEP: tl.constexpr = BK * UNROLL
+    offs_r = tl.arange(0, R * UNROLL)
     mask_n = offs_n < N
-    acc = tl.zeros((1, offs_n.shape[0]), dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BK * UNROLL, num_stages=NUM_STAGES):
-        # only the words are pipelined (cp.async): x, its norm weights, the scales and zeros are too narrow a
-        # thread for it, so each step waits for their loads once; unrolled, a step's tiles wait for them together
-        for u in tl.static_range(UNROLL):
-            k1 = k0 + u * BK
-            rows = k1 // 8 + offs_i
-            words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-            xk = k1 + 8 * offs_i[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
-            x = normalize(tl.load(x_ptr + xk, cache_modifier=".cg"), tl.load(nw_ptr + xk), inv)
-            acc += _factored_tile(
-                words, x.to(tl.float32)[None, :, :], s_ptr, z_ptr, k1 // GROUP, N, N, offs_n, N, one_bits, 1, R,
-                False, False,
-            )  # fmt: skip
+    acc = tl.zeros((offs_n.shape[0],), dtype=tl.float32)
+    x_n, nw_n, s_n, z_n = _narrow_loads(x_ptr, nw_ptr, s_ptr, z_ptr, k_lo, k_hi, offs_n, mask_n, N, GROUP, BK, UNROLL)
+    for k0 in tl.range(k_lo, k_hi, STEP, num_stages=NUM_STAGES):
+        x, nw, s, z = x_n, nw_n, s_n, z_n
+        x_n, nw_n, s_n, z_n = _narrow_loads(
+            x_ptr, nw_ptr, s_ptr, z_ptr, k0 + STEP, k_hi, offs_n, mask_n, N, GROUP, BK, UNROLL
+        )  # fmt: skip
+        rows = k0 // 8 + offs_r
+        words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+        acc += _step_sum(words, normalize(x, nw, inv).to(tl.float32), s, z, one_bits, UNROLL, R)
     return acc
 
 

@@ -54,6 +54,7 @@ class StepTiles:
     splits: tuple[int, int, int, int] = (2, 4, 1, 4)
     prefetch: bool = False  # the next task's words asked of the L2 when claimed (sm_90 only: not the interpreter)
     fine_deps: bool = False  # wait only for the tasks that write what a task reads (the module docstring)
+    sleep_ns: int = 0  # a waiting program's nanosleep between polls (compiled only)
     unroll: int = 1  # bk-tiles a GEMV loop step: its narrow loads (x, scales, zeros; not pipelined) waited for once
 
 

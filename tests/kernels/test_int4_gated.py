@@ -50,6 +50,15 @@ GEMV_CASES = [
 ]
 
 
+def same_sums(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two launches of the same sums: equal bit for bit on CPU (one program after another); on a GPU split-K's
+    fp32 atomics add the parts in whichever order they arrive, so the last bits may differ (8 of these tests on
+    an H200 at aa2fea6, and Session 13's 8B down shape)."""
+    if a.device.type == "cpu":
+        return torch.equal(a, b)
+    return rel_err(a, b) < (1e-6 if a.dtype == torch.float32 else 2e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("m", "k", "group_size", "act_order", "config", "strided"), GEMV_CASES)
 def test_gated_gemv_is_the_gemv_of_the_activation(
@@ -70,7 +79,7 @@ def test_gated_gemv_is_the_gemv_of_the_activation(
     assert out.dtype == dtype and out.shape == (m, N)
     seed = f"seed {gen.initial_seed()}"
     act = silu_and_mul(x2.contiguous())  # the same silu_mul as the GEMV's loads
-    assert torch.equal(out, int4_gemm(act, *weights, g, config=config)), seed
+    assert same_sums(out, int4_gemm(act, *weights, g, config=config)), seed
     if dtype == torch.float16:  # rounded as the reference: the silu, then the product (not the fp32 product)
         assert int((act != silu_and_mul_ref(x2)).sum()) <= 2, seed
     if dtype != torch.bfloat16:
@@ -98,7 +107,7 @@ def test_other_kernels_run_the_activation_first(
     x2 = _x2(m, K, torch.float32, gen, strided)
     out = int4_gemm_gated(x2, *weights, config=config)
     act = silu_and_mul(x2.contiguous()) if DEVICE.type == "cuda" else silu_and_mul_ref(x2)
-    assert torch.equal(out, int4_gemm(act, *weights, config=config))
+    assert same_sums(out, int4_gemm(act, *weights, config=config))
     assert rel_err(out, int4_gemm_gated_ref(x2, *weights)) < tolerance(torch.float32)
 
 

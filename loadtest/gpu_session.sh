@@ -85,11 +85,11 @@
 #                     programs among them), the sweep's wgmma rows at WA_M (default 64 128 256 512), then the int4
 #                     model at batches WA_BATCHES (default 128 256 512) and `mixed`, the defaults beside variants
 #                     wg512 and wg512async (the wgmma GEMM to 512 rows instead of dequantization + cuBLAS) and bf16
-#   stage ds (~6 min): the one-launch int4 decode step (kernels.int4_decode_step, Session 26, never run on a GPU): its
+#   stage ds (~4 min): the one-launch int4 decode step (kernels.int4_decode_step; correct, 12x its floor, Session 27): its
 #                     GPU tests, then loadtest.decode_step_bench on the engine's 8B int4 model (its reference check,
 #                     then its time for 32 layers against their floor, the LM head, the engine's batch-1 TPOT) at the
-#                     tiles of each JSON word of DS_TILES (default: six, with and without the fine waits, the L2
-#                     prefetch, 8 stages: 32 KB in flight a program, 251 registers, no spills), each with a traced
+#                     tiles of each JSON word of DS_TILES (default: five; Session 27 measured the prefetch, stages,
+#                     unrolling and widths; now a nanosleep between polls, 32 partitions), each with a traced
 #                     launch's summary (loadtest.decode_step_trace: where its programs' time went)
 #   stage dm (~4 min): the int4 model's batch-1 TPOT with the one-launch step in the engine (int4_model variants
 #                     step and stepfine, the fine waits) beside the default and bf16, one process
@@ -171,8 +171,8 @@ elif [ "$stage" = ds ]; then
   # shellcheck disable=SC2086  # DS_TILES is a list of JSON words
   # a persistent kernel that deadlocks would hold the call to its limit: the bench gets 5.5 minutes
   timeout -k 10 330 python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
-    --tiles ${DS_TILES:-'{}' '{"fine_deps":true}' '{"prefetch":true}' '{"prefetch":true,"fine_deps":true}' \
-    '{"num_stages":8,"fine_deps":true}' '{"tn":32,"splits":[1,2,1,4]}'} 2>&1 \
+    --tiles ${DS_TILES:-'{}' '{"sleep_ns":200}' '{"sleep_ns":1000}' '{"sleep_ns":1000,"fine_deps":true}' \
+    '{"fine_deps":true,"parts":32}'} 2>&1 \
     | grep -v '^{"shape"' | tail -100 \
     || echo "decode_step_bench FAILED or timed out"
 elif [ "$stage" = dm ]; then

@@ -43,7 +43,8 @@ from kernels.l2_prefetch import _LINE_ASM
 QKV, ATTN, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3, 4  # task kinds, in a layer's phase order
 PHASES = 5
 TASK_FIELDS = 6  # kind, layer, index, wait slot, wait target, done slot
-# a layer's row of the pointer table: qweight, scales, zeros of qkv, o, gate_up, down; the two norm weights; the cache
+# a layer's row of the pointer table: qweight, scales, zeros of qkv, o, gate_up, down (offsets in elements from the
+# kernel's three bases); the two norm weights and the cache (addresses)
 IN_NORM, POST_NORM, KV_CACHE = 12, 13, 14
 PTR_FIELDS = 15
 # TRACE's row a task: globaltimer ns at the top of its iteration, after the claim (and prefetch), after its wait,
@@ -109,6 +110,15 @@ def _proj(kind):
 @triton.jit
 def _ptr(ptrs_ptr, layer, field, dtype: tl.constexpr):
     return tl.load(ptrs_ptr + layer * _PTR_FIELDS + field).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def _wptr(ptrs_ptr, layer, field, base):
+    """A layer's weight array: ``base`` (a kernel argument, so 16-byte aligned as Triton specializes it) plus the
+    table's offset in elements, a multiple of 16 bytes (``Int4DecodeStep`` checks it). Triton then knows the
+    rows' alignment and copies the words 16 bytes a thread, which it cannot for a pointer read from memory."""
+    off = tl.load(ptrs_ptr + layer * _PTR_FIELDS + field)
+    return base + tl.multiple_of(off, 128 // base.dtype.element_ty.primitive_bitwidth)
 
 
 @triton.jit
@@ -295,7 +305,8 @@ def _columns(kind, tile, j, H, INTER, NQKV, HQD, TN: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_words(kind, layer, index, split, ptrs_ptr, H, INTER, NQKV, HQD, BK: tl.constexpr, TN: tl.constexpr):
+def _prefetch_words(kind, layer, index, split, ptrs_ptr, qw_base, H, INTER, NQKV, HQD, BK: tl.constexpr,
+                    TN: tl.constexpr):  # fmt: skip
     """Asks the L2 for a GEMV task's packed words, one ``prefetch.global.L2`` per 128-byte line (32 words of a row;
     fire and forget), so they stream in while this program is busy or waiting."""
     LINES: tl.constexpr = TN // 32 if TN >= 32 else 1
@@ -304,7 +315,7 @@ def _prefetch_words(kind, layer, index, split, ptrs_ptr, H, INTER, NQKV, HQD, BK
     k_per = tl.cdiv(tl.cdiv(K, BK), split) * BK
     r_lo = (index % split) * k_per // 8
     r_hi = tl.minimum((index % split) * k_per + k_per, K) // 8
-    qw_ptr = _ptr(ptrs_ptr, layer, 3 * _proj(kind), tl.int32)
+    qw_ptr = _wptr(ptrs_ptr, layer, 3 * _proj(kind), qw_base)
     for r0 in range(r_lo, r_hi, 32):
         rows = r0 + tl.arange(0, 32)
         live = (rows < r_hi)[:, None] & (offs < N)[None, :]
@@ -315,7 +326,7 @@ def _prefetch_words(kind, layer, index, split, ptrs_ptr, H, INTER, NQKV, HQD, BK
 
 
 @triton.jit
-def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, proj_ptr,
+def _gemv_task(kind, layer, index, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, proj_ptr,
                tile_cnt, eps, one_bits, H, INTER, NQKV, HQD, GROUP: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr,
                TN: tl.constexpr, NUM_STAGES: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
     """One GEMV task of ``kind`` (QKV, O_PROJ, GATE_UP or DOWN): column tile ``index // split``, the ``index %
@@ -345,8 +356,8 @@ def _gemv_task(kind, layer, index, ptrs_ptr, h_ptr, h2_ptr, qkv_ptr, attn_ptr, a
     k_per = tl.cdiv(tl.cdiv(K, BK), split) * BK
     k_lo = (index % split) * k_per
     acc = _gemv(
-        x_ptr, nw_ptr, inv, _ptr(ptrs_ptr, layer, 3 * gi, tl.int32), _ptr(ptrs_ptr, layer, 3 * gi + 1, dtype),
-        _ptr(ptrs_ptr, layer, 3 * gi + 2, tl.uint8), offs_n, N, k_lo, tl.minimum(k_lo + k_per, K), one_bits, GROUP,
+        x_ptr, nw_ptr, inv, _wptr(ptrs_ptr, layer, 3 * gi, qw_base), _wptr(ptrs_ptr, layer, 3 * gi + 1, s_base),
+        _wptr(ptrs_ptr, layer, 3 * gi + 2, z_base), offs_n, N, k_lo, tl.minimum(k_lo + k_per, K), one_bits, GROUP,
         BK, NUM_STAGES, UNROLL,
     )  # fmt: skip
     acc = tl.reshape(acc, (TN,))
@@ -387,7 +398,7 @@ def _gemv_out(kind, y, offs_n, tile, h_ptr, h2_ptr, qkv_ptr, act_ptr, N, INTER, 
 
 @triton.jit
 def _int4_decode_step_kernel(
-    tasks_ptr, num_tasks, cnt_ptr, num_counters, ptrs_ptr,
+    tasks_ptr, num_tasks, cnt_ptr, num_counters, ptrs_ptr, qw_base, s_base, z_base,
     h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, ws_o, ws_m, ws_l, gws_ptr, proj_ptr, bt_ptr, seq_len_ptr,
     cs_ptr, trace_ptr, v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, head_slots, tile_slots,
     GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr,
@@ -419,7 +430,7 @@ def _int4_decode_step_kernel(
                 if kind_next != _ATTN:
                     _prefetch_words(
                         kind_next, tl.load(row_next + 1), tl.load(row_next + 2),
-                        tl.load(proj_ptr + 3 * _proj(kind_next)), ptrs_ptr, H,
+                        tl.load(proj_ptr + 3 * _proj(kind_next)), ptrs_ptr, qw_base, H,
                         INTER, (HQ + 2 * HKV) * D, HQ * D, BK, TN,
                     )  # fmt: skip
         claimed = _stamp(TRACE)
@@ -436,7 +447,7 @@ def _int4_decode_step_kernel(
             )  # fmt: skip
         else:
             _gemv_task(
-                kind, layer, index, ptrs_ptr, h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, proj_ptr,
+                kind, layer, index, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, proj_ptr,
                 cnt_ptr + tile_slots, eps, one_bits, H, INTER, (HQ + 2 * HKV) * D, HQ * D, GROUP, HP, BK, TN,
                 NUM_STAGES, UNROLL,
             )  # fmt: skip

@@ -71,7 +71,10 @@ class Int4DecodeStep:
         self.tasks = torch.tensor(self.plan.rows, dtype=torch.int32, device=self.device)
         self.num_counters = self.plan.num_counters
         self.counters = torch.zeros(self.num_counters, dtype=torch.int32, device=self.device)
-        self.ptrs = torch.tensor([_pointers(layer) for layer in layers], dtype=torch.int64, device=self.device)
+        q0 = first.qkv
+        self.bases = (q0.qweight, q0.scales, q0.zeros)  # the weights' offsets in the table are from these
+        self.ptrs = torch.tensor([_pointers(layer, self.bases) for layer in layers], dtype=torch.int64,
+                                 device=self.device)  # fmt: skip
         new = lambda *size, dtype=self.dtype: torch.empty(size, dtype=dtype, device=self.device)  # noqa: E731
         self.qkv, self.attn, self.act = new(self.nqkv), new(hqd), new(self.inter)
         self.proj = torch.tensor(self.plan.proj, dtype=torch.int32, device=self.device)
@@ -99,7 +102,8 @@ class Int4DecodeStep:
         if trace is not None and (self.grid == 1 or trace.shape != (len(self.plan.rows), TRACE_FIELDS)):
             raise ValueError(f"trace: [{len(self.plan.rows)}, {TRACE_FIELDS}] int64 on a GPU, not the interpreter")
         _int4_decode_step_kernel[(self.grid,)](
-            self.tasks, self.tasks.shape[0], self.counters, self.num_counters, self.ptrs, hidden, self.stream,
+            self.tasks, self.tasks.shape[0], self.counters, self.num_counters, self.ptrs, *self.bases, hidden,
+            self.stream,
             self.qkv, self.attn, self.act, self.ones, self.ws_o, self.ws_m, self.ws_l, self.gws, self.proj,
             block_table, seq_len, cos_sin_cache, self.counters if trace is None else trace, first.kv_cache[0].numel(), shape.scale, shape.eps, 0x3F800000,
             self.hidden, self.inter, shape.heads, shape.kv_heads, self.p_max, self.plan.head_slots,
@@ -111,10 +115,16 @@ class Int4DecodeStep:
         )  # fmt: skip
 
 
-def _pointers(layer: StepLayer) -> list[int]:
+def _pointers(layer: StepLayer, bases: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[int]:
+    """A layer's row of the table: its weights as offsets in elements from ``bases`` (qweight, scales, zeros),
+    each a multiple of 16 bytes; its norm weights and cache as addresses."""
     row = [0] * PTR_FIELDS
     for i, proj in enumerate((layer.qkv, layer.o, layer.gate_up, layer.down)):
-        row[3 * i : 3 * i + 3] = [proj.qweight.data_ptr(), proj.scales.data_ptr(), proj.zeros.data_ptr()]
+        for j, (t, base) in enumerate(zip((proj.qweight, proj.scales, proj.zeros), bases, strict=True)):
+            gap = t.data_ptr() - base.data_ptr()
+            if gap % 16:
+                raise ValueError("every int4 weight, scale and zero array must start 16-byte aligned")
+            row[3 * i + j] = gap // t.element_size()
     row[IN_NORM], row[POST_NORM], row[KV_CACHE] = (
         layer.in_norm.data_ptr(), layer.post_norm.data_ptr(), layer.kv_cache.data_ptr(),
     )  # fmt: skip

@@ -150,13 +150,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.int4_decode_step import _int4_decode_step_kernel as kernel
 c = json.loads(sys.argv[1])
-types = {"tasks_ptr": "*i32", "cnt_ptr": "*i32", "ptrs_ptr": "*i64", "ws_o": "*fp32", "ws_m": "*fp32",
+types = {"tasks_ptr": "*i32", "cnt_ptr": "*i32", "ptrs_ptr": "*i64", "qw_base": "*i32", "s_base": "*bf16",
+         "z_base": "*u8", "ws_o": "*fp32", "ws_m": "*fp32",
          "ws_l": "*fp32", "gws_ptr": "*fp32", "proj_ptr": "*i32", "bt_ptr": "*i32", "seq_len_ptr": "*i32", "cs_ptr": "*fp32", "trace_ptr": "*i64", "scale": "fp32", "eps": "fp32",
          "v_off": "i64"}
 names = kernel.arg_names
 signature = {a: "constexpr" if a in c else types.get(a, "*bf16" if a.endswith("_ptr") else "i32") for a in names}
 aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
-           if a.endswith("_ptr") or a in ("ws_o", "ws_m", "ws_l", "H", "INTER", "v_off")}
+           if a.endswith(("_ptr", "_base")) or a in ("ws_o", "ws_m", "ws_l", "H", "INTER", "v_off")}
 compiled = triton.compile(ASTSource(kernel, signature, c, aligned), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4})
 """
@@ -165,14 +166,15 @@ compiled = triton.compile(ASTSource(kernel, signature, c, aligned), target=GPUTa
 print("LDGSTS" * sass.count("LDGSTS"))
 print("PML2" * sass.count("CCTL.E.PML2"))
 print("GLOBALTIMER" * compiled.asm["ptx"].count("%globaltimer"))
+print("COPY16" * sum("cp.async" in line and "0x10" in line for line in compiled.asm["ptx"].splitlines()))
 """
 )
 
 
 @pytest.mark.parametrize(("prefetch", "trace"), [(False, False), (True, False), (False, True)])
 def test_compiles_for_sm90(prefetch: bool, trace: bool) -> None:
-    """The 8B shape's constexprs at the default tiles: no spills, and the GEMV loop's loads pipelined through
-    cp.async (the spin-waits, atomics and pointer table compile as the interpreter ran them); with PREFETCH and
+    """The 8B shape's constexprs at the default tiles: no spills, and the GEMV loop's words pipelined through
+    16-byte cp.async (the spin-waits, atomics and pointer table compile as the interpreter ran them); with PREFETCH and
     TRACE (inline PTX, which the interpreter cannot run) the L2 prefetches and the clock reads are in the code."""
     tiles = StepTiles()
     constexprs = {"GROUP": 128, "HP": 4096, "D": 128, "QG": 4, "BS": 16, "BT": tiles.bt, "PP": tiles.parts,
@@ -183,6 +185,9 @@ def test_compiles_for_sm90(prefetch: bool, trace: bool) -> None:
     assert "LDGSTS" in report, report
     assert ("PML2" in report) == prefetch, report  # prefetch.global.L2::evict_last: CCTL.E.PML2 in the SASS
     assert report.count("GLOBALTIMER") == 4 * trace, report  # four clock reads a task
+    # the words' copies 16 bytes a thread: the weights addressed from kernel arguments, not loaded pointers (on
+    # the H200 at 4c712e6 they were 4 bytes wide)
+    assert "COPY16" in report, report
 
 
 def test_bench_checks_an_engine_model_on_cpu(tmp_path: Path) -> None:

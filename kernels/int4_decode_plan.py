@@ -55,19 +55,15 @@ class StepTiles:
     prefetch: bool = False  # the next task's words asked of the L2 when claimed (sm_90 only: not the interpreter)
     fine_deps: bool = False  # wait only for the tasks that write what a task reads (the module docstring)
     sleep_ns: int = 0  # a waiting program's nanosleep between polls (compiled only)
-    unroll: int = 1  # bk-tiles a GEMV loop step: its narrow loads (x, scales, zeros; not pipelined) waited for once
 
 
 def fit_tiles(shape: StepShape, hidden: int, inter: int, tiles: StepTiles = StepTiles()) -> StepTiles:
     """``tiles`` for a model they may not fit: ``bk`` at most the group's largest power-of-two divisor, each split
-    at most its projection's K / bk, ``unroll`` halved until it divides every projection's K / bk / split."""
+    at most its projection's K / bk."""
     bk = min(tiles.bk, shape.group_size & -shape.group_size)
     ks = proj_ks(hidden, inter, shape.heads * shape.head_dim)
     splits = tuple(max(1, min(s, k // bk)) for s, k in zip(tiles.splits, ks, strict=True))
-    unroll = tiles.unroll
-    while unroll > 1 and any((k // bk) % (s * unroll) for s, k in zip(splits, ks, strict=True)):
-        unroll //= 2  # one bk-tile a step takes any K range
-    return replace(tiles, bk=bk, splits=splits, unroll=unroll)  # type: ignore[arg-type]
+    return replace(tiles, bk=bk, splits=splits)  # type: ignore[arg-type]
 
 
 def proj_ks(hidden: int, inter: int, hqd: int) -> tuple[int, int, int, int]:

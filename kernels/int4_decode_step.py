@@ -23,8 +23,8 @@ sums meet in fp32 atomics and the column tile's last task writes it.
 The table lists the tasks phase by phase, and programs claim them in that order from a shared counter. A task
 waits only for tasks before it in the table, so the lowest unfinished task is always a running program's current
 one, and no program waits forever, whatever the grid and however many programs are resident. Outputs reach their
-readers through the L2: the producer's barrier and release add, the consumer's acquire, and ``.cg`` loads. The last program to finish zeroes the counters for the next
-launch (CUDA graph replays). Under the interpreter (one program) the tasks run in table order.
+readers through the L2: the producer's barrier and release add, the consumer's acquire, and ``.cg`` loads. The
+last program to finish zeroes the counters for the next launch (CUDA graph replays). Under the interpreter (one program) the tasks run in table order.
 
 The arithmetic is the engine's, rounding where it rounds: ``kernels.fused_norm.normalize``, the GEMV's factored
 int4 tile (``kernels.int4_gemv``), ``kernels.activation.silu_mul``, the residual adds in x's dtype. Not yet
@@ -131,31 +131,26 @@ def _inv_rms(h_ptr, H, eps, HP: tl.constexpr):
 
 
 @triton.jit
-def _narrow_loads(x_ptr, nw_ptr, s_ptr, z_ptr, k0, k_hi, offs_n, mask_n, N,
-                  GROUP: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
-    """A loop step's operands too narrow a thread for cp.async, so never pipelined by Triton: x and its norm
-    weights ``[UNROLL * BK / 8, 8]``, the scales and zeros of its tiles' groups ``[UNROLL, TN]``; zeros past
-    ``k_hi``."""
-    RS: tl.constexpr = UNROLL * BK // 8
-    xk = k0 + 8 * tl.arange(0, RS)[:, None] + tl.arange(0, 8)[None, :]  # [RS, 8]
+def _narrow_loads(x_ptr, nw_ptr, s_ptr, z_ptr, k0, k_hi, offs_n, mask_n, N, GROUP: tl.constexpr, BK: tl.constexpr):
+    """A bk-tile's operands too narrow a thread for cp.async, so never pipelined by Triton: x and its norm weights
+    ``[BK / 8, 8]``, the scales and zeros of its group ``[TN]``; zeros past ``k_hi``."""
+    xk = k0 + 8 * tl.arange(0, BK // 8)[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
     x = tl.load(x_ptr + xk, mask=xk < k_hi, other=0.0, cache_modifier=".cg")
     nw = tl.load(nw_ptr + xk, mask=xk < k_hi, other=0.0)
-    ks = k0 + BK * tl.arange(0, UNROLL)  # [UNROLL]: each tile's first k
-    sz = (ks // GROUP)[:, None] * N + offs_n[None, :]
-    live = (ks < k_hi)[:, None] & mask_n[None, :]
+    sz = (k0 // GROUP) * N + offs_n
+    live = (k0 < k_hi) & mask_n
     return x, nw, tl.load(s_ptr + sz, mask=live, other=0.0), tl.load(z_ptr + sz, mask=live, other=0)
 
 
 @triton.jit
-def _step_sum(words, x, s, z, one_bits, UNROLL: tl.constexpr, R: tl.constexpr):
-    """``kernels.int4_gemv._factored_tile``'s sum for each of a step's ``UNROLL`` tiles (words ``[UNROLL * R,
-    TN]``, x fp32 ``[UNROLL * R, 8]``, scales and zeros ``[UNROLL, TN]``), then over the tiles: ``[TN]`` fp32."""
-    RS: tl.constexpr = UNROLL * R
-    TN: tl.constexpr = words.shape[1]
-    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(x, (1, RS, 8)), 1, RS)
-    x0, x1, x2, x3 = tl.reshape(x0, (RS,)), tl.reshape(x1, (RS,)), tl.reshape(x2, (RS,)), tl.reshape(x3, (RS,))
-    x4, x5, x6, x7 = tl.reshape(x4, (RS,)), tl.reshape(x5, (RS,)), tl.reshape(x6, (RS,)), tl.reshape(x7, (RS,))
-    t = nibble(words, 0, one_bits) * x0[:, None]  # [RS, TN]: sum_j (1 + c_j / 16) x_j
+def _tile_sum(words, x, s, z, one_bits):
+    """``kernels.int4_gemv._factored_tile``'s sum with its scales and zeros given: ``s (sum_k c_k x_k - z sum_k
+    x_k)`` ``[TN]`` fp32 of words ``[R, TN]``, x fp32 ``[R, 8]``, scales and zeros ``[TN]``."""
+    R: tl.constexpr = words.shape[0]
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(x, (1, R, 8)), 1, R)
+    x0, x1, x2, x3 = tl.reshape(x0, (R,)), tl.reshape(x1, (R,)), tl.reshape(x2, (R,)), tl.reshape(x3, (R,))
+    x4, x5, x6, x7 = tl.reshape(x4, (R,)), tl.reshape(x5, (R,)), tl.reshape(x6, (R,)), tl.reshape(x7, (R,))
+    t = nibble(words, 0, one_bits) * x0[:, None]  # [R, TN]: sum_j (1 + c_j / 16) x_j
     t += nibble(words, 1, one_bits) * x1[:, None]
     t += nibble(words, 2, one_bits) * x2[:, None]
     t += nibble(words, 3, one_bits) * x3[:, None]
@@ -163,38 +158,31 @@ def _step_sum(words, x, s, z, one_bits, UNROLL: tl.constexpr, R: tl.constexpr):
     t += nibble(words, 5, one_bits) * x5[:, None]
     t += nibble(words, 6, one_bits) * x6[:, None]
     t += nibble(words, 7, one_bits) * x7[:, None]
-    xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [RS]
-    tile_t = tl.sum(tl.reshape(t, (UNROLL, R, TN)), axis=1)  # [UNROLL, TN]
-    tile_xs = tl.sum(tl.reshape(xs, (UNROLL, R)), axis=1)  # [UNROLL]
+    xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [R]
     s, z = s.to(tl.float32), z.to(tl.float32)
-    return tl.sum((16.0 * s) * tile_t - (s * (16.0 + z)) * tile_xs[:, None], axis=0)
+    return (16.0 * s) * tl.sum(t, axis=0) - (s * (16.0 + z)) * tl.sum(xs, axis=0)
 
 
 @triton.jit
 def _gemv(x_ptr, nw_ptr, inv, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, one_bits,
-          GROUP: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+          GROUP: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
     """``x[k_lo:k_hi] @ W[k_lo:k_hi]`` at columns ``offs_n [TN]``: ``[TN]`` fp32, x normalized as it is loaded
     (``nw`` ones and ``inv`` 1 leave it as it is); W int4 ``[K // 8, N]`` with scales and zeros ``[K // GROUP, N]``,
-    all contiguous. A loop step takes ``UNROLL`` tiles of ``BK`` (``k_hi - k_lo`` a multiple of their width).
+    all contiguous.
 
-    Only the words are pipelined (cp.async): on the H200 a step that loaded its own x, scales and zeros waited
-    ~1.8 us for them (an L2 and an HBM round trip), 5-10x the time of its words (docs/benchmarks.md, Session 27).
-    So each step loads the next step's narrow operands into registers and computes on those loaded a step
-    before."""
-    R: tl.constexpr = BK // 8
-    STEP: tl.constexpr = BK * UNROLL
-    offs_r = tl.arange(0, R * UNROLL)
+    Only the words are pipelined (cp.async): each tile loads the next tile's narrow operands into registers and
+    computes on those loaded a tile before (on the H200 ~9 % faster than loading its own, docs/benchmarks.md,
+    Session 27; two or four tiles a step were no faster)."""
+    offs_r = tl.arange(0, BK // 8)
     mask_n = offs_n < N
     acc = tl.zeros((offs_n.shape[0],), dtype=tl.float32)
-    x_n, nw_n, s_n, z_n = _narrow_loads(x_ptr, nw_ptr, s_ptr, z_ptr, k_lo, k_hi, offs_n, mask_n, N, GROUP, BK, UNROLL)
-    for k0 in tl.range(k_lo, k_hi, STEP, num_stages=NUM_STAGES):
+    x_n, nw_n, s_n, z_n = _narrow_loads(x_ptr, nw_ptr, s_ptr, z_ptr, k_lo, k_hi, offs_n, mask_n, N, GROUP, BK)
+    for k0 in tl.range(k_lo, k_hi, BK, num_stages=NUM_STAGES):
         x, nw, s, z = x_n, nw_n, s_n, z_n
-        x_n, nw_n, s_n, z_n = _narrow_loads(
-            x_ptr, nw_ptr, s_ptr, z_ptr, k0 + STEP, k_hi, offs_n, mask_n, N, GROUP, BK, UNROLL
-        )  # fmt: skip
+        x_n, nw_n, s_n, z_n = _narrow_loads(x_ptr, nw_ptr, s_ptr, z_ptr, k0 + BK, k_hi, offs_n, mask_n, N, GROUP, BK)
         rows = k0 // 8 + offs_r
         words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-        acc += _step_sum(words, normalize(x, nw, inv).to(tl.float32), s, z, one_bits, UNROLL, R)
+        acc += _tile_sum(words, normalize(x, nw, inv).to(tl.float32), s, z, one_bits)
     return acc
 
 
@@ -238,7 +226,7 @@ def _prefetch_words(kind, layer, index, split, ptrs_ptr, qw_base, H, INTER, NQKV
 @triton.jit
 def _gemv_task(kind, layer, index, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, proj_ptr,
                tile_cnt, eps, one_bits, H, INTER, NQKV, HQD, GROUP: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr,
-               TN: tl.constexpr, NUM_STAGES: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+               TN: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
     """One GEMV task of ``kind`` (QKV, O_PROJ, GATE_UP or DOWN): column tile ``index // split``, the ``index %
     split``-th of its K ranges. Split K ranges add their sums into the projection's own part of ``gws`` (fp32
     atomics); the tile's last one to arrive (its counter in the projection's run of ``tile_cnt``) takes the total,
@@ -268,7 +256,7 @@ def _gemv_task(kind, layer, index, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_
     acc = _gemv(
         x_ptr, nw_ptr, inv, _wptr(ptrs_ptr, layer, 3 * gi, qw_base), _wptr(ptrs_ptr, layer, 3 * gi + 1, s_base),
         _wptr(ptrs_ptr, layer, 3 * gi + 2, z_base), offs_n, N, k_lo, tl.minimum(k_lo + k_per, K), one_bits, GROUP,
-        BK, NUM_STAGES, UNROLL,
+        BK, NUM_STAGES,
     )  # fmt: skip
     acc = tl.reshape(acc, (TN,))
     mask = offs_n < N
@@ -313,7 +301,7 @@ def _int4_decode_step_kernel(
     cs_ptr, trace_ptr, v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, head_slots, tile_slots,
     GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, UNROLL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr,
     SLEEP_NS: tl.constexpr,
 ):  # fmt: skip
     """The module docstring's task loop. PREFETCH: a claimed GEMV task's words are asked of the L2 (fire and
@@ -359,7 +347,7 @@ def _int4_decode_step_kernel(
             _gemv_task(
                 kind, layer, index, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, proj_ptr,
                 cnt_ptr + tile_slots, eps, one_bits, H, INTER, (HQ + 2 * HKV) * D, HQ * D, GROUP, HP, BK, TN,
-                NUM_STAGES, UNROLL,
+                NUM_STAGES,
             )  # fmt: skip
         tl.debug_barrier()  # every thread's stores before thread 0's release
         tl.atomic_add(cnt_ptr + tl.load(row + 5), 1, sem="release")

@@ -110,7 +110,7 @@ class Int4DecodeStep:
             self.plan.tile_slots,
             GROUP=shape.group_size, HP=next_pow2(self.hidden), D=shape.head_dim, QG=shape.heads // shape.kv_heads,
             BS=self.block_size, BT=tiles.bt, PP=next_pow2(self.p_max), BK=tiles.bk, TN=tiles.tn,
-            NUM_STAGES=tiles.num_stages, PREFETCH=tiles.prefetch, TRACE=trace is not None, UNROLL=tiles.unroll,
+            NUM_STAGES=tiles.num_stages, PREFETCH=tiles.prefetch, TRACE=trace is not None,
             SLEEP_NS=0 if self.grid == 1 else tiles.sleep_ns,
         )  # fmt: skip
 
@@ -150,8 +150,6 @@ def _check(layers: list[StepLayer], shape: StepShape, tiles: StepTiles, hidden: 
     ks = proj_ks(hidden, inter, hqd)
     if len(tiles.splits) != 4 or any(not 1 <= s <= k // tiles.bk for s, k in zip(tiles.splits, ks, strict=False)):
         raise ValueError(f"splits {tiles.splits}: four, each from 1 to its projection's K / bk")
-    if tiles.unroll > 1 and any((k // tiles.bk) % (s * tiles.unroll) for s, k in zip(tiles.splits, ks, strict=True)):
-        raise ValueError(f"unroll {tiles.unroll}: every projection's K / bk a multiple of its split times unroll")
     reason = shape_reason(shape)
     if reason is not None:
         raise ValueError(reason)

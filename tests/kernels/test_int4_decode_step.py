@@ -90,21 +90,20 @@ def test_equals_the_layer_by_layer_reference(
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "hidden", "inter", "tiles"),
-    [(4, 4, 64, 96, TINY), (8, 1, 96, 64, TINY), (4, 2, 64, 128, replace(TINY, splits=(1, 1, 1, 2), unroll=2))],
-    ids=["mha", "mqa-hidden96", "unroll2"],
+    [(4, 4, 64, 96, TINY), (8, 1, 96, 64, TINY), (4, 2, 64, 128, replace(TINY, splits=(1, 1, 1, 2)))],
+    ids=["mha", "mqa-hidden96", "inter128"],
 )
 def test_other_head_layouts(
     heads: int, kv_heads: int, hidden: int, inter: int, tiles: StepTiles, gen: torch.Generator
 ) -> None:
-    """One query head a KV head, and eight on one (a hidden size past its power of two); two bk-tiles a GEMV loop
-    step: three layers, fp32."""
+    """One query head a KV head, and eight on one (a hidden size past its power of two); down_proj's K split in two
+    even halves: three layers, fp32."""
     shape = StepShape(heads=heads, kv_heads=kv_heads, head_dim=16, group_size=32, eps=1e-5, scale=0.25)
     layers = make_layers(3, hidden, shape, inter, 8, 16, torch.float32, gen)
     ref_layers = [StepLayer(**{**vars(lr), "kv_cache": lr.kv_cache.clone()}) for lr in layers]
     block_table = torch.randperm(8, generator=gen)[:6].to(torch.int32).to(DEVICE)
     cs = rope_cache(128, 16)
     tiles = fit_tiles(shape, hidden, inter, tiles)
-    assert tiles.unroll == (2 if hidden == 64 and inter == 128 else 1)
     step = Int4DecodeStep(layers, shape, tiles)
     hidden_in = torch.randn(hidden, generator=gen).to(DEVICE)
     want = int4_decode_step_ref(ref_layers, shape, hidden_in.clone(), 77, block_table, cs)
@@ -179,7 +178,7 @@ def test_compiles_for_sm90(prefetch: bool, trace: bool) -> None:
     tiles = StepTiles()
     constexprs = {"GROUP": 128, "HP": 4096, "D": 128, "QG": 4, "BS": 16, "BT": tiles.bt, "PP": tiles.parts,
                   "BK": tiles.bk, "TN": tiles.tn, "NUM_STAGES": tiles.num_stages, "PREFETCH": prefetch,
-                  "TRACE": trace, "UNROLL": tiles.unroll, "SLEEP_NS": 256 * trace}  # fmt: skip
+                  "TRACE": trace, "SLEEP_NS": 256 * trace}  # fmt: skip
     report = run_without_interpreter(_COMPILE_SM90, json.dumps(constexprs))
     assert "0 bytes spill stores" in report, report
     assert "LDGSTS" in report, report

@@ -42,7 +42,6 @@ from kernels.int4_gemv import _split8, nibble
 from kernels.l2_prefetch import _LINE_ASM
 
 QKV, ATTN, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3, 4  # task kinds, in a layer's phase order
-PHASES = 5
 TASK_FIELDS = 6  # kind, layer, index, wait slot, wait target, done slot
 # a layer's row of the pointer table: qweight, scales, zeros of qkv, o, gate_up, down (offsets in elements from the
 # kernel's three bases); the two norm weights and the cache (addresses)

@@ -143,8 +143,10 @@ def _narrow_loads(x_ptr, nw_ptr, s_ptr, z_ptr, k0, k_hi, offs_n, mask_n, N, GROU
 
 @triton.jit
 def _tile_sum(words, x, s, z, one_bits):
-    """``kernels.int4_gemv._factored_tile``'s sum with its scales and zeros given: ``s (sum_k c_k x_k - z sum_k
-    x_k)`` ``[TN]`` fp32 of words ``[R, TN]``, x fp32 ``[R, 8]``, scales and zeros ``[TN]``."""
+    """``kernels.int4_gemv._factored_tile``'s terms with its scales and zeros given: ``s (sum_j c_j x_j - z sum_j
+    x_j)`` per word row ``[R, TN]`` fp32 of words ``[R, TN]``, x fp32 ``[R, 8]``, scales and zeros ``[TN]``; summed
+    over the rows once a task (:func:`_gemv`), not per tile: the rows span warps, and each sum across them costs
+    barriers."""
     R: tl.constexpr = words.shape[0]
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(x, (1, R, 8)), 1, R)
     x0, x1, x2, x3 = tl.reshape(x0, (R,)), tl.reshape(x1, (R,)), tl.reshape(x2, (R,)), tl.reshape(x3, (R,))
@@ -159,7 +161,7 @@ def _tile_sum(words, x, s, z, one_bits):
     t += nibble(words, 7, one_bits) * x7[:, None]
     xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [R]
     s, z = s.to(tl.float32), z.to(tl.float32)
-    return (16.0 * s) * tl.sum(t, axis=0) - (s * (16.0 + z)) * tl.sum(xs, axis=0)
+    return (16.0 * s)[None, :] * t - (s * (16.0 + z))[None, :] * xs[:, None]
 
 
 @triton.jit
@@ -174,7 +176,7 @@ def _gemv(x_ptr, nw_ptr, inv, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, one_b
     Session 27; two or four tiles a step were no faster)."""
     offs_r = tl.arange(0, BK // 8)
     mask_n = offs_n < N
-    acc = tl.zeros((offs_n.shape[0],), dtype=tl.float32)
+    acc = tl.zeros((BK // 8, offs_n.shape[0]), dtype=tl.float32)
     x_n, nw_n, s_n, z_n = _narrow_loads(x_ptr, nw_ptr, s_ptr, z_ptr, k_lo, k_hi, offs_n, mask_n, N, GROUP, BK)
     for k0 in tl.range(k_lo, k_hi, BK, num_stages=NUM_STAGES):
         x, nw, s, z = x_n, nw_n, s_n, z_n
@@ -182,7 +184,7 @@ def _gemv(x_ptr, nw_ptr, inv, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, one_b
         rows = k0 // 8 + offs_r
         words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
         acc += _tile_sum(words, normalize(x, nw, inv).to(tl.float32), s, z, one_bits)
-    return acc
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit
@@ -295,7 +297,7 @@ def _gemv_out(kind, y, offs_n, tile, h_ptr, h2_ptr, qkv_ptr, act_ptr, N, INTER, 
 
 @triton.jit
 def _int4_decode_step_kernel(
-    tasks_ptr, num_tasks, cnt_ptr, num_counters, ptrs_ptr, qw_base, s_base, z_base,
+    tasks_ptr, num_tasks, cnt_ptr, num_counters, ptrs_ptr, qw_base, s_base, z_base, kv_base,
     h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, ws_o, ws_m, ws_l, gws_ptr, proj_ptr, bt_ptr, seq_len_ptr,
     cs_ptr, trace_ptr, v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, head_slots, tile_slots,
     GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr,
@@ -338,7 +340,7 @@ def _int4_decode_step_kernel(
         if kind == _ATTN:
             g, part = index // P_MAX, index % P_MAX
             _attn_task(
-                qkv_ptr, attn_ptr, _ptr(ptrs_ptr, layer, _KV_CACHE, h_ptr.dtype.element_ty), v_off, bt_ptr, cs_ptr,
+                qkv_ptr, attn_ptr, _wptr(ptrs_ptr, layer, _KV_CACHE, kv_base), v_off, bt_ptr, cs_ptr,
                 ws_o, ws_m, ws_l, cnt_ptr + head_slots + layer * HKV + g, g, part, pos, part_len, num_parts, scale,
                 HQ, HKV, P_MAX, D, QG, BS, BT, PP, NUM_STAGES,
             )  # fmt: skip

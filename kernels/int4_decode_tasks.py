@@ -72,7 +72,8 @@ class Int4DecodeStep:
         self.num_counters = self.plan.num_counters
         self.counters = torch.zeros(self.num_counters, dtype=torch.int32, device=self.device)
         q0 = first.qkv
-        self.bases = (q0.qweight, q0.scales, q0.zeros)  # the weights' offsets in the table are from these
+        # the weights' and caches' offsets in the table are from these
+        self.bases = (q0.qweight, q0.scales, q0.zeros, first.kv_cache)
         self.ptrs = torch.tensor([_pointers(layer, self.bases) for layer in layers], dtype=torch.int64,
                                  device=self.device)  # fmt: skip
         new = lambda *size, dtype=self.dtype: torch.empty(size, dtype=dtype, device=self.device)  # noqa: E731
@@ -115,19 +116,18 @@ class Int4DecodeStep:
         )  # fmt: skip
 
 
-def _pointers(layer: StepLayer, bases: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[int]:
-    """A layer's row of the table: its weights as offsets in elements from ``bases`` (qweight, scales, zeros),
-    each a multiple of 16 bytes; its norm weights and cache as addresses."""
+def _pointers(layer: StepLayer, bases: tuple[torch.Tensor, ...]) -> list[int]:
+    """A layer's row of the table: its weights and KV cache as offsets in elements from ``bases`` (qweight, scales,
+    zeros, the first layer's cache), each a multiple of 16 bytes; its norm weights as addresses."""
     row = [0] * PTR_FIELDS
-    for i, proj in enumerate((layer.qkv, layer.o, layer.gate_up, layer.down)):
-        for j, (t, base) in enumerate(zip((proj.qweight, proj.scales, proj.zeros), bases, strict=True)):
-            gap = t.data_ptr() - base.data_ptr()
-            if gap % 16:
-                raise ValueError("every int4 weight, scale and zero array must start 16-byte aligned")
-            row[3 * i + j] = gap // t.element_size()
-    row[IN_NORM], row[POST_NORM], row[KV_CACHE] = (
-        layer.in_norm.data_ptr(), layer.post_norm.data_ptr(), layer.kv_cache.data_ptr(),
-    )  # fmt: skip
+    arrays = [(3 * i + j, t, bases[j]) for i, p in enumerate((layer.qkv, layer.o, layer.gate_up, layer.down))
+              for j, t in enumerate((p.qweight, p.scales, p.zeros))]  # fmt: skip
+    for field, t, base in [*arrays, (KV_CACHE, layer.kv_cache, bases[3])]:
+        gap = t.data_ptr() - base.data_ptr()
+        if gap % 16:
+            raise ValueError("every int4 weight, scale and zero array and every KV cache must start 16-byte aligned")
+        row[field] = gap // t.element_size()
+    row[IN_NORM], row[POST_NORM] = layer.in_norm.data_ptr(), layer.post_norm.data_ptr()
     return row
 
 

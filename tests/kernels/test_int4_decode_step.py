@@ -150,7 +150,7 @@ from triton.compiler import ASTSource
 from kernels.int4_decode_step import _int4_decode_step_kernel as kernel
 c = json.loads(sys.argv[1])
 types = {"tasks_ptr": "*i32", "cnt_ptr": "*i32", "ptrs_ptr": "*i64", "qw_base": "*i32", "s_base": "*bf16",
-         "z_base": "*u8", "ws_o": "*fp32", "ws_m": "*fp32",
+         "z_base": "*u8", "kv_base": "*bf16", "ws_o": "*fp32", "ws_m": "*fp32",
          "ws_l": "*fp32", "gws_ptr": "*fp32", "proj_ptr": "*i32", "bt_ptr": "*i32", "seq_len_ptr": "*i32", "cs_ptr": "*fp32", "trace_ptr": "*i64", "scale": "fp32", "eps": "fp32",
          "v_off": "i64"}
 names = kernel.arg_names

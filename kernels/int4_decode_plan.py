@@ -58,8 +58,6 @@ class StepTiles:
     # registers a thread at most (compiled only; None: ptxas's choice, ~250): fewer let more programs share an SM
     # (programs_per_sm 4 needs <= 128), at the price of spills
     maxnreg: int | None = None
-    # the GEMVs' codes as fp32 subnormals (an and a weight) instead of 1 + code / 16 (a shift and an and-or)
-    subnormal: bool = False
 
 
 def fit_tiles(shape: StepShape, hidden: int, inter: int, tiles: StepTiles = StepTiles()) -> StepTiles:

@@ -38,7 +38,7 @@ from kernels._triton import HAS_TRITON, tl, triton
 from kernels.activation import silu_mul
 from kernels.fused_norm import normalize
 from kernels.int4_decode_attn import _attn_task
-from kernels.int4_gemv import _split8, nibble, subnormal
+from kernels.int4_gemv import _split8, nibble
 from kernels.l2_prefetch import _LINE_ASM
 
 QKV, ATTN, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3, 4  # task kinds, in a layer's phase order
@@ -142,33 +142,15 @@ def _narrow_loads(x_ptr, nw_ptr, s_ptr, z_ptr, k0, k_hi, offs_n, mask_n, N, GROU
 
 
 @triton.jit
-def _tile_sum(words, x, s, z, one_bits, SUBNORMAL: tl.constexpr):
+def _tile_sum(words, x, s, z, one_bits):
     """``kernels.int4_gemv._factored_tile``'s terms with its scales and zeros given: ``s (sum_j c_j x_j - z sum_j
     x_j)`` per word row ``[R, TN]`` fp32 of words ``[R, TN]``, x fp32 ``[R, 8]``, scales and zeros ``[TN]``; summed
     over the rows once a task (:func:`_gemv`), not per tile: the rows span warps, and each sum across them costs
-    barriers. SUBNORMAL: the codes read as fp32 subnormals (``kernels.int4_gemv._subnormal_tile``: an and a weight,
-    no shift), else as ``1 + code / 16`` (``nibble``: a shift and an and-or)."""
+    barriers."""
     R: tl.constexpr = words.shape[0]
-    if SUBNORMAL:
-        j = tl.arange(0, 8)
-        p = tl.where(j < 5, 4 * j, 4 * j - 12)  # [8] bit of nibble j in words (j < 5) or in words >> 12
-        xs = tl.sum(x, axis=1)  # [R]
-        x = x * ((191 - p) << 23).to(tl.float32, bitcast=True)[None, :]  # x_j * 2**(64 - P_j), exact
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(x, (1, R, 8)), 1, R)
     x0, x1, x2, x3 = tl.reshape(x0, (R,)), tl.reshape(x1, (R,)), tl.reshape(x2, (R,)), tl.reshape(x3, (R,))
     x4, x5, x6, x7 = tl.reshape(x4, (R,)), tl.reshape(x5, (R,)), tl.reshape(x6, (R,)), tl.reshape(x7, (R,))
-    s, z = s.to(tl.float32), z.to(tl.float32)
-    if SUBNORMAL:
-        hi = words >> 12  # arithmetic: the sign copies land in bits 20-31, above every mask below
-        t = subnormal(words, 0) * x0[:, None]  # [R, TN]: sum_j c_j x_j 2**-85
-        t += subnormal(words, 4) * x1[:, None]
-        t += subnormal(words, 8) * x2[:, None]
-        t += subnormal(words, 12) * x3[:, None]
-        t += subnormal(words, 16) * x4[:, None]
-        t += subnormal(hi, 8) * x5[:, None]
-        t += subnormal(hi, 12) * x6[:, None]
-        t += subnormal(hi, 16) * x7[:, None]
-        return (3.8685626227668134e25 * s)[None, :] * t - (s * z)[None, :] * xs[:, None]
     t = nibble(words, 0, one_bits) * x0[:, None]  # [R, TN]: sum_j (1 + c_j / 16) x_j
     t += nibble(words, 1, one_bits) * x1[:, None]
     t += nibble(words, 2, one_bits) * x2[:, None]
@@ -178,12 +160,13 @@ def _tile_sum(words, x, s, z, one_bits, SUBNORMAL: tl.constexpr):
     t += nibble(words, 6, one_bits) * x6[:, None]
     t += nibble(words, 7, one_bits) * x7[:, None]
     xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [R]
+    s, z = s.to(tl.float32), z.to(tl.float32)
     return (16.0 * s)[None, :] * t - (s * (16.0 + z))[None, :] * xs[:, None]
 
 
 @triton.jit
 def _gemv(x_ptr, nw_ptr, inv, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, one_bits,
-          GROUP: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, SUBNORMAL: tl.constexpr):  # fmt: skip
+          GROUP: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
     """``x[k_lo:k_hi] @ W[k_lo:k_hi]`` at columns ``offs_n [TN]``: ``[TN]`` fp32, x normalized as it is loaded
     (``nw`` ones and ``inv`` 1 leave it as it is); W int4 ``[K // 8, N]`` with scales and zeros ``[K // GROUP, N]``,
     all contiguous.
@@ -200,7 +183,7 @@ def _gemv(x_ptr, nw_ptr, inv, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, one_b
         x_n, nw_n, s_n, z_n = _narrow_loads(x_ptr, nw_ptr, s_ptr, z_ptr, k0 + BK, k_hi, offs_n, mask_n, N, GROUP, BK)
         rows = k0 // 8 + offs_r
         words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-        acc += _tile_sum(words, normalize(x, nw, inv).to(tl.float32), s, z, one_bits, SUBNORMAL)
+        acc += _tile_sum(words, normalize(x, nw, inv).to(tl.float32), s, z, one_bits)
     return tl.sum(acc, axis=0)
 
 
@@ -244,7 +227,7 @@ def _prefetch_words(kind, layer, index, split, ptrs_ptr, qw_base, H, INTER, NQKV
 @triton.jit
 def _gemv_task(kind, layer, index, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, proj_ptr,
                tile_cnt, eps, one_bits, H, INTER, NQKV, HQD, GROUP: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr,
-               TN: tl.constexpr, NUM_STAGES: tl.constexpr, SUBNORMAL: tl.constexpr):  # fmt: skip
+               TN: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
     """One GEMV task of ``kind`` (QKV, O_PROJ, GATE_UP or DOWN): column tile ``index // split``, the ``index %
     split``-th of its K ranges. Split K ranges add their sums into the projection's own part of ``gws`` (fp32
     atomics); the tile's last one to arrive (its counter in the projection's run of ``tile_cnt``) takes the total,
@@ -274,7 +257,7 @@ def _gemv_task(kind, layer, index, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_
     acc = _gemv(
         x_ptr, nw_ptr, inv, _wptr(ptrs_ptr, layer, 3 * gi, qw_base), _wptr(ptrs_ptr, layer, 3 * gi + 1, s_base),
         _wptr(ptrs_ptr, layer, 3 * gi + 2, z_base), offs_n, N, k_lo, tl.minimum(k_lo + k_per, K), one_bits, GROUP,
-        BK, NUM_STAGES, SUBNORMAL,
+        BK, NUM_STAGES,
     )  # fmt: skip
     acc = tl.reshape(acc, (TN,))
     mask = offs_n < N
@@ -320,7 +303,7 @@ def _int4_decode_step_kernel(
     GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
     NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr,
-    SLEEP_NS: tl.constexpr, SUBNORMAL: tl.constexpr,
+    SLEEP_NS: tl.constexpr,
 ):  # fmt: skip
     """The module docstring's task loop. PREFETCH: a claimed GEMV task's words are asked of the L2 (fire and
     forget) as soon as it is claimed, one task ahead of running it. TRACE: each task's timestamps into ``trace``
@@ -365,7 +348,7 @@ def _int4_decode_step_kernel(
             _gemv_task(
                 kind, layer, index, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, proj_ptr,
                 cnt_ptr + tile_slots, eps, one_bits, H, INTER, (HQ + 2 * HKV) * D, HQ * D, GROUP, HP, BK, TN,
-                NUM_STAGES, SUBNORMAL,
+                NUM_STAGES,
             )  # fmt: skip
         tl.debug_barrier()  # every thread's stores before thread 0's release
         tl.atomic_add(cnt_ptr + tl.load(row + 5), 1, sem="release")

@@ -113,7 +113,7 @@ class Int4DecodeStep:
             GROUP=shape.group_size, HP=next_pow2(self.hidden), D=shape.head_dim, QG=shape.heads // shape.kv_heads,
             BS=self.block_size, BT=tiles.bt, PP=next_pow2(self.p_max), BK=tiles.bk, TN=tiles.tn,
             NUM_STAGES=tiles.num_stages, PREFETCH=tiles.prefetch, TRACE=trace is not None,
-            SLEEP_NS=0 if self.grid == 1 else tiles.sleep_ns, SUBNORMAL=tiles.subnormal, **self.launch_options,
+            SLEEP_NS=0 if self.grid == 1 else tiles.sleep_ns, **self.launch_options,
         )  # fmt: skip
 
 

@@ -57,24 +57,23 @@ def rope_cache(max_pos: int, head_dim: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("seq_len", "dtype", "options"),
-    [(1, torch.float32, {}), (37, torch.float32, {}), (64, torch.float32, {}), (50, torch.bfloat16, {}),
-     (37, torch.float32, {"fine_deps": True}), (37, torch.float32, {"subnormal": True}),
-     (50, torch.bfloat16, {"subnormal": True})],
-    ids=["first-token", "two-partitions", "full-table", "bf16", "fine-deps", "subnormal", "bf16-subnormal"],
+    ("seq_len", "dtype", "fine_deps"),
+    [(1, torch.float32, False), (37, torch.float32, False), (64, torch.float32, False), (50, torch.bfloat16, False),
+     (37, torch.float32, True)],
+    ids=["first-token", "two-partitions", "full-table", "bf16", "fine-deps"],
 )  # fmt: skip
 def test_equals_the_layer_by_layer_reference(
-    seq_len: int, dtype: torch.dtype, options: dict[str, bool], gen: torch.Generator
+    seq_len: int, dtype: torch.dtype, fine_deps: bool, gen: torch.Generator
 ) -> None:
     """Two layers, GQA (4 query heads on 2 KV heads), a shuffled block table; then the next position on the same
     step object (its counters reset by the last program out). ``fine_deps``: the table claimed in its order
-    (``tests/kernels/test_int4_decode_plan.py`` checks its waits); ``subnormal``: the GEMVs' other codes."""
+    (``tests/kernels/test_int4_decode_plan.py`` checks its waits)."""
     shape = StepShape(heads=4, kv_heads=2, head_dim=16, group_size=32, eps=1e-5, scale=16**-0.5)
     layers = make_layers(2, 64, shape, 96, 6, 16, dtype, gen)
     ref_layers = [StepLayer(**{**vars(lr), "kv_cache": lr.kv_cache.clone()}) for lr in layers]
     block_table = torch.randperm(6, generator=gen)[:4].to(torch.int32).to(DEVICE)
     cs = rope_cache(128, 16)
-    step = Int4DecodeStep(layers, shape, replace(TINY, **options))
+    step = Int4DecodeStep(layers, shape, replace(TINY, fine_deps=fine_deps))
     hidden = torch.randn(64, generator=gen).to(dtype).to(DEVICE)
     # bf16: Triton 3.7's interpreter rounds fp32 -> bf16 by truncation (a GPU rounds to nearest even), at every
     # rounding of the engine's arithmetic: ~1.5 % from the exact result here, against ~0.5 % for torch's bf16
@@ -179,7 +178,7 @@ def test_compiles_for_sm90(prefetch: bool, trace: bool) -> None:
     tiles = StepTiles()
     constexprs = {"GROUP": 128, "HP": 4096, "D": 128, "QG": 4, "BS": 16, "BT": tiles.bt, "PP": tiles.parts,
                   "BK": tiles.bk, "TN": tiles.tn, "NUM_STAGES": tiles.num_stages, "PREFETCH": prefetch,
-                  "TRACE": trace, "SLEEP_NS": 256 * trace, "SUBNORMAL": tiles.subnormal}  # fmt: skip
+                  "TRACE": trace, "SLEEP_NS": 256 * trace}  # fmt: skip
     report = run_without_interpreter(_COMPILE_SM90, json.dumps(constexprs))
     assert "0 bytes spill stores" in report, report
     assert "LDGSTS" in report, report

@@ -54,10 +54,6 @@ class StepTiles:
     splits: tuple[int, int, int, int] = (2, 4, 1, 4)
     prefetch: bool = False  # the next task's words asked of the L2 when claimed (sm_90 only: not the interpreter)
     fine_deps: bool = False  # wait only for the tasks that write what a task reads (the module docstring)
-    sleep_ns: int = 0  # a waiting program's nanosleep between polls (compiled only)
-    # registers a thread at most (compiled only; None: ptxas's choice, ~250): fewer let more programs share an SM
-    # (programs_per_sm 4 needs <= 128), at the price of spills
-    maxnreg: int | None = None
 
 
 def fit_tiles(shape: StepShape, hidden: int, inter: int, tiles: StepTiles = StepTiles()) -> StepTiles:

@@ -84,18 +84,12 @@ def _trace(row_ptr, top, claimed, ready, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _wait(cnt_ptr, target, SLEEP_NS: tl.constexpr):
+def _wait(cnt_ptr, target):
     """Spins until the counter reaches ``target``, then acquires it: the counted tasks' stores are visible after.
-    The spin reads (volatile loads, not atomics, so the pollers do not queue up with the producers' adds), each
-    after a ``nanosleep`` of ``SLEEP_NS`` if not 0 (inline PTX: compiled only), so that waiting programs do not
-    flood the L2 slice of the counter while others stream their weights."""
+    The spin reads are volatile loads, not atomics, so the pollers do not queue up with the producers' adds (a
+    ``nanosleep`` between them changed nothing on the H200, docs/benchmarks.md, Session 28)."""
     c = tl.load(cnt_ptr, volatile=True)
     while c < target:
-        if SLEEP_NS > 0:
-            c = tl.inline_asm_elementwise(
-                f"{{ nanosleep.u32 {SLEEP_NS}; mov.u32 $0, $1; }}", "=r,r", [c], dtype=tl.int32, is_pure=False,
-                pack=1,
-            )  # fmt: skip
         c = tl.load(cnt_ptr, volatile=True)
     tl.atomic_add(cnt_ptr, 0, sem="acquire")
     tl.debug_barrier()
@@ -303,7 +297,6 @@ def _int4_decode_step_kernel(
     GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
     NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr,
-    SLEEP_NS: tl.constexpr,
 ):  # fmt: skip
     """The module docstring's task loop. PREFETCH: a claimed GEMV task's words are asked of the L2 (fire and
     forget) as soon as it is claimed, one task ahead of running it. TRACE: each task's timestamps into ``trace``
@@ -335,7 +328,7 @@ def _int4_decode_step_kernel(
         claimed = _stamp(TRACE)
         row = tasks_ptr + t * _TASK_FIELDS
         kind, layer, index = tl.load(row), tl.load(row + 1), tl.load(row + 2)
-        _wait(cnt_ptr + tl.load(row + 3), tl.load(row + 4), SLEEP_NS)
+        _wait(cnt_ptr + tl.load(row + 3), tl.load(row + 4))
         ready = _stamp(TRACE)
         if kind == _ATTN:
             g, part = index // P_MAX, index % P_MAX

@@ -90,7 +90,6 @@ class Int4DecodeStep:
         interpreted = os.environ.get("TRITON_INTERPRET") == "1" or self.device.type != "cuda"
         # the interpreter runs programs one after another: one program, or the first would wait forever
         self.grid = 1 if interpreted else tiles.programs_per_sm * num_sms(self.device.index or 0)
-        self.launch_options = {} if interpreted or tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}
 
     def __call__(
         self,
@@ -113,7 +112,6 @@ class Int4DecodeStep:
             GROUP=shape.group_size, HP=next_pow2(self.hidden), D=shape.head_dim, QG=shape.heads // shape.kv_heads,
             BS=self.block_size, BT=tiles.bt, PP=next_pow2(self.p_max), BK=tiles.bk, TN=tiles.tn,
             NUM_STAGES=tiles.num_stages, PREFETCH=tiles.prefetch, TRACE=trace is not None,
-            SLEEP_NS=0 if self.grid == 1 else tiles.sleep_ns, **self.launch_options,
         )  # fmt: skip
 
 

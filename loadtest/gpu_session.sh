@@ -89,8 +89,8 @@
 #                     GPU tests, then loadtest.decode_step_bench on the engine's 8B int4 model (its reference check,
 #                     then its time for 32 layers against their floor, the LM head, the engine's batch-1 TPOT) at the
 #                     tiles of each JSON word of DS_TILES (default: five; Session 27 measured the prefetch, stages,
-#                     unrolling and widths; now the fine waits, a nanosleep between polls, 128-column tiles, one
-#                     program an SM), each with a traced
+#                     unrolling and widths, Session 28 the subnormal codes, a nanosleep between polls and register
+#                     caps; now 128-column tiles, one program an SM), each with a traced
 #                     launch's summary (loadtest.decode_step_trace: where its programs' time went)
 #   stage dm (~4 min): the int4 model's batch-1 TPOT with the one-launch step in the engine (int4_model variants
 #                     step and stepfine, the fine waits) beside the default and bf16, one process
@@ -172,8 +172,8 @@ elif [ "$stage" = ds ]; then
   # shellcheck disable=SC2086  # DS_TILES is a list of JSON words
   # a persistent kernel that deadlocks would hold the call to its limit: the bench gets 5.5 minutes
   timeout -k 10 330 python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
-    --tiles ${DS_TILES:-'{}' '{"fine_deps":true}' '{"fine_deps":true,"sleep_ns":1000}' \
-    '{"fine_deps":true,"tn":128,"splits":[4,8,1,8]}' '{"fine_deps":true,"programs_per_sm":1}'} 2>&1 \
+    --tiles ${DS_TILES:-'{}' '{"fine_deps":true}' '{"fine_deps":true,"tn":128,"splits":[4,8,1,8]}' \
+    '{"fine_deps":true,"tn":128,"splits":[4,8,1,8],"num_stages":3}' '{"fine_deps":true,"programs_per_sm":1}'} 2>&1 \
     | grep -v '^{"shape"' | tail -100 \
     || echo "decode_step_bench FAILED or timed out"
 elif [ "$stage" = dm ]; then

@@ -178,7 +178,7 @@ def test_compiles_for_sm90(prefetch: bool, trace: bool) -> None:
     tiles = StepTiles()
     constexprs = {"GROUP": 128, "HP": 4096, "D": 128, "QG": 4, "BS": 16, "BT": tiles.bt, "PP": tiles.parts,
                   "BK": tiles.bk, "TN": tiles.tn, "NUM_STAGES": tiles.num_stages, "PREFETCH": prefetch,
-                  "TRACE": trace, "SLEEP_NS": 256 * trace}  # fmt: skip
+                  "TRACE": trace}  # fmt: skip
     report = run_without_interpreter(_COMPILE_SM90, json.dumps(constexprs))
     assert "0 bytes spill stores" in report, report
     assert "LDGSTS" in report, report

@@ -3,8 +3,8 @@ table and counters they give for a model's shape. Host code only, no tensors: wh
 programs claim them in, which counter each task waits on and which one it counts itself into.
 
 Each layer's five kinds of tasks (qkv, attention, o, gate_up, down) form a chain: a task waits for tasks of the kind
-before it. By default it waits for all of them (one counter a phase). With ``StepTiles.fine_deps`` it waits only
-for those that write what it reads, where the tiles allow:
+before it. By default (``StepTiles.fine_deps``) it waits only for those that write what it reads, where the tiles
+allow; without, for all of them (one counter a phase):
 
 - attention for KV head ``g``: the qkv column tiles of its query heads, its key and its value;
 - o_proj's ``i``-th K range: the attention heads whose outputs that range reads;
@@ -37,14 +37,15 @@ class StepShape:
 
 @dataclass(frozen=True)
 class StepTiles:
-    """Launch choices, not yet tuned on a GPU: ``tn`` output columns a GEMV task, ``bk`` k's a loop step (dividing
+    """Launch choices (swept on the H200 in Sessions 27-28, docs/benchmarks.md): ``tn`` output columns a GEMV task, ``bk`` k's a loop step (dividing
     the group), ``parts`` attention partitions a KV head (the context split over them), ``bt`` keys a step of their
     loops, ``num_stages`` loads in flight in both loops, programs per SM, and K split over ``splits`` tasks per
     projection (qkv, o, gate_up, down)."""
 
-    # guesses from the byte counts, to be swept (loadtest.decode_step_bench --tiles): 64 columns x 128 k's of int4 is
-    # 4 KB a load, 4 in flight a program, 2 programs an SM: 32 KB in flight an SM, about what 4.2 TB/s needs over
-    # 132 SMs at ~1 us of latency; splits give every phase ~200 tasks
+    # first guessed from the byte counts (64 columns x 128 k's of int4 is 4 KB a load, 4 in flight a program, 2
+    # programs an SM; splits give every phase ~200 tasks); none of 8 stages, 32 columns, 32 partitions, 3-4
+    # programs an SM under a register cap, or 128 columns at 4096 tokens has beaten them since
+    # (loadtest.decode_step_bench --tiles re-checks them)
     tn: int = 64
     bk: int = 128
     num_stages: int = 4
@@ -53,7 +54,9 @@ class StepTiles:
     programs_per_sm: int = 2
     splits: tuple[int, int, int, int] = (2, 4, 1, 4)
     prefetch: bool = False  # the next task's words asked of the L2 when claimed (sm_90 only: not the interpreter)
-    fine_deps: bool = False  # wait only for the tasks that write what a task reads (the module docstring)
+    # wait only for the tasks that write what a task reads (the module docstring), not for whole phases: 3-18 % faster
+    # on the H200 (docs/benchmarks.md, Session 27)
+    fine_deps: bool = True
 
 
 def fit_tiles(shape: StepShape, hidden: int, inter: int, tiles: StepTiles = StepTiles()) -> StepTiles:

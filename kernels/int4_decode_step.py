@@ -27,9 +27,11 @@ readers through the L2: the producer's barrier and release add, the consumer's a
 last program to finish zeroes the counters for the next launch (CUDA graph replays). Under the interpreter (one program) the tasks run in table order.
 
 The arithmetic is the engine's, rounding where it rounds: ``kernels.fused_norm.normalize``, the GEMV's factored
-int4 tile (``kernels.int4_gemv``), ``kernels.activation.silu_mul``, the residual adds in x's dtype. Not yet
-measured on a GPU (docs/benchmarks.md): its tiles are guesses from the byte counts; PREFETCH (an L2 prefetch of
-the next task's words when it is claimed) is off; attention multiplies on the CUDA cores.
+int4 tile (``kernels.int4_gemv``), ``kernels.activation.silu_mul``, the residual adds in x's dtype. On the H200
+(docs/benchmarks.md, Sessions 27-28) it is correct and ~5x its floor, slower than the layer-by-layer step, so the
+engine leaves it off: its GEMV tiles are bound by instruction issue (~5.7 SASS instructions a weight) and its
+programs wait ~46 % of the time. PREFETCH (an L2 prefetch of the next task's words when it is claimed) lost and is
+off; attention multiplies on the CUDA cores.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@
 #                     caps; now 128-column tiles, one program an SM), each with a traced
 #                     launch's summary (loadtest.decode_step_trace: where its programs' time went)
 #   stage dm (~4 min): the int4 model's batch-1 TPOT with the one-launch step in the engine (int4_model variants
-#                     step and stepfine, the fine waits) beside the default and bf16, one process
+#                     step and stepphases, the phase-wide waits) beside the default and bf16, one process
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
@@ -172,12 +172,12 @@ elif [ "$stage" = ds ]; then
   # shellcheck disable=SC2086  # DS_TILES is a list of JSON words
   # a persistent kernel that deadlocks would hold the call to its limit: the bench gets 5.5 minutes
   timeout -k 10 330 python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
-    --tiles ${DS_TILES:-'{}' '{"fine_deps":true}' '{"fine_deps":true,"tn":128,"splits":[4,8,1,8]}' \
-    '{"fine_deps":true,"tn":128,"splits":[4,8,1,8],"num_stages":3}' '{"fine_deps":true,"programs_per_sm":1}'} 2>&1 \
+    --tiles ${DS_TILES:-'{}' '{"fine_deps":false}' '{"tn":128,"splits":[4,8,1,8]}' \
+    '{"tn":128,"splits":[4,8,1,8],"num_stages":3}' '{"programs_per_sm":1}'} 2>&1 \
     | grep -v '^{"shape"' | tail -100 \
     || echo "decode_step_bench FAILED or timed out"
 elif [ "$stage" = dm ]; then
-  timeout -k 10 300 python -m loadtest.int4_bench --only model --gemv-variants step stepfine \
+  timeout -k 10 300 python -m loadtest.int4_bench --only model --gemv-variants step stepphases \
     --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-3000
 elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24

@@ -122,12 +122,12 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
         "kernels.int4_plan:WGMMA_WARPS": 8,
         "kernels.int4_plan:WGMMA_TILE": (64, 128, 128, 2),
     },
-    # every layer of a batch-1 decode step in one launch (engine.models.decode_step; Session 26, not yet measured)
+    # every layer of a batch-1 decode step in one launch (engine.models.decode_step; Sessions 26-28: off, slower)
     "step": {"engine.models.decode_step:DECODE_STEP": True},
-    # the same, each task waiting only for the tasks writing its inputs (kernels.int4_decode_plan; Session 27)
-    "stepfine": {
+    # the same, each task waiting for the whole phase before it (kernels.int4_decode_plan's fine waits off)
+    "stepphases": {
         "engine.models.decode_step:DECODE_STEP": True,
-        "engine.models.decode_step:DECODE_STEP_TILES": StepTiles(fine_deps=True),
+        "engine.models.decode_step:DECODE_STEP_TILES": StepTiles(fine_deps=False),
     },
     # no programmatic dependent launch (kernels.pdl) anywhere: the defaults before 2026-12-04 evening
     "nopdl": {

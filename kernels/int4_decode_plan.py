@@ -53,7 +53,6 @@ class StepTiles:
     bt: int = 16
     programs_per_sm: int = 2
     splits: tuple[int, int, int, int] = (2, 4, 1, 4)
-    prefetch: bool = False  # the next task's words asked of the L2 when claimed (sm_90 only: not the interpreter)
     # wait only for the tasks that write what a task reads (the module docstring), not for whole phases: 3-18 % faster
     # on the H200 (docs/benchmarks.md, Session 27)
     fine_deps: bool = True

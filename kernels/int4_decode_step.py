@@ -30,8 +30,8 @@ The arithmetic is the engine's, rounding where it rounds: ``kernels.fused_norm.n
 int4 tile (``kernels.int4_gemv``), ``kernels.activation.silu_mul``, the residual adds in x's dtype. On the H200
 (docs/benchmarks.md, Sessions 27-28) it is correct and ~5x its floor, slower than the layer-by-layer step, so the
 engine leaves it off: its GEMV tiles are bound by instruction issue (~5.7 SASS instructions a weight) and its
-programs wait ~46 % of the time. PREFETCH (an L2 prefetch of the next task's words when it is claimed) lost and is
-off; attention multiplies on the CUDA cores.
+programs wait ~46 % of the time. An L2 prefetch of the next task's words when it is claimed lost (Session 27) and
+was removed; attention multiplies on the CUDA cores.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from kernels.activation import silu_mul
 from kernels.fused_norm import normalize
 from kernels.int4_decode_attn import _attn_task
 from kernels.int4_gemv import _split8, nibble
-from kernels.l2_prefetch import _LINE_ASM
 
 QKV, ATTN, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3, 4  # task kinds, in a layer's phase order
 TASK_FIELDS = 6  # kind, layer, index, wait slot, wait target, done slot
@@ -49,7 +48,7 @@ TASK_FIELDS = 6  # kind, layer, index, wait slot, wait target, done slot
 # kernel's three bases); the two norm weights and the cache (addresses)
 IN_NORM, POST_NORM, KV_CACHE = 12, 13, 14
 PTR_FIELDS = 15
-# TRACE's row a task: globaltimer ns at the top of its iteration, after the claim (and prefetch), after its wait,
+# TRACE's row a task: globaltimer ns at the top of its iteration, after the claim, after its wait,
 # after its release; then its program id << 16 | the SM it ran on
 TRACE_FIELDS = 5
 
@@ -200,27 +199,6 @@ def _columns(kind, tile, j, H, INTER, NQKV, HQD, TN: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_words(kind, layer, index, split, ptrs_ptr, qw_base, H, INTER, NQKV, HQD, BK: tl.constexpr,
-                    TN: tl.constexpr):  # fmt: skip
-    """Asks the L2 for a GEMV task's packed words, one ``prefetch.global.L2`` per 128-byte line (32 words of a row;
-    fire and forget), so they stream in while this program is busy or waiting."""
-    LINES: tl.constexpr = TN // 32 if TN >= 32 else 1
-    tile = index // split
-    K, N, offs = _columns(kind, tile, tl.arange(0, LINES) * 32, H, INTER, NQKV, HQD, TN)
-    k_per = tl.cdiv(tl.cdiv(K, BK), split) * BK
-    r_lo = (index % split) * k_per // 8
-    r_hi = tl.minimum((index % split) * k_per + k_per, K) // 8
-    qw_ptr = _wptr(ptrs_ptr, layer, 3 * _proj(kind), qw_base)
-    for r0 in range(r_lo, r_hi, 32):
-        rows = r0 + tl.arange(0, 32)
-        live = (rows < r_hi)[:, None] & (offs < N)[None, :]
-        tl.inline_asm_elementwise(
-            _LINE_ASM, "=r,l,r", [qw_ptr + rows[:, None] * N + offs[None, :], live.to(tl.int32)], dtype=tl.int32,
-            is_pure=False, pack=1,
-        )  # fmt: skip
-
-
-@triton.jit
 def _gemv_task(kind, layer, index, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, proj_ptr,
                tile_cnt, eps, one_bits, H, INTER, NQKV, HQD, GROUP: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr,
                TN: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
@@ -298,10 +276,9 @@ def _int4_decode_step_kernel(
     cs_ptr, trace_ptr, v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, head_slots, tile_slots,
     GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr,
+    NUM_STAGES: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
-    """The module docstring's task loop. PREFETCH: a claimed GEMV task's words are asked of the L2 (fire and
-    forget) as soon as it is claimed, one task ahead of running it. TRACE: each task's timestamps into ``trace``
+    """The module docstring's task loop. TRACE: each task's timestamps into ``trace``
     (``TRACE_FIELDS`` a task, in table order). ``cnt`` holds the wait counters, then the heads'
     arrival counters (``head_slots`` on, one per layer and KV head), the GEMV column tiles' (``tile_slots`` on, a
     run per projection), the claim counter and the exit counter (``kernels.int4_decode_plan.TaskPlan``). A program
@@ -317,16 +294,6 @@ def _int4_decode_step_kernel(
     while t < num_tasks:
         top = _stamp(TRACE)
         t_next = tl.atomic_add(claim, 1, sem="relaxed")
-        if PREFETCH:  # noqa: SIM102  # a compile-time branch around a runtime one
-            if t_next < num_tasks:
-                row_next = tasks_ptr + t_next * _TASK_FIELDS
-                kind_next = tl.load(row_next)
-                if kind_next != _ATTN:
-                    _prefetch_words(
-                        kind_next, tl.load(row_next + 1), tl.load(row_next + 2),
-                        tl.load(proj_ptr + 3 * _proj(kind_next)), ptrs_ptr, qw_base, H,
-                        INTER, (HQ + 2 * HKV) * D, HQ * D, BK, TN,
-                    )  # fmt: skip
         claimed = _stamp(TRACE)
         row = tasks_ptr + t * _TASK_FIELDS
         kind, layer, index = tl.load(row), tl.load(row + 1), tl.load(row + 2)

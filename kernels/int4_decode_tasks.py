@@ -111,7 +111,7 @@ class Int4DecodeStep:
             self.plan.tile_slots,
             GROUP=shape.group_size, HP=next_pow2(self.hidden), D=shape.head_dim, QG=shape.heads // shape.kv_heads,
             BS=self.block_size, BT=tiles.bt, PP=next_pow2(self.p_max), BK=tiles.bk, TN=tiles.tn,
-            NUM_STAGES=tiles.num_stages, PREFETCH=tiles.prefetch, TRACE=trace is not None,
+            NUM_STAGES=tiles.num_stages, TRACE=trace is not None,
         )  # fmt: skip
 
 

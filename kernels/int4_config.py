@@ -9,11 +9,10 @@ from typing import Literal
 
 from kernels.int4_dequant import PACK
 
-Kernel = Literal["dot", "gemv", "gemv_cols", "mma", "wgmma"]
+Kernel = Literal["dot", "gemv", "mma", "wgmma"]
 SplitReduce = Literal["counter", "atomic"]
-KERNELS: tuple[Kernel, ...] = ("dot", "gemv", "gemv_cols", "mma", "wgmma")
+KERNELS: tuple[Kernel, ...] = ("dot", "gemv", "mma", "wgmma")
 SPLIT_REDUCES: tuple[SplitReduce, ...] = ("counter", "atomic")
-SplitPolicy = Literal["fill", "balance"]
 # the wgmma GEMM's K loop (kernels.int4_gemm_wgmma): load, store, MMA and wait per tile; the loads a tile ahead; the
 # MMA left running while the next tile's x is stored and its weights dequantized
 WgmmaLoop = Literal["plain", "prefetch", "async"]
@@ -24,8 +23,8 @@ LOOPS: tuple[WgmmaLoop, ...] = ("plain", "prefetch", "async")
 class Int4GemmConfig:
     """Launch choices of :func:`int4_gemm`; ``None`` fields are picked by :func:`pick_config`."""
 
-    # "gemv" (kernels.int4_gemv: CUDA cores, all M rows in one program), "gemv_cols" (kernels.int4_gemv_cols:
-    # each thread owns whole columns) or "dot" (tl.dot tiles); None: GEMV_KERNEL up to GEMV_MAX_M rows
+    # "gemv" (kernels.int4_gemv: CUDA cores, all M rows in one program), "dot" (tl.dot tiles), "mma" or "wgmma"
+    # (kernels.int4_gemv_mma, kernels.int4_gemm_wgmma: the tensor cores); None: int4_plan.default_kernel
     kernel: Kernel | None = None
     block_m: int | None = None  # dot and mma: rows of x a program takes (a GEMV program holds all M rows)
     block_n: int | None = None
@@ -40,15 +39,8 @@ class Int4GemmConfig:
     # gemv: scale and zero applied per group to sums instead of per weight (without g_idx only)
     # mma: the same (False: each weight dequantized in registers; None: by block_m, MMA_DEQUANT_BLOCK_M)
     factored: bool | None = None
-    # gemv / gemv_cols split-K target: about this many programs per SM (None: GEMV_PROGRAMS_PER_SM,
-    # GEMV_COLS_PROGRAMS_PER_SM); split_k, when given, wins
+    # gemv split-K target: about this many programs per SM (None: GEMV_PROGRAMS_PER_SM); split_k, when given, wins
     programs_per_sm: int | None = None
-    # gemv_cols: split-K as many programs as programs_per_sm says ("fill"), or the split whose busiest SM
-    # has the least work, with at most that many programs per SM ("balance"); None: GEMV_COLS_SPLIT
-    split_policy: SplitPolicy | None = None
-    # gemv_cols: two nibbles per shift (even ones as 1 + c / 256, a second set of sums; None: by M, see
-    # _GEMV_COLS_TILES) instead of one shift per nibble
-    paired_nibbles: bool | None = None
     # gemv (factored): codes read as subnormals (None: GEMV_SUBNORMAL)
     subnormal: bool | None = None
     # gemv, mma: launched with programmatic dependent launch where the device has it (None: GEMV_PDL)
@@ -59,8 +51,6 @@ class Int4GemmConfig:
     def __post_init__(self) -> None:
         if self.kernel not in (None, *KERNELS):
             raise ValueError(f"kernel must be one of {KERNELS} or None, got {self.kernel!r}")
-        if self.split_policy not in (None, "fill", "balance"):
-            raise ValueError(f"split_policy must be 'fill', 'balance' or None, got {self.split_policy!r}")
         if self.loop not in (None, *LOOPS):
             raise ValueError(f"loop must be one of {LOOPS} or None, got {self.loop!r}")
         if self.split_reduce not in (None, *SPLIT_REDUCES):
@@ -95,7 +85,6 @@ class Int4Launch:
     num_stages: int
     unpack_in_registers: bool
     factored: bool
-    paired_nibbles: bool = False  # gemv_cols only
     subnormal: bool = False  # factored gemv only
     pdl: bool = False  # gemv and mma only
     loop: WgmmaLoop = "plain"  # wgmma only

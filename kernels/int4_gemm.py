@@ -3,7 +3,7 @@
 The weight layout (``qweight`` int32 ``[K // 8, N]``, ``scales``/``zeros`` ``[num_groups, N]``, optional
 ``g_idx``) and its dequantization are ``kernels.int4_dequant``'s; so is the large-M path (dequantize once,
 then cuBLAS), which the linear layer takes from ``DEQUANT_MIN_M`` rows on. This module is the fused GEMM:
-the GEMVs (``kernels.int4_gemv``, ``kernels.int4_gemv_cols``) for a few rows and the tl.dot path below;
+the GEMV (``kernels.int4_gemv``) for a few rows and the tl.dot path below;
 ``kernels.int4_plan`` picks the kernel and its launch for a shape. ``int4_gemm_gated`` is the MLP's down
 projection of gate_up's output ``x2 [M, 2K]``: the GEMV applies ``silu_and_mul`` as it loads x.
 """
@@ -22,9 +22,8 @@ from kernels.int4_config import Int4GemmConfig, Int4Launch, Kernel
 from kernels.int4_dequant import MAGIC_BITS, PACK, check_int4_weights, codes_tile, dequant_tile, dequantize_int4
 from kernels.int4_gemm_wgmma import int4_gemm_wgmma, wgmma_available
 from kernels.int4_gemv import int4_gemv_launch
-from kernels.int4_gemv_cols import int4_gemv_cols_launch
 from kernels.int4_gemv_mma import gemv_mma_available, int4_gemv_mma
-from kernels.int4_plan import GEMV_COLS_LIMIT_M, GEMV_MAX_M, num_sms, pick_config
+from kernels.int4_plan import GEMV_MAX_M, num_sms, pick_config
 from kernels.int4_split import finish_tile, split_target
 
 
@@ -123,9 +122,6 @@ def _check_inputs(
     check_float("x", x)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got {tuple(x.shape)}")
-    if qweight.dim() == 3:
-        _check_tiled(x, qweight, scales, zeros, group_size, g_idx)
-        return
     check_int4_weights(qweight, scales, zeros, group_size, g_idx)
     k = x.shape[1]
     if qweight.shape[0] * PACK != k:
@@ -134,41 +130,16 @@ def _check_inputs(
         raise ValueError(f"the weights are on {qweight.device}, x on {x.device}")
 
 
-def _check_tiled(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    group_size: int,
-    g_idx: torch.Tensor | None,
-) -> None:
-    """A ``kernels.int4_gemv_cols.tile_qweight`` weight: only gemv_cols reads it (factored, no g_idx)."""
-    k, n = x.shape[1], scales.shape[-1]
-    if qweight.dtype != torch.int32 or not qweight.is_contiguous() or qweight.shape[1] * PACK != k:
-        raise ValueError(f"a tiled qweight must be contiguous int32 [tiles, {k // PACK}, block_n], got {qweight.shape}")
-    if qweight.shape[0] != -(-n // qweight.shape[2]):
-        raise ValueError(f"a tiled qweight {tuple(qweight.shape)} must have ceil(N / block_n) tiles for N={n}")
-    if g_idx is not None or group_size % PACK or k % group_size or x.shape[0] > GEMV_COLS_LIMIT_M:
-        raise ValueError(f"a tiled qweight runs gemv_cols only: no g_idx, group_size a multiple of {PACK}, M <= 8")
-    check_float("scales", scales)
-    if scales.shape != (k // group_size, n) or zeros.shape != scales.shape or zeros.dtype != torch.uint8:
-        raise ValueError(f"scales and zeros (uint8) must be [{k // group_size}, {n}]")
-    for name, t in (("scales", scales), ("zeros", zeros), ("qweight", qweight)):
-        if t.device != x.device or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be on {x.device} and contiguous along N")
-
-
 def int4_gemm(
     x: torch.Tensor,  # [M, K]
-    qweight: torch.Tensor,  # [K // 8, N] int32, or kernels.int4_gemv_cols.tile_qweight's [tiles, K // 8, block_n]
+    qweight: torch.Tensor,  # [K // 8, N] int32
     scales: torch.Tensor,  # [num_groups, N]
     zeros: torch.Tensor,  # [num_groups, N] uint8
     group_size: int,
     g_idx: torch.Tensor | None = None,  # [K] int32
     config: Int4GemmConfig | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`int4_gemm_ref`; ``[M, N]`` in ``x.dtype`` (fp32 accumulation). A tiled
-    ``qweight`` (3-D) runs gemv_cols with its tile width, whatever ``config.kernel`` says."""
+    """Triton version of :func:`int4_gemm_ref`; ``[M, N]`` in ``x.dtype`` (fp32 accumulation)."""
     require_triton("int4_gemm")
     _check_inputs(x, qweight, scales, zeros, group_size, g_idx)
     m, n = x.shape[0], scales.shape[1]
@@ -195,12 +166,6 @@ def int4_gemm(
             factored=None, loop=None,
         )  # fmt: skip
         return int4_gemm(x, qweight, scales, zeros, group_size, g_idx, user)
-    elif cfg.kernel == "gemv_cols":
-        int4_gemv_cols_launch(
-            x, qweight, scales, zeros, group_size, out,
-            block_n=cfg.block_n, rows=cfg.block_k // PACK, split_k=cfg.split_k, split_reduce=cfg.split_reduce,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, paired=cfg.paired_nibbles,
-        )  # fmt: skip
     elif cfg.kernel == "gemv":
         _launch_gemv(x, qweight, scales, zeros, group_size, g_idx, out, cfg, gated=False)
     else:
@@ -210,7 +175,7 @@ def int4_gemm(
 
 def int4_gemm_gated(
     x2: torch.Tensor,  # [M, 2K]: gate | up, as the MLP's gate_up projection writes them
-    qweight: torch.Tensor,  # [K // 8, N] int32, or a tiled [tiles, K // 8, block_n] (gemv_cols: not gated)
+    qweight: torch.Tensor,  # [K // 8, N] int32
     scales: torch.Tensor,  # [num_groups, N]
     zeros: torch.Tensor,  # [num_groups, N] uint8
     group_size: int,
@@ -219,11 +184,11 @@ def int4_gemm_gated(
 ) -> torch.Tensor:
     """Triton version of :func:`int4_gemm_gated_ref`: ``int4_gemm(silu_and_mul(x2), ...)``. Where the launch
     is the GEMV its programs compute the activation of the x they load (so the ``[M, K]`` activation is never
-    written); another kernel (tl.dot, gemv_cols) gets the activation from its own launch first."""
+    written); another kernel (tl.dot) gets the activation from its own launch first."""
     require_triton("int4_gemm_gated")
     check_float("x2", x2)
-    if qweight.dim() not in (2, 3):
-        raise ValueError(f"qweight must be int32 [K // {PACK}, N] (or tiled, 3-D), got {tuple(qweight.shape)}")
+    if qweight.dim() != 2:
+        raise ValueError(f"qweight must be int32 [K // {PACK}, N], got {tuple(qweight.shape)}")
     k = qweight.shape[-2] * PACK
     if x2.dim() != 2 or x2.shape[1] != 2 * k:
         raise ValueError(f"x2 must be [M, 2K] = [M, {2 * k}] (gate | up) for qweight's K={k}, got {tuple(x2.shape)}")
@@ -305,11 +270,9 @@ def _pick(
     g_idx: torch.Tensor | None,
     config: Int4GemmConfig | None,
 ) -> Int4Launch:
-    """``pick_config`` for ``x [M, K]`` (M, N >= 1) on x's device; a tiled (3-D) qweight forces gemv_cols."""
+    """``pick_config`` for ``x [M, K]`` (M, N >= 1) on x's device."""
     device_index = x.device.index if x.device.type == "cuda" and x.device.index is not None else 0
     user = config or Int4GemmConfig()
-    if qweight.dim() == 3:
-        user = replace(user, kernel="gemv_cols", block_n=qweight.shape[2])
     m, k = x.shape
     return pick_config(m, scales.shape[1], k, group_size, num_sms(device_index), user, g_idx is not None)
 

@@ -1,5 +1,5 @@
 """Launch choices of the W4A16 GEMM (``kernels.int4_gemm``): which kernel runs a shape (the GEMVs of
-``kernels.int4_gemv`` and ``kernels.int4_gemv_cols`` for a few rows, tl.dot tiles above) and its tiles,
+``kernels.int4_gemv`` and the tensor-core kernels for a few rows, tl.dot tiles above) and its tiles,
 split-K and reduction. The defaults are named constants; each comment says which H200 measurement set it,
 or which ``loadtest.int4_gemm_sweep`` row is to decide it.
 """
@@ -12,17 +12,12 @@ from functools import lru_cache
 import torch
 
 from kernels._triton import next_pow2
-from kernels.int4_config import Int4GemmConfig, Int4Launch, Kernel, SplitPolicy, SplitReduce, WgmmaLoop
+from kernels.int4_config import Int4GemmConfig, Int4Launch, Kernel, SplitReduce, WgmmaLoop
 from kernels.int4_dequant import PACK
 from kernels.int4_gemm_wgmma import check_tile
 from kernels.int4_gemv_mma import PERMUTE_SPAN
 
 GEMV_MAX_M = 4  # the default kernel is the GEMV up to this many rows (pick_config says why)
-# Which GEMV runs up to GEMV_MAX_M rows: "gemv" (kernels.int4_gemv, measured) or "gemv_cols"
-# (kernels.int4_gemv_cols, not yet measured on a GPU). Decided by loadtest.int4_gemm_sweep's "best per shape"
-# table at M = 1..4 (rows "gemv" against "cols ..."): switch once "cols" wins on all four 8B shapes (and
-# GEMV_MAX_M to 8 if it also beats "fused", tl.dot there, at M = 8).
-GEMV_KERNEL: Kernel = "gemv"
 # The factored GEMV's codes as subnormals (kernels.int4_gemv.subnormal: an and per weight) instead of as
 # 1 + code / 16 (a shift and an and-or) everywhere, not only on wide layers (GEMV_WIDE_N): H200 at 5da38c4,
 # M = 1, sweep row "gemv sub" against "gemv": qkv 9.5 vs 8.9 us, o 7.6 vs 7.3, down 16.5 vs 16.5, gate_up 28.0
@@ -48,16 +43,9 @@ GEMV_PROGRAMS_PER_SM = 4  # GEMV split-K target: enough programs per SM to keep 
 # down (N <= 6144) that tile lost 0.3-0.7 us to the default and subnormal codes alone lost 0-0.6 us.
 GEMV_WIDE_N = 16384
 GEMV_WIDE_TILE = (256, 1, 16)
-# gemv_cols split-K target (sweep rows "cols pps1/2/4"): fewer, longer programs than the GEMV's, since each
-# split costs a reduction round trip (atomic + arrival counter) at the end of its program
-GEMV_COLS_PROGRAMS_PER_SM = 2
-# gemv_cols split policy (sweep rows "cols balance ..." against "cols" and "cols pps4"): "fill" can leave
-# some SMs one program more than others (qkv at M = 1: 192 programs on 132 SMs); "balance" minimizes the
-# busiest SM's K tiles, often one program per SM (qkv 132, o 128, down 128, gate_up 112 at M = 1)
-GEMV_COLS_SPLIT: SplitPolicy = "fill"
-BALANCE_PROGRAM_COST = 0.5  # "balance": a program's fixed cost (prologue, reduction) in K tiles
-GEMV_COLS_STAGES = 2  # gemv_cols pipeline: the next tile's words in flight (sweep rows "cols stages1/3")
-GEMV_COLS_LIMIT_M = 8  # gemv_cols holds [M, BLOCK_N] sums and products per thread
+# A second decode GEMV, gemv_cols (each thread owning whole columns, ~3.2 instructions a weight), lost to the GEMV
+# at M = 1-2 by 1.1-1.4x on the H200 (docs/benchmarks.md, 2026-12-01) and to the MMA kernel at 2-16 since; it was
+# removed in Session 28.
 # kernels.int4_gemv_mma (Gluon, tensor cores): the default kernel at MMA_M rows. At M = 2-8 (H200, Session 23;
 # us for qkv / o / gate_up / down) M = 2: 10.1 / 7.8 / 29.9 / 17.0 against the GEMV's 13.6 / 9.5 / 44.3 / 24.0, M = 8:
 # 10.2 / 9.2 / 30.7 / 17.6 against tl.dot's 16.4 / 12.6 / 60.8 / 32.5. At M = 1 the GEMV stays (23.5 against 29.2 on
@@ -110,7 +98,7 @@ def default_kernel(m: int) -> Kernel:
         return "mma"
     if WGMMA_M[0] <= m <= WGMMA_M[1]:
         return "wgmma"
-    return GEMV_KERNEL if m <= GEMV_MAX_M else "dot"
+    return "gemv" if m <= GEMV_MAX_M else "dot"
 
 
 def pick_config(
@@ -129,7 +117,7 @@ def pick_config(
     if kernel == "mma" and user.split_reduce == "counter":  # a deterministic sum: the MMA has atomics only
         if user.kernel == "mma":
             raise ValueError("the mma kernel sums split-K with atomics only (split_reduce='atomic' or None)")
-        kernel = GEMV_KERNEL if m <= GEMV_MAX_M else "dot"
+        kernel = "gemv" if m <= GEMV_MAX_M else "dot"
     if kernel == "mma" and (has_g_idx or group_size % PERMUTE_SPAN):
         kernel = "gemv" if m <= GEMV_LIMIT_M else "dot"  # act-order, odd groups: what the MMA can't run
     if kernel == "mma":
@@ -142,64 +130,9 @@ def pick_config(
         kernel = "dot"
     if kernel == "wgmma":
         return _pick_wgmma(m, n, k, group_size, num_sms, user)
-    if kernel == "gemv_cols" and (has_g_idx or group_size % PACK):
-        kernel = "gemv"  # the exact dequantization (g_idx, groups narrower than a word) is the GEMV's
-    if kernel == "gemv_cols":
-        return _pick_gemv_cols(m, n, k, group_size, num_sms, user)
     if kernel == "gemv":
         return _pick_gemv(m, n, k, group_size, num_sms, user, has_g_idx)
     return _pick_dot(m, n, k, group_size, num_sms, user)
-
-
-def _split_for(tiles: int, k_tiles: int, programs_per_sm: int, num_sms: int, policy: SplitPolicy) -> int:
-    """Split-K giving about ``programs_per_sm * num_sms`` programs ("fill"), at most one per K tile; or
-    ("balance") the split of at most ``programs_per_sm`` programs per SM whose busiest SM has the least
-    work: ``ceil(programs / num_sms) * (K tiles per program + BALANCE_PROGRAM_COST)``, ties to more programs."""
-    if policy == "fill":
-        return max(1, min(k_tiles, -(-programs_per_sm * num_sms // tiles)))
-    best: tuple[float, int] | None = None
-    for per_program in range(1, k_tiles + 1):
-        split = -(-k_tiles // per_program)
-        per_sm = -(-tiles * split // num_sms)
-        if per_sm > programs_per_sm:
-            continue
-        cost = per_sm * (per_program + BALANCE_PROGRAM_COST)
-        if best is None or (cost, -split) < (best[0], -best[1]):
-            best = (cost, split)
-    return best[1] if best is not None else 1
-
-
-# gemv_cols by block_m: (block_n, word rows per tile, num_warps, paired nibbles), from the sm_90 compile
-# (ptxas of the Triton wheel, group 128): 8 columns per thread (BLOCK_N / 32 / num_warps; 4 at M = 8) so
-# each activation's load, conversion and sum serve 8 columns; rows shrink with M so the [M, columns] sums and
-# the tile's activations stay in registers. Loop instructions per weight and row, registers: M = 1 3.2, 64
-# (unpaired 3.6, 56); M = 2 2.44, 128 (2.8, 72); M = 4 unpaired 2.22, 168 (paired 2.15 but 254); M = 8
-# unpaired 2.52, 168 (block_n 512 with 2 rows: 2.71). The old GEMV: 5.2, 2.8, 2.3, 2.75. Unmeasured on a GPU:
-# the sweep rows "cols bn512", "cols bn512 w2", "cols w2", "cols bk32", "cols bk128", "cols paired" and
-# "cols unpaired" each change one field of an entry.
-_GEMV_COLS_TILES = {1: (1024, 8, 4, True), 2: (1024, 8, 4, True), 4: (1024, 4, 4, False), 8: (256, 4, 2, False)}
-
-
-def _pick_gemv_cols(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:
-    """Tiles from _GEMV_COLS_TILES; each tile inside one group (rows halved until 8 * rows divides it);
-    split-K by GEMV_COLS_SPLIT with GEMV_COLS_PROGRAMS_PER_SM; GEMV_COLS_STAGES."""
-    if m > GEMV_COLS_LIMIT_M:
-        raise ValueError(f"gemv_cols holds all M rows in registers: M={m} > {GEMV_COLS_LIMIT_M}")
-    block_m = next_pow2(m)
-    bn, rows, warps, paired = _GEMV_COLS_TILES[block_m]
-    bn = user.block_n or bn
-    rows = (user.block_k or PACK * rows) // PACK
-    while group_size % (PACK * rows):
-        rows //= 2  # group_size is a multiple of PACK: ends at 1 at the latest
-    pps = user.programs_per_sm or GEMV_COLS_PROGRAMS_PER_SM
-    tiles, k_tiles = -(-n // bn), k // (PACK * rows)
-    split = user.split_k or _split_for(tiles, k_tiles, pps, num_sms, user.split_policy or GEMV_COLS_SPLIT)
-    split = -(-k_tiles // -(-k_tiles // split))  # what runs: whole tiles per program (aliases compare equal)
-    return Int4Launch(
-        "gemv_cols", block_m, bn, PACK * rows, split, _reduce(user, m, split), user.num_warps or warps,
-        user.num_stages or GEMV_COLS_STAGES, unpack_in_registers=False, factored=True,
-        paired_nibbles=paired if user.paired_nibbles is None else user.paired_nibbles,
-    )  # fmt: skip
 
 
 def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:

@@ -130,7 +130,6 @@ def bench_case(
     device: torch.device,
     reps: int,
     with_dequant: bool = True,
-    once: set[str] | None = None,
 ) -> dict[str, Any]:
     """Every variant of both paths at this M: checked against the reference, then timed (GPU), and the
     dequantization alone; reference time (CPU)."""
@@ -138,7 +137,7 @@ def bench_case(
     x = torch.randn(m, k, dtype=dtype, device=device)
     ref = int4_gemm_ref(x, **w0, group_size=GROUP_SIZE)
     row: dict[str, Any] = {"layer": shape.name, "m": m, "n": n, "k": k, "us": {}, "err": {}}
-    time_fused_variants(row, shape, x, ref, reps, once)
+    time_fused_variants(row, shape, x, ref, reps)
     weights = shape.weights if m < PREFILL[0] else shape.weights[:2]  # prefill is compute bound: no L2 games
     time_it = timer(device)
     for v in DEQUANT_VARIANTS if with_dequant else ():
@@ -194,13 +193,12 @@ def bench_gemm(args: argparse.Namespace, device: torch.device) -> list[dict[str,
     m_values = args.m or (M_VALUES_TINY if args.tiny else M_VALUES)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     rows = []
-    once: set[str] | None = set() if args.tiny else None  # the CPU smoke run: each "cols" variant in one row
     for name, n, k in shapes:
         shape = make_shape(name, n, k, dtype, device)
         exact = {} if args.skip_dequant else dequant_exact(shape)
         for m in m_values:
             reps = args.reps if m < PREFILL[0] else max(3, args.reps // 4)
-            row = bench_case(shape, m, dtype, device, reps, with_dequant=not args.skip_dequant, once=once)
+            row = bench_case(shape, m, dtype, device, reps, with_dequant=not args.skip_dequant)
             row["dequant_exact"] = exact
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -251,10 +249,6 @@ def check_graph_replay(device: torch.device) -> dict[str, float]:
         return int4_dequant_linear(x, w["qweight"], w["scales"], w["zeros"], GROUP_SIZE, scratch=scratch)
 
     errors[f"{DEQUANT} M=256"] = _replay_error(dequant_linear, x, w)
-    cols = Int4GemmConfig(kernel="gemv_cols")
-    for m in (1, 4):
-        x = torch.zeros(m, 14336, dtype=torch.bfloat16, device=device)
-        errors[f"gemv_cols M={m}"] = _replay_error(partial(int4_gemm, **w, group_size=GROUP_SIZE, config=cols), x, w)
     return errors
 
 

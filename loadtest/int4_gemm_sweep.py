@@ -3,8 +3,7 @@ launch choices, the GEMVs' among them), each checked against the torch reference
 cycling through weight copies that overflow the L2; and the GEMV table: per M = 1..16, per variant and shape,
 µs, GB/s (packed weights + scales + zeros + activations + output, once) and the fraction of the copy
 bandwidth measured in the same run, plus the best variant per shape. The table decides
-``kernels.int4_plan``'s GEMV defaults (GEMV_KERNEL, GEMV_COLS_PROGRAMS_PER_SM, _GEMV_COLS_TILES): its rows
-are named after the variants below.
+``kernels.int4_plan``'s small-M defaults: its rows are named after the variants below.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import torch
 from kernels.int4_config import Int4GemmConfig, Int4Launch
 from kernels.int4_dequant import DequantScratch, pack_int4
 from kernels.int4_gemm import int4_gemm
-from kernels.int4_gemv_cols import tile_qweight
 from kernels.int4_plan import pick_config
 from loadtest.int4_model import GROUP_SIZE
 from loadtest.int4_stats import DEQUANT, FUSED
@@ -38,22 +36,18 @@ GEMV_TABLE_M = (1, 2, 4, 8, 16)
 
 @dataclass(frozen=True)
 class Variant:
-    """``Int4GemmConfig`` fields, run at ``m_range[0] <= M <= m_range[1]``; ``tiled``: on weights repacked
-    by ``tile_qweight`` (gemv_cols only; the engine does not repack, this measures whether it should)."""
+    """``Int4GemmConfig`` fields, run at ``m_range[0] <= M <= m_range[1]``."""
 
     name: str
     fields: dict[str, Any] = field(default_factory=dict)
     m_range: tuple[int, int] = (1, 1 << 30)
-    tiled: bool = False
 
 
 WG8 = {"kernel": "wgmma", "loop": "async", "block_n": 128, "num_warps": 8}
-COLS = {"kernel": "gemv_cols"}
 SUB = {"kernel": "gemv", "subnormal": True}
 # the defaults (kernels.int4_plan.pick_config) and the alternatives that came close in the H200 run at 7f8955d
 # or were the defaults before it; where one is the default's launch at an M it is timed once, as an alias.
-# "cols ...": kernels.int4_gemv_cols (unmeasured): its tiles, split-K target, pipeline depth, reduction and
-# weight layout, each changed alone from its default
+# (The "cols ..." rows went with kernels.int4_gemv_cols in Session 28: none beat the GEMV at M = 1-2.)
 VARIANTS = [
     Variant(FUSED),  # int4_gemm's default launch at M
     Variant("gemv", {"kernel": "gemv"}, DECODE),  # on wide layers at M = 1: the "gemv sub w1 pps16" tile
@@ -79,28 +73,6 @@ VARIANTS = [
         {"kernel": "gemv", "subnormal": False, "block_n": 256, "num_warps": 4, "programs_per_sm": 4},
         (1, 1),
     ),
-    Variant("cols", COLS, (1, 8)),
-    Variant("cols tiled", COLS, (1, 8), tiled=True),
-    Variant("cols pps1", {**COLS, "programs_per_sm": 1}, (1, 8)),
-    Variant("cols pps4", {**COLS, "programs_per_sm": 4}, (1, 8)),
-    Variant("cols tiled pps4", {**COLS, "programs_per_sm": 4}, (1, 8), tiled=True),
-    Variant("cols counter", {**COLS, "split_reduce": "counter"}, (1, 8)),
-    Variant("cols balance", {**COLS, "split_policy": "balance"}, (1, 8)),  # ~1 program per SM, even work
-    Variant("cols balance pps4", {**COLS, "split_policy": "balance", "programs_per_sm": 4}, (1, 8)),
-    Variant("cols balance stages3", {**COLS, "split_policy": "balance", "num_stages": 3}, (1, 4)),
-    Variant("cols tiled balance", {**COLS, "split_policy": "balance"}, (1, 8), tiled=True),
-    Variant("cols stages1", {**COLS, "num_stages": 1}, (1, 4)),
-    Variant("cols stages3", {**COLS, "num_stages": 3}, (1, 4)),
-    Variant("cols bn512", {**COLS, "block_n": 512}, (1, 4)),  # 4 columns per thread
-    Variant("cols bn512 w2", {**COLS, "block_n": 512, "num_warps": 2}, (1, 2)),  # 8 columns, 64 threads
-    Variant("cols bk128", {**COLS, "block_k": 128}, (1, 1)),  # a whole group per tile
-    Variant("cols bk32", {**COLS, "block_k": 32}, (1, 2)),
-    Variant("cols bk32 pps4", {**COLS, "block_k": 32, "programs_per_sm": 4}, (1, 2)),  # more, shorter programs
-    Variant("cols w2", {**COLS, "num_warps": 2}, (1, 1)),  # 16 columns per thread
-    Variant("cols bn2048 w8", {**COLS, "block_n": 2048, "num_warps": 8}, (1, 2)),  # 8 warps, 8 columns each
-    Variant("cols balance bn2048 w8", {**COLS, "split_policy": "balance", "block_n": 2048, "num_warps": 8}, (1, 2)),
-    Variant("cols unpaired", {**COLS, "paired_nibbles": False}, (1, 2)),  # one shift per nibble
-    Variant("cols paired", {**COLS, "paired_nibbles": True}, (4, 8)),
     # kernels.int4_gemv_mma (Gluon, tensor cores): its default launch at every M up to 8, then one field changed each
     # (H200, Session 23; removed: 512 columns, 8 programs per SM, vector loads, the next tile loaded ahead)
     Variant("mma", {"kernel": "mma"}, (1, 256)),  # above 8 rows: block_m up to 64, dequantized weights from 16
@@ -154,28 +126,23 @@ VARIANTS = [
 # these (a short device call that times one family against the default)
 ONLY = tuple(p for p in os.environ.get("INT4_SWEEP_ONLY", "").split(",") if p)
 
-Resolved = tuple[Int4GemmConfig, int | None]  # the config and, for a tiled variant, its tile width
 
-
-def variants_at(m: int, n: int, k: int, num_sms: int) -> tuple[dict[str, Resolved], dict[str, str]]:
+def variants_at(m: int, n: int, k: int, num_sms: int) -> tuple[dict[str, Int4GemmConfig], dict[str, str]]:
     """The variants that run at this shape, one per distinct launch ("fused" first), and the aliases
     dropped (name -> the variant with the same launch)."""
-    launches: dict[tuple[Int4Launch, bool], str] = {}
-    configs: dict[str, Resolved] = {}
+    launches: dict[Int4Launch, str] = {}
+    configs: dict[str, Int4GemmConfig] = {}
     aliases = {}
     for v in VARIANTS:
         if not v.m_range[0] <= m <= v.m_range[1] or (ONLY and v.name != FUSED and not v.name.startswith(ONLY)):
             continue
         cfg = Int4GemmConfig(**v.fields)
         launch = pick_config(m, n, k, GROUP_SIZE, num_sms, cfg)
-        if v.tiled and launch.kernel != "gemv_cols":
-            continue
-        key = (launch, v.tiled)
-        if key in launches:
-            aliases[v.name] = launches[key]
+        if launch in launches:
+            aliases[v.name] = launches[launch]
         else:
-            launches[key] = v.name
-            configs[v.name] = (cfg, launch.block_n if v.tiled else None)
+            launches[launch] = v.name
+            configs[v.name] = cfg
     return configs, aliases
 
 
@@ -197,9 +164,8 @@ def int4_bytes(m: int, n: int, k: int, elem: int = 2) -> int:
 
 @dataclass
 class ShapeData:
-    """One layer shape's weights on the device: int4 copies and dense bf16 copies (GPU only) to cycle, the
-    int4 copies tiled for gemv_cols (made on first use, per tile width); the dequantization's buffers (one,
-    as in the engine: every weight copy is dequantized into it)."""
+    """One layer shape's weights on the device: int4 copies and dense bf16 copies (GPU only) to cycle; the
+    dequantization's buffers (one, as in the engine: every weight copy is dequantized into it)."""
 
     name: str
     n: int
@@ -208,12 +174,6 @@ class ShapeData:
     dense: list[torch.Tensor]
     scratch: DequantScratch
     kn_buffer: torch.Tensor  # [K, N]
-    tiled: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
-
-    def tiled_weights(self, block_n: int) -> list[dict[str, torch.Tensor]]:
-        if block_n not in self.tiled:
-            self.tiled[block_n] = [{**w, "qweight": tile_qweight(w["qweight"], block_n)} for w in self.weights]
-        return self.tiled[block_n]
 
 
 def make_shape(name: str, n: int, k: int, dtype: torch.dtype, device: torch.device) -> ShapeData:
@@ -256,24 +216,14 @@ def _fused(cfg: Int4GemmConfig, x: torch.Tensor, w: dict[str, torch.Tensor]) -> 
     return int4_gemm(x, **w, group_size=GROUP_SIZE, config=cfg)
 
 
-def time_fused_variants(
-    row: dict[str, Any], shape: ShapeData, x: torch.Tensor, ref: torch.Tensor, reps: int, once: set[str] | None = None
-) -> None:
-    """Every fused variant that runs at ``row``'s M, checked and timed into ``row`` (aliases listed). ``once``
-    (the CPU smoke run): the "cols" variants named there already ran in an earlier row and are left out; the
-    ones that run here are added (under the interpreter they were 60 % of the run; tests/kernels/
-    test_int4_gemv_cols.py checks the kernel's variants on every shape)."""
+def time_fused_variants(row: dict[str, Any], shape: ShapeData, x: torch.Tensor, ref: torch.Tensor, reps: int) -> None:
+    """Every fused variant that runs at ``row``'s M, checked and timed into ``row`` (aliases listed)."""
     m = x.shape[0]
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
     configs, row["aliases"] = variants_at(m, shape.n, shape.k, num_sms)
     weights = shape.weights if m < PREFILL[0] else shape.weights[:2]  # prefill is compute bound: no L2 games
-    for name, (cfg, tile_n) in configs.items():
-        if once is not None and name.startswith("cols"):
-            if name in once:
-                continue
-            once.add(name)
-        ws = weights if tile_n is None else shape.tiled_weights(tile_n)[: len(weights)]
-        check_and_time(row, name, partial(_fused, cfg), x, ref, ws, reps)
+    for name, cfg in configs.items():
+        check_and_time(row, name, partial(_fused, cfg), x, ref, weights, reps)
 
 
 def gemv_table(rows: list[dict[str, Any]], copy_tb_s: float | None) -> list[str]:

@@ -85,7 +85,7 @@ def int4_weights(
 
 
 # Compiles a split-K kernel for sm_90 (no GPU needed) with the launcher's specialization of 16-aligned
-# pointers and sizes, and prints its TTGIR: argv = kernel ("gemv" | "gemv_cols" | "dot" | "dense" | "mlp"), constexprs (JSON),
+# pointers and sizes, and prints its TTGIR: argv = kernel ("gemv" | "dot" | "dense" | "mlp"), constexprs (JSON),
 # num_warps.
 _COMPILE_SM90 = """
 import json, sys
@@ -94,12 +94,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.int4_gemm import _int4_gemm_kernel
 from kernels.int4_gemv import _int4_gemv_kernel
-from kernels.int4_gemv_cols import _int4_gemv_cols_kernel
 from kernels.gemv import _gemv_kernel
 from kernels.int4_mlp import _int4_mlp_kernel
 
-kernel = {"gemv": _int4_gemv_kernel, "gemv_cols": _int4_gemv_cols_kernel, "dot": _int4_gemm_kernel,
-          "dense": _gemv_kernel, "mlp": _int4_mlp_kernel}[sys.argv[1]]
+kernel = {"gemv": _int4_gemv_kernel, "dot": _int4_gemm_kernel, "dense": _gemv_kernel,
+          "mlp": _int4_mlp_kernel}[sys.argv[1]]
 names = kernel.arg_names
 fused_norm_off = {"NORMED": False, "PARTS": 1, "ADD_RESIDUAL": False, "PDL": False, "TRIGGER": False}  # fused_norm's switches, no PDL
 constexprs = {**{a: v for a, v in fused_norm_off.items() if a in names}, **json.loads(sys.argv[2])}
@@ -117,7 +116,7 @@ print(compiled.asm["ttgir"])
 
 
 def ttgir_sm90(kernel: str, constexprs: dict[str, object], num_warps: int) -> str:
-    """The TTGIR of ``kernel`` ("gemv" | "gemv_cols" | "dot", the int4 GEMMs; "dense", ``kernels.gemv``; "mlp",
+    """The TTGIR of ``kernel`` ("gemv" | "dot", the int4 GEMMs; "dense", ``kernels.gemv``; "mlp",
     ``kernels.int4_mlp``) compiled
     for sm_90; ``kernels.fused_norm``'s switches and PDL default to off."""
     return run_without_interpreter(_COMPILE_SM90, kernel, json.dumps(constexprs), str(num_warps))

@@ -93,9 +93,8 @@ def test_gated_gemv_is_the_gemv_of_the_activation(
     [
         (3, Cfg(kernel="dot")),
         (5, None),  # above GEMV_MAX_M: tl.dot by default
-        (2, Cfg(kernel="gemv_cols", block_n=16, num_warps=1)),
     ],
-    ids=["dot", "default-m5", "gemv_cols"],
+    ids=["dot", "default-m5"],
 )
 @pytest.mark.parametrize("strided", [False, True])
 def test_other_kernels_run_the_activation_first(

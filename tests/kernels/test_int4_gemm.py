@@ -89,21 +89,15 @@ CASES = [
     (3, 2 * K, 40, K, False, Cfg(kernel="gemv", subnormal=True, split_reduce="counter")),  # channel-wise
     (2, K, 256, 64, False, Cfg(kernel="gemv", subnormal=True, split_k=2)),  # unmasked loads
     (2, K, N, 32, True, Cfg(kernel="gemv", subnormal=True)),  # g_idx: exact, subnormal ignored
-    # gemv_cols (tiny block_n: several column tiles, an N tail)
-    (1, K, N, 32, False, Cfg(kernel="gemv_cols", block_n=32, num_warps=1)),  # split-K picked, atomic
-    (2, K, 64, K, False, Cfg(kernel="gemv_cols", block_n=64, split_k=1, num_warps=2)),  # channel-wise, no split
-    (3, 2 * K, 40, 64, False, Cfg(kernel="gemv_cols", block_n=16, block_k=32, split_k=3, split_reduce="counter")),
-    (8, 192, N, 96, False, Cfg(kernel="gemv_cols", block_n=32, split_k=2)),  # group 96: 4-row tiles
-    (4, K, N, 32, True, Cfg(kernel="gemv_cols")),  # g_idx: falls back to the GEMV's exact path
 ]
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-# Each case at one dtype, DTYPES[i % 3] down the list: every kernel (tl.dot, the GEMV, its subnormal codes,
-# gemv_cols) meets every dtype in three or more of its cases; a config's tiling, split and reduction are the same
-# code at each dtype (the full product: 96 cases, 3x the interpreter time for no path these 32 miss).
+# Each case at one dtype, DTYPES[i % 3] down the list: every kernel (tl.dot, the GEMV, its subnormal codes) meets
+# every dtype in at least one of its cases; a config's tiling, split and reduction are the same code at each dtype
+# (the full product: 3x the interpreter time for no path these miss).
 @pytest.mark.parametrize(
     ("dtype", "m", "k", "n", "group_size", "act_order", "config"),
     [(DTYPES[i % 3], *case) for i, case in enumerate(CASES)],
@@ -130,7 +124,7 @@ def test_triton_matches_reference(
 
 
 @pytest.mark.parametrize("split_reduce", ["counter", "atomic"])
-@pytest.mark.parametrize("kernel", ["gemv", "gemv_cols", "dot"])
+@pytest.mark.parametrize("kernel", ["gemv", "dot"])
 def test_in_kernel_split_leaves_its_scratch_zeroed(kernel: str, split_reduce: str, gen: torch.Generator) -> None:
     """The arrival counters (and the atomic accumulator) are shared by every call and every captured graph:
     each launch must hand them back zeroed, and a second call gives the same result."""
@@ -151,10 +145,6 @@ _GEMV_ATOMIC = {
     "GROUP_SIZE": 128, "HAS_G_IDX": False, "FACTORED": True, "ONE_GROUP_PER_TILE": True, "SUBNORMAL": False, "BLOCK_M": 4,
     "BLOCK_N": 256, "BLOCK_K": 32, "NUM_STAGES": 2, "SPLIT_MODE": 2, "SPLIT_CHUNK": 1, "EVEN": True, "GATED": False,
 }  # fmt: skip
-_COLS_ATOMIC = {
-    "GROUP_SIZE": 128, "BLOCK_M": 8, "BLOCK_N": 256, "ROWS": 4, "NUM_STAGES": 2, "SPLIT_MODE": 2,
-    "SPLIT_CHUNK": 1, "EVEN_N": True, "PAIRED": False,
-}  # fmt: skip
 _DOT_ATOMIC = {
     "GROUP_SIZE": 128, "HAS_G_IDX": False, "ONE_GROUP_PER_TILE": True, "BLOCK_M": 128, "BLOCK_N": 128,
     "BLOCK_K": 64, "UPCAST": False, "DOT_PRECISION": "tf32", "UNPACK_IN_REGISTERS": False, "SPLIT_MODE": 2,
@@ -164,8 +154,8 @@ _DOT_ATOMIC = {
 
 @pytest.mark.parametrize(
     ("kernel", "constexprs", "num_warps"),
-    [("gemv", _GEMV_ATOMIC, 4), ("gemv_cols", _COLS_ATOMIC, 2), ("dot", _DOT_ATOMIC, 8)],
-    ids=["gemv-4x256", "gemv_cols-8x256", "dot-128x128"],
+    [("gemv", _GEMV_ATOMIC, 4), ("dot", _DOT_ATOMIC, 8)],
+    ids=["gemv-4x256", "dot-128x128"],
 )
 def test_atomic_split_reads_every_sum_before_zeroing_it(
     kernel: str, constexprs: dict[str, object], num_warps: int

@@ -90,7 +90,8 @@
 #                     then its time for 32 layers against their floor, the LM head, the engine's batch-1 TPOT) at the
 #                     tiles of each JSON word of DS_TILES (default: five; Session 27 measured the prefetch, stages,
 #                     unrolling and widths, Session 28 the subnormal codes, a nanosleep between polls and register
-#                     caps; now 128-column tiles, one program an SM), each with a traced
+#                     caps; now 32 partitions (attention's 128 tasks leave half of 264 programs idle) and
+#                     128-column tiles), each with a traced
 #                     launch's summary (loadtest.decode_step_trace: where its programs' time went)
 #   stage dm (~4 min): the int4 model's batch-1 TPOT with the one-launch step in the engine (int4_model variants
 #                     step and stepphases, the phase-wide waits) beside the default and bf16, one process
@@ -172,8 +173,8 @@ elif [ "$stage" = ds ]; then
   # shellcheck disable=SC2086  # DS_TILES is a list of JSON words
   # a persistent kernel that deadlocks would hold the call to its limit: the bench gets 5.5 minutes
   timeout -k 10 330 python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
-    --tiles ${DS_TILES:-'{}' '{"fine_deps":false}' '{"tn":128,"splits":[4,8,1,8]}' \
-    '{"tn":128,"splits":[4,8,1,8],"num_stages":3}' '{"programs_per_sm":1}'} 2>&1 \
+    --tiles ${DS_TILES:-'{}' '{"fine_deps":false}' '{"parts":32}' '{"tn":128,"splits":[4,8,1,8]}' \
+    '{"tn":128,"splits":[4,8,1,8],"parts":32}'} 2>&1 \
     | grep -v '^{"shape"' | tail -100 \
     || echo "decode_step_bench FAILED or timed out"
 elif [ "$stage" = dm ]; then

@@ -62,6 +62,8 @@ def bench_model(args: argparse.Namespace, device: torch.device, quantized: bool)
         dtype="float32" if args.tiny else "bfloat16",
         enforce_eager=args.enforce_eager,
         num_gpu_blocks_override=256 if args.tiny else None,
+        # room for the largest batch asked for (the engine's default of 256 refused 512)
+        max_num_seqs=max(256, *(getattr(args, "batches", None) or [0])),
     )
     engine = Engine(engine_args.create_engine_config())
     freeze_heap()  # as engine.LLM does (deploy.gc_heap); thawed below, before the next model

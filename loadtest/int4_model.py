@@ -115,8 +115,9 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     "nomma": {"kernels.int4_plan:MMA_M": (1 << 30, 1 << 30)},  # the GEMV and tl.dot at M = 2-8, as before 6b4189b
     # the MMA kernel to 8 rows, tl.dot to 64, dequantization + cuBLAS above: the defaults before 2026-12-04 night
     "mma8": {"kernels.int4_plan:MMA_M": (2, 8), "kernels.int4_plan:WGMMA_M": (1 << 30, 1 << 30)},
-    # the wgmma GEMM to 512 rows (no dequantization + cuBLAS below 513), with its default tile, then with the async
-    # K loop and two warpgroups a program (Session 26, not yet measured)
+    # the wgmma GEMM to 512 rows (no dequantization + cuBLAS below 513), with its default tile (not yet measured),
+    # then with the async K loop and two warpgroups a program (Session 28: 1.43x / 1.76x the defaults' TPOT at
+    # batches 256 / 512)
     "wg512": {"kernels.int4_plan:WGMMA_M": (17, 512)},
     "wg512async": {
         "kernels.int4_plan:WGMMA_M": (17, 512),

@@ -37,15 +37,15 @@ class StepShape:
 
 @dataclass(frozen=True)
 class StepTiles:
-    """Launch choices (swept on the H200 in Sessions 27-28, docs/benchmarks.md): ``tn`` output columns a GEMV task, ``bk`` k's a loop step (dividing
-    the group), ``parts`` attention partitions a KV head (the context split over them), ``bt`` keys a step of their
-    loops, ``num_stages`` loads in flight in both loops, programs per SM, and K split over ``splits`` tasks per
-    projection (qkv, o, gate_up, down)."""
+    """Launch choices (swept on the H200 in Sessions 27-28, docs/benchmarks.md): ``tn`` output columns a GEMV
+    task, ``bk`` k's a loop step (dividing the group), ``parts`` attention partitions a KV head (the context split
+    over them), ``bt`` keys a step of their loops, ``num_stages`` loads in flight in both loops, programs per SM, and
+    K split over ``splits`` tasks per projection (qkv, o, gate_up, down)."""
 
     # first guessed from the byte counts (64 columns x 128 k's of int4 is 4 KB a load, 4 in flight a program, 2
-    # programs an SM; splits give every phase ~200 tasks); none of 8 stages, 32 columns, 32 partitions, 3-4
-    # programs an SM under a register cap, or 128 columns at 4096 tokens has beaten them since
-    # (loadtest.decode_step_bench --tiles re-checks them)
+    # programs an SM; splits give every phase ~200 tasks). 8 stages, 32 columns and 3-4 programs an SM under a
+    # register cap lost to them; 32 partitions won 5-7 % at Session 27's code, and 128 columns won at 128 tokens
+    # and lost at 4096 with the subnormal codes: both are to be measured again (stage ds)
     tn: int = 64
     bk: int = 128
     num_stages: int = 4

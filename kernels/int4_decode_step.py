@@ -44,8 +44,8 @@ from kernels.int4_gemv import _split8, nibble
 
 QKV, ATTN, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3, 4  # task kinds, in a layer's phase order
 TASK_FIELDS = 6  # kind, layer, index, wait slot, wait target, done slot
-# a layer's row of the pointer table: qweight, scales, zeros of qkv, o, gate_up, down (offsets in elements from the
-# kernel's three bases); the two norm weights and the cache (addresses)
+# a layer's row of the pointer table: qweight, scales, zeros of qkv, o, gate_up, down and the KV cache (offsets in
+# elements from the kernel's four bases); the two norm weights (addresses)
 IN_NORM, POST_NORM, KV_CACHE = 12, 13, 14
 PTR_FIELDS = 15
 # TRACE's row a task: globaltimer ns at the top of its iteration, after the claim, after its wait,
@@ -109,9 +109,9 @@ def _ptr(ptrs_ptr, layer, field, dtype: tl.constexpr):
 
 @triton.jit
 def _wptr(ptrs_ptr, layer, field, base):
-    """A layer's weight array: ``base`` (a kernel argument, so 16-byte aligned as Triton specializes it) plus the
+    """A layer's weight array or KV cache: ``base`` (a kernel argument, so 16-byte aligned as Triton specializes it) plus the
     table's offset in elements, a multiple of 16 bytes (``Int4DecodeStep`` checks it). Triton then knows the
-    rows' alignment and copies the words 16 bytes a thread, which it cannot for a pointer read from memory."""
+    rows' alignment and copies them 16 bytes a thread, which it cannot for a pointer read from memory."""
     off = tl.load(ptrs_ptr + layer * _PTR_FIELDS + field)
     return base + tl.multiple_of(off, 128 // base.dtype.element_ty.primitive_bitwidth)
 

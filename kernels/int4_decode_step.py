@@ -7,7 +7,8 @@ kernels are the rest. Here a grid of programs walks one task table (``kernels.in
 a counter of the tasks before it (the whole phase before, or only those writing its inputs), does its part and
 counts itself in. Each layer has five phases:
 
-- QKV: ``TN`` columns of qkv_proj over the residual stream ``h``, normalized as it is loaded (input_layernorm);
+- QKV: ``TN`` columns of qkv_proj over the residual stream ``h`` normalized (input_layernorm; late, as
+  :func:`_gemv_task` says);
 - ATTN: one KV head and one of its ``P_MAX`` partitions of the positions (as long as the context asks, in whole
   ``BT``-key tiles, so every partition has work): its query heads and the new key rotated (neox), the
   scores over the cached keys and the new one, an online softmax. The partition holding the new token stores its
@@ -26,8 +27,10 @@ one, and no program waits forever, whatever the grid and however many programs a
 readers through the L2: the producer's barrier and release add, the consumer's acquire, and ``.cg`` loads. The
 last program to finish zeroes the counters for the next launch (CUDA graph replays). Under the interpreter (one program) the tasks run in table order.
 
-The arithmetic is the engine's, rounding where it rounds: ``kernels.fused_norm.normalize``, the GEMV's factored
-int4 tile (``kernels.int4_gemv``), ``kernels.activation.silu_mul``, the residual adds in x's dtype. On the H200
+The arithmetic is the engine's: the GEMV's factored int4 tile (``kernels.int4_gemv``),
+``kernels.activation.silu_mul``, the residual adds in x's dtype. The norms round elsewhere: the stream times the
+norm's weight rounds to x's dtype, and ``1 / rms`` scales the fp32 sums (the engine rounds the stream times
+``1 / rms``, then that times the weight). On the H200
 (docs/benchmarks.md, Sessions 27-28) it is correct and ~5x its floor, slower than the layer-by-layer step, so the
 engine leaves it off: its GEMV tiles are bound by instruction issue (~5.7 SASS instructions a weight) and its
 programs wait ~46 % of the time. An L2 prefetch of the next task's words when it is claimed lost (Session 27) and
@@ -38,7 +41,6 @@ from __future__ import annotations
 
 from kernels._triton import HAS_TRITON, tl, triton
 from kernels.activation import silu_mul
-from kernels.fused_norm import normalize
 from kernels.int4_decode_attn import _attn_task
 from kernels.int4_gemv import _split8, nibble
 
@@ -125,15 +127,14 @@ def _inv_rms(h_ptr, H, eps, HP: tl.constexpr):
 
 
 @triton.jit
-def _narrow_loads(x_ptr, nw_ptr, s_ptr, z_ptr, k0, k_hi, offs_n, mask_n, N, GROUP: tl.constexpr, BK: tl.constexpr):
-    """A bk-tile's operands too narrow a thread for cp.async, so never pipelined by Triton: x and its norm weights
-    ``[BK / 8, 8]``, the scales and zeros of its group ``[TN]``; zeros past ``k_hi``."""
+def _narrow_loads(x_ptr, s_ptr, z_ptr, k0, k_hi, offs_n, mask_n, N, GROUP: tl.constexpr, BK: tl.constexpr):
+    """A bk-tile's operands too narrow a thread for cp.async, so never pipelined by Triton: x ``[BK / 8, 8]``, the
+    scales and zeros of its group ``[TN]``; zeros past ``k_hi``."""
     xk = k0 + 8 * tl.arange(0, BK // 8)[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
     x = tl.load(x_ptr + xk, mask=xk < k_hi, other=0.0, cache_modifier=".cg")
-    nw = tl.load(nw_ptr + xk, mask=xk < k_hi, other=0.0)
     sz = (k0 // GROUP) * N + offs_n
     live = (k0 < k_hi) & mask_n
-    return x, nw, tl.load(s_ptr + sz, mask=live, other=0.0), tl.load(z_ptr + sz, mask=live, other=0)
+    return x, tl.load(s_ptr + sz, mask=live, other=0.0), tl.load(z_ptr + sz, mask=live, other=0)
 
 
 @triton.jit
@@ -160,11 +161,10 @@ def _tile_sum(words, x, s, z, one_bits):
 
 
 @triton.jit
-def _gemv(x_ptr, nw_ptr, inv, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, one_bits,
+def _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, one_bits,
           GROUP: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
-    """``x[k_lo:k_hi] @ W[k_lo:k_hi]`` at columns ``offs_n [TN]``: ``[TN]`` fp32, x normalized as it is loaded
-    (``nw`` ones and ``inv`` 1 leave it as it is); W int4 ``[K // 8, N]`` with scales and zeros ``[K // GROUP, N]``,
-    all contiguous.
+    """``x[k_lo:k_hi] @ W[k_lo:k_hi]`` at columns ``offs_n [TN]``: ``[TN]`` fp32; W int4 ``[K // 8, N]`` with
+    scales and zeros ``[K // GROUP, N]``, all contiguous.
 
     Only the words are pipelined (cp.async): each tile loads the next tile's narrow operands into registers and
     computes on those loaded a tile before (on the H200 ~9 % faster than loading its own, docs/benchmarks.md,
@@ -172,13 +172,13 @@ def _gemv(x_ptr, nw_ptr, inv, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, one_b
     offs_r = tl.arange(0, BK // 8)
     mask_n = offs_n < N
     acc = tl.zeros((BK // 8, offs_n.shape[0]), dtype=tl.float32)
-    x_n, nw_n, s_n, z_n = _narrow_loads(x_ptr, nw_ptr, s_ptr, z_ptr, k_lo, k_hi, offs_n, mask_n, N, GROUP, BK)
+    x_n, s_n, z_n = _narrow_loads(x_ptr, s_ptr, z_ptr, k_lo, k_hi, offs_n, mask_n, N, GROUP, BK)
     for k0 in tl.range(k_lo, k_hi, BK, num_stages=NUM_STAGES):
-        x, nw, s, z = x_n, nw_n, s_n, z_n
-        x_n, nw_n, s_n, z_n = _narrow_loads(x_ptr, nw_ptr, s_ptr, z_ptr, k0 + BK, k_hi, offs_n, mask_n, N, GROUP, BK)
+        x, s, z = x_n, s_n, z_n
+        x_n, s_n, z_n = _narrow_loads(x_ptr, s_ptr, z_ptr, k0 + BK, k_hi, offs_n, mask_n, N, GROUP, BK)
         rows = k0 // 8 + offs_r
         words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-        acc += _tile_sum(words, normalize(x, nw, inv).to(tl.float32), s, z, one_bits)
+        acc += _tile_sum(words, x.to(tl.float32), s, z, one_bits)
     return tl.sum(acc, axis=0)
 
 
@@ -199,13 +199,17 @@ def _columns(kind, tile, j, H, INTER, NQKV, HQD, TN: tl.constexpr):
 
 
 @triton.jit
-def _gemv_task(kind, layer, index, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, proj_ptr,
-               tile_cnt, eps, one_bits, H, INTER, NQKV, HQD, GROUP: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr,
-               TN: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+def _gemv_task(kind, layer, index, num_layers, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_ptr, g_ptr, qkv_ptr, attn_ptr,
+               act_ptr, gws_ptr, proj_ptr, tile_cnt, eps, one_bits, H, INTER, NQKV, HQD, GROUP: tl.constexpr,
+               HP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
     """One GEMV task of ``kind`` (QKV, O_PROJ, GATE_UP or DOWN): column tile ``index // split``, the ``index %
     split``-th of its K ranges. Split K ranges add their sums into the projection's own part of ``gws`` (fp32
     atomics); the tile's last one to arrive (its counter in the projection's run of ``tile_cnt``) takes the total,
-    leaves both at zero, and writes the output. ``proj``: per projection its split and the offsets of its runs."""
+    leaves both at zero, and writes the output. ``proj``: per projection its split and the offsets of its runs.
+
+    qkv and gate_up normalize late: their K loop reads ``g`` (the stream times the norm's weight, written with the
+    stream, :func:`_gemv_out`) and their sums are multiplied by the stream's ``1 / rms`` at the end, so no GEMV
+    normalizes in its loop (a norm as x is loaded cost ~6 instructions an activation a thread, Session 16)."""
     dtype = h_ptr.dtype.element_ty
     gi = _proj(kind)
     split = tl.load(proj_ptr + 3 * gi)
@@ -213,27 +217,24 @@ def _gemv_task(kind, layer, index, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_
     gws_ptr += tl.load(proj_ptr + 3 * gi + 2)
     tile = index // split
     K, N, offs_n = _columns(kind, tile, tl.arange(0, TN), H, INTER, NQKV, HQD, TN)
-    nw_ptr = ones_ptr
     inv = tl.full((), 1.0, tl.float32)
     x_ptr = act_ptr  # DOWN
     if kind == _QKV:
-        x_ptr = h_ptr
-        nw_ptr = _ptr(ptrs_ptr, layer, _IN_NORM, dtype)
+        x_ptr = g_ptr
         inv = _inv_rms(h_ptr, H, eps, HP)
     elif kind == _O:
         x_ptr = attn_ptr
     elif kind == _GATE_UP:
-        x_ptr = h2_ptr
-        nw_ptr = _ptr(ptrs_ptr, layer, _POST_NORM, dtype)
+        x_ptr = g_ptr + H
         inv = _inv_rms(h2_ptr, H, eps, HP)
     k_per = tl.cdiv(tl.cdiv(K, BK), split) * BK
     k_lo = (index % split) * k_per
     acc = _gemv(
-        x_ptr, nw_ptr, inv, _wptr(ptrs_ptr, layer, 3 * gi, qw_base), _wptr(ptrs_ptr, layer, 3 * gi + 1, s_base),
+        x_ptr, _wptr(ptrs_ptr, layer, 3 * gi, qw_base), _wptr(ptrs_ptr, layer, 3 * gi + 1, s_base),
         _wptr(ptrs_ptr, layer, 3 * gi + 2, z_base), offs_n, N, k_lo, tl.minimum(k_lo + k_per, K), one_bits, GROUP,
         BK, NUM_STAGES,
     )  # fmt: skip
-    acc = tl.reshape(acc, (TN,))
+    acc = tl.reshape(acc, (TN,)) * inv
     mask = offs_n < N
     last = split == 1
     if split > 1:  # kernels.int4_split.finish_tile's ordering
@@ -246,14 +247,18 @@ def _gemv_task(kind, layer, index, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_
             tl.store(tile_cnt + tile, 0)
             last = True
     if last:
-        _gemv_out(kind, acc.to(dtype), offs_n, tile, h_ptr, h2_ptr, qkv_ptr, act_ptr, N, INTER, TN)
+        _gemv_out(kind, layer, num_layers, acc.to(dtype), offs_n, tile, ptrs_ptr, h_ptr, h2_ptr, g_ptr, qkv_ptr,
+                  act_ptr, N, INTER, TN)  # fmt: skip
 
 
 @triton.jit
-def _gemv_out(kind, y, offs_n, tile, h_ptr, h2_ptr, qkv_ptr, act_ptr, N, INTER, TN: tl.constexpr):
+def _gemv_out(kind, layer, num_layers, y, offs_n, tile, ptrs_ptr, h_ptr, h2_ptr, g_ptr, qkv_ptr, act_ptr, N, INTER,
+              TN: tl.constexpr):  # fmt: skip
     """A finished column tile ``y [TN]`` (x's dtype) to its place: qkv, silu(gate) * up, or the residual stream
     plus ``y``: o_proj's from ``h`` into ``h2``, down_proj's from ``h2`` into ``h``. Two buffers, so a layer's
-    o_proj and down_proj never write the stream that its qkv or gate_up tasks may still be reading."""
+    o_proj and down_proj never write the stream that its qkv or gate_up tasks may still be reading. With the
+    stream, its columns times the next norm's weight into ``g`` (o_proj: ``g[H:]``, the layer's
+    post_attention_layernorm; down_proj: ``g[:H]``, the next layer's input_layernorm), rounded as the stream is."""
     HALF: tl.constexpr = TN // 2
     if kind == _QKV:
         tl.store(qkv_ptr + offs_n, y, mask=offs_n < N)
@@ -262,18 +267,26 @@ def _gemv_out(kind, y, offs_n, tile, h_ptr, h2_ptr, qkv_ptr, act_ptr, N, INTER, 
         cols = tile * HALF + tl.arange(0, HALF)
         tl.store(act_ptr + cols, silu_mul(gate, up), mask=cols < INTER)
     else:  # O_PROJ, DOWN: the residual add
-        src, dst = h2_ptr, h_ptr
         if kind == _O:
-            src, dst = h_ptr, h2_ptr
-        h = tl.load(src + offs_n, mask=offs_n < N, other=0.0, cache_modifier=".cg")
-        tl.store(dst + offs_n, (h.to(tl.float32) + y.to(tl.float32)).to(y.dtype), mask=offs_n < N)
+            src, dst, gdst = h_ptr, h2_ptr, g_ptr + N
+            nw_at = layer * _PTR_FIELDS + _POST_NORM
+        else:
+            src, dst, gdst = h2_ptr, h_ptr, g_ptr
+            nw_at = (layer + 1) * _PTR_FIELDS + _IN_NORM
+        mask = offs_n < N
+        h = tl.load(src + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
+        h = (h.to(tl.float32) + y.to(tl.float32)).to(y.dtype)
+        tl.store(dst + offs_n, h, mask=mask)
+        if nw_at < num_layers * _PTR_FIELDS:  # not after the last layer: no next norm in the step
+            nw = tl.load(tl.load(ptrs_ptr + nw_at).to(tl.pointer_type(y.dtype)) + offs_n, mask=mask, other=0.0)
+            tl.store(gdst + offs_n, (h.to(tl.float32) * nw.to(tl.float32)).to(y.dtype), mask=mask)
 
 
 @triton.jit
 def _int4_decode_step_kernel(
     tasks_ptr, num_tasks, cnt_ptr, num_counters, ptrs_ptr, qw_base, s_base, z_base, kv_base,
-    h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, ws_o, ws_m, ws_l, gws_ptr, proj_ptr, bt_ptr, seq_len_ptr,
-    cs_ptr, trace_ptr, v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, head_slots, tile_slots,
+    h_ptr, h2_ptr, g_ptr, qkv_ptr, attn_ptr, act_ptr, ws_o, ws_m, ws_l, gws_ptr, proj_ptr, bt_ptr, seq_len_ptr,
+    cs_ptr, trace_ptr, v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, num_layers, head_slots, tile_slots,
     GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
     NUM_STAGES: tl.constexpr, TRACE: tl.constexpr,
@@ -308,8 +321,8 @@ def _int4_decode_step_kernel(
             )  # fmt: skip
         else:
             _gemv_task(
-                kind, layer, index, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_ptr, qkv_ptr, attn_ptr, act_ptr, ones_ptr, gws_ptr, proj_ptr,
-                cnt_ptr + tile_slots, eps, one_bits, H, INTER, (HQ + 2 * HKV) * D, HQ * D, GROUP, HP, BK, TN,
+                kind, layer, index, num_layers, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_ptr, g_ptr, qkv_ptr,
+                attn_ptr, act_ptr, gws_ptr, proj_ptr, cnt_ptr + tile_slots, eps, one_bits, H, INTER, (HQ + 2 * HKV) * D, HQ * D, GROUP, HP, BK, TN,
                 NUM_STAGES,
             )  # fmt: skip
         tl.debug_barrier()  # every thread's stores before thread 0's release

@@ -81,7 +81,8 @@ class Int4DecodeStep:
         self.proj = torch.tensor(self.plan.proj, dtype=torch.int32, device=self.device)
         self.gws = torch.zeros(self.plan.gws_size, dtype=torch.float32, device=self.device)
         self.stream = new(self.hidden)  # the residual stream between o_proj and down_proj (ping-pong with hidden)
-        self.ones = torch.ones(max(self.hidden, self.inter, hqd), dtype=self.dtype, device=self.device)
+        # the streams times their next norm's weight: h's (the next input_layernorm), then h2's
+        self.normed = new(2 * self.hidden)
         self.ws_o = new(shape.heads, self.p_max, shape.head_dim, dtype=torch.float32)
         self.ws_m, self.ws_l = (
             new(shape.heads, self.p_max, dtype=torch.float32),
@@ -102,12 +103,15 @@ class Int4DecodeStep:
         shape, tiles, first = self.shape, self.tiles, self.layers[0]
         if trace is not None and (self.grid == 1 or trace.shape != (len(self.plan.rows), TRACE_FIELDS)):
             raise ValueError(f"trace: [{len(self.plan.rows)}, {TRACE_FIELDS}] int64 on a GPU, not the interpreter")
+        torch.mul(
+            hidden, first.in_norm, out=self.normed[: self.hidden]
+        )  # the first layer's; the kernel writes the rest
         _int4_decode_step_kernel[(self.grid,)](
             self.tasks, self.tasks.shape[0], self.counters, self.num_counters, self.ptrs, *self.bases, hidden,
-            self.stream,
-            self.qkv, self.attn, self.act, self.ones, self.ws_o, self.ws_m, self.ws_l, self.gws, self.proj,
+            self.stream, self.normed,
+            self.qkv, self.attn, self.act, self.ws_o, self.ws_m, self.ws_l, self.gws, self.proj,
             block_table, seq_len, cos_sin_cache, self.counters if trace is None else trace, first.kv_cache[0].numel(), shape.scale, shape.eps, 0x3F800000,
-            self.hidden, self.inter, shape.heads, shape.kv_heads, self.p_max, self.plan.head_slots,
+            self.hidden, self.inter, shape.heads, shape.kv_heads, self.p_max, len(self.layers), self.plan.head_slots,
             self.plan.tile_slots,
             GROUP=shape.group_size, HP=next_pow2(self.hidden), D=shape.head_dim, QG=shape.heads // shape.kv_heads,
             BS=self.block_size, BT=tiles.bt, PP=next_pow2(self.p_max), BK=tiles.bk, TN=tiles.tn,

@@ -40,6 +40,8 @@ class Model:
         self.hqd = shape.heads * shape.head_dim
         self.unit = gcd(tiles.tn // 2, tiles.bk, shape.head_dim)
         self.streams = ("h", "h2") if streams == 2 else ("h", "h")
+        # each stream's columns times its next norm's weight, written with the stream (the kernel's ``g``)
+        self.normed = ("g", "g2") if streams == 2 else ("g", "g")
 
     def span(self, buf: str, lo: int, hi: int) -> set[Key]:
         return {(buf, u) for u in range(lo // self.unit, cdiv(hi, self.unit))}
@@ -49,6 +51,7 @@ class Model:
         if kind == ATTN:
             return self._attention(layer, index)
         h, h2 = self.streams
+        g, g2 = self.normed
         split, tn = self.plan.splits[kind], self.tiles.tn
         tile, part = divmod(index, split)
         n = self.hqd + 2 * self.shape.kv_heads * self.shape.head_dim if kind == QKV else self.hidden
@@ -56,15 +59,18 @@ class Model:
         k_per = cdiv(cdiv(k, self.tiles.bk), split) * self.tiles.bk
         k_lo, k_hi = part * k_per, min(part * k_per + k_per, k)
         cols = (tile * tn, min(tile * tn + tn, n))
-        if kind == QKV:  # normalizes the whole stream
-            reads, writes = self.span(h, 0, self.hidden), self.span("qkv", *cols)
+        if kind == QKV:  # the whole stream's 1 / rms, its K range of g
+            reads, writes = self.span(h, 0, self.hidden) | self.span(g, k_lo, k_hi), self.span("qkv", *cols)
         elif kind == O_PROJ:
-            reads, writes = self.span("attn", k_lo, k_hi) | self.span(h, *cols), self.span(h2, *cols)
+            reads = self.span("attn", k_lo, k_hi) | self.span(h, *cols)
+            writes = self.span(h2, *cols) | self.span(g2, *cols)
         elif kind == GATE_UP:
+            reads = self.span(h2, 0, self.hidden) | self.span(g2, k_lo, k_hi)
             cols = (tile * tn // 2, min(tile * tn // 2 + tn // 2, self.inter))
-            reads, writes = self.span(h2, 0, self.hidden), self.span("act", *cols)
+            writes = self.span("act", *cols)
         else:
-            reads, writes = self.span("act", k_lo, k_hi) | self.span(h2, *cols), self.span(h, *cols)
+            reads = self.span("act", k_lo, k_hi) | self.span(h2, *cols)
+            writes = self.span(h, *cols) | self.span(g, *cols)
         if split > 1:  # the projection's own run of split-K sums and tile counters, left at zero by the last
             _, tile_at, gws_at = self.plan.proj[PROJS.index(kind)]
             writes |= self.span("gws", gws_at + cols[0], gws_at + cols[1]) | {("tile", tile_at + tile)}

@@ -56,15 +56,21 @@ class StepTiles:
     # wait only for the tasks that write what a task reads (the module docstring), not for whole phases: 3-18 % faster
     # on the H200 (docs/benchmarks.md, Session 27)
     fine_deps: bool = True
+    # the GEMVs on the tensor cores (kernels.int4_decode_mma; bf16 / fp16, bk >= 64): ~2.75 SASS instructions a weight
+    # at 128 columns against the CUDA-core loop's ~5.5 (sm_90 compile on the CPU); not yet timed on the GPU
+    mma: bool = False
 
 
-def fit_tiles(shape: StepShape, hidden: int, inter: int, tiles: StepTiles = StepTiles()) -> StepTiles:
+def fit_tiles(
+    shape: StepShape, hidden: int, inter: int, tiles: StepTiles = StepTiles(), sixteen_bit: bool = True
+) -> StepTiles:
     """``tiles`` for a model they may not fit: ``bk`` at most the group's largest power-of-two divisor, each split
-    at most its projection's K / bk."""
+    at most its projection's K / bk; the MMA GEMV only where it runs (bk >= 64, 16-bit activations)."""
     bk = min(tiles.bk, shape.group_size & -shape.group_size)
     ks = proj_ks(hidden, inter, shape.heads * shape.head_dim)
     splits = tuple(max(1, min(s, k // bk)) for s, k in zip(tiles.splits, ks, strict=True))
-    return replace(tiles, bk=bk, splits=splits)  # type: ignore[arg-type]
+    mma = tiles.mma and bk >= 64 and tiles.tn >= 16 and sixteen_bit
+    return replace(tiles, bk=bk, splits=splits, mma=mma)  # type: ignore[arg-type]
 
 
 def proj_ks(hidden: int, inter: int, hqd: int) -> tuple[int, int, int, int]:

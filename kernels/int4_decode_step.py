@@ -42,6 +42,7 @@ from __future__ import annotations
 from kernels._triton import HAS_TRITON, tl, triton
 from kernels.activation import silu_mul
 from kernels.int4_decode_attn import _attn_task
+from kernels.int4_decode_mma import gemv_mma
 from kernels.int4_gemv import _split8, nibble
 
 QKV, ATTN, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3, 4  # task kinds, in a layer's phase order
@@ -201,7 +202,8 @@ def _columns(kind, tile, j, H, INTER, NQKV, HQD, TN: tl.constexpr):
 @triton.jit
 def _gemv_task(kind, layer, index, num_layers, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_ptr, g_ptr, qkv_ptr, attn_ptr,
                act_ptr, gws_ptr, proj_ptr, tile_cnt, eps, one_bits, H, INTER, NQKV, HQD, GROUP: tl.constexpr,
-               HP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+               HP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr, NUM_STAGES: tl.constexpr, MMA: tl.constexpr,
+               COMPILED: tl.constexpr):  # fmt: skip
     """One GEMV task of ``kind`` (QKV, O_PROJ, GATE_UP or DOWN): column tile ``index // split``, the ``index %
     split``-th of its K ranges. Split K ranges add their sums into the projection's own part of ``gws`` (fp32
     atomics); the tile's last one to arrive (its counter in the projection's run of ``tile_cnt``) takes the total,
@@ -229,11 +231,12 @@ def _gemv_task(kind, layer, index, num_layers, ptrs_ptr, qw_base, s_base, z_base
         inv = _inv_rms(h2_ptr, H, eps, HP)
     k_per = tl.cdiv(tl.cdiv(K, BK), split) * BK
     k_lo = (index % split) * k_per
-    acc = _gemv(
-        x_ptr, _wptr(ptrs_ptr, layer, 3 * gi, qw_base), _wptr(ptrs_ptr, layer, 3 * gi + 1, s_base),
-        _wptr(ptrs_ptr, layer, 3 * gi + 2, z_base), offs_n, N, k_lo, tl.minimum(k_lo + k_per, K), one_bits, GROUP,
-        BK, NUM_STAGES,
-    )  # fmt: skip
+    qw_ptr, k_hi = _wptr(ptrs_ptr, layer, 3 * gi, qw_base), tl.minimum(k_lo + k_per, K)
+    s_ptr, z_ptr = _wptr(ptrs_ptr, layer, 3 * gi + 1, s_base), _wptr(ptrs_ptr, layer, 3 * gi + 2, z_base)
+    if MMA:
+        acc = gemv_mma(x_ptr, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, GROUP, BK, NUM_STAGES, COMPILED)
+    else:
+        acc = _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, one_bits, GROUP, BK, NUM_STAGES)
     acc = tl.reshape(acc, (TN,)) * inv
     mask = offs_n < N
     last = split == 1
@@ -289,10 +292,11 @@ def _int4_decode_step_kernel(
     cs_ptr, trace_ptr, v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, num_layers, head_slots, tile_slots,
     GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
-    NUM_STAGES: tl.constexpr, TRACE: tl.constexpr,
+    NUM_STAGES: tl.constexpr, TRACE: tl.constexpr, MMA: tl.constexpr, COMPILED: tl.constexpr,
 ):  # fmt: skip
     """The module docstring's task loop. TRACE: each task's timestamps into ``trace``
-    (``TRACE_FIELDS`` a task, in table order). ``cnt`` holds the wait counters, then the heads'
+    (``TRACE_FIELDS`` a task, in table order). MMA: the GEMVs on the tensor cores (``kernels.int4_decode_mma``;
+    COMPILED: False under the interpreter). ``cnt`` holds the wait counters, then the heads'
     arrival counters (``head_slots`` on, one per layer and KV head), the GEMV column tiles' (``tile_slots`` on, a
     run per projection), the claim counter and the exit counter (``kernels.int4_decode_plan.TaskPlan``). A program
     claims its tasks in table order, each one claim ahead (an atomic off the task's path): phases of any size spread
@@ -322,8 +326,8 @@ def _int4_decode_step_kernel(
         else:
             _gemv_task(
                 kind, layer, index, num_layers, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_ptr, g_ptr, qkv_ptr,
-                attn_ptr, act_ptr, gws_ptr, proj_ptr, cnt_ptr + tile_slots, eps, one_bits, H, INTER, (HQ + 2 * HKV) * D, HQ * D, GROUP, HP, BK, TN,
-                NUM_STAGES,
+                attn_ptr, act_ptr, gws_ptr, proj_ptr, cnt_ptr + tile_slots, eps, one_bits, H, INTER, (HQ + 2 * HKV) * D,
+                HQ * D, GROUP, HP, BK, TN, NUM_STAGES, MMA, COMPILED,
             )  # fmt: skip
         tl.debug_barrier()  # every thread's stores before thread 0's release
         tl.atomic_add(cnt_ptr + tl.load(row + 5), 1, sem="release")

@@ -88,9 +88,9 @@ class Int4DecodeStep:
             new(shape.heads, self.p_max, dtype=torch.float32),
             new(shape.heads, self.p_max, dtype=torch.float32),
         )
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1" or self.device.type != "cuda"
+        self.interpreted = os.environ.get("TRITON_INTERPRET") == "1" or self.device.type != "cuda"
         # the interpreter runs programs one after another: one program, or the first would wait forever
-        self.grid = 1 if interpreted else tiles.programs_per_sm * num_sms(self.device.index or 0)
+        self.grid = 1 if self.interpreted else tiles.programs_per_sm * num_sms(self.device.index or 0)
 
     def __call__(
         self,
@@ -115,7 +115,7 @@ class Int4DecodeStep:
             self.plan.tile_slots,
             GROUP=shape.group_size, HP=next_pow2(self.hidden), D=shape.head_dim, QG=shape.heads // shape.kv_heads,
             BS=self.block_size, BT=tiles.bt, PP=next_pow2(self.p_max), BK=tiles.bk, TN=tiles.tn,
-            NUM_STAGES=tiles.num_stages, TRACE=trace is not None,
+            NUM_STAGES=tiles.num_stages, TRACE=trace is not None, MMA=tiles.mma, COMPILED=not self.interpreted,
         )  # fmt: skip
 
 
@@ -150,6 +150,9 @@ def _check(layers: list[StepLayer], shape: StepShape, tiles: StepTiles, hidden: 
     group, cache = shape.group_size, layers[0].kv_cache
     if tiles.tn % 2 or tiles.bk % 8 or group % tiles.bk or any(k % tiles.bk for k in (hidden, inter, hqd)):
         raise ValueError(f"tiles {tiles}: tn even, bk a multiple of 8 dividing the group {group} and every K")
+    dtype = layers[0].in_norm.dtype
+    if tiles.mma and (tiles.tn < 16 or tiles.bk < 64 or dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"tiles {tiles}: the MMA GEMV needs tn >= 16, bk >= 64 and bf16 or fp16, not {dtype}")
     ks = proj_ks(hidden, inter, hqd)
     if len(tiles.splits) != 4 or any(not 1 <= s <= k // tiles.bk for s, k in zip(tiles.splits, ks, strict=False)):
         raise ValueError(f"splits {tiles.splits}: four, each from 1 to its projection's K / bk")

@@ -90,11 +90,11 @@
 #                     then its time for 32 layers against their floor, the LM head, the engine's batch-1 TPOT) at the
 #                     tiles of each JSON word of DS_TILES (default: five; Session 27 measured the prefetch, stages,
 #                     unrolling and widths, Session 28 the subnormal codes, a nanosleep between polls and register
-#                     caps; now 32 partitions (attention's 128 tasks leave half of 264 programs idle) and
-#                     128-column tiles), each with a traced
+#                     caps; now the GEMVs on the tensor cores (mma, 128 columns) and 32 partitions (attention's
+#                     128 tasks leave half of 264 programs idle)), each with a traced
 #                     launch's summary (loadtest.decode_step_trace: where its programs' time went)
 #   stage dm (~4 min): the int4 model's batch-1 TPOT with the one-launch step in the engine (int4_model variants
-#                     step and stepphases, the phase-wide waits) beside the default and bf16, one process
+#                     step and stepmma, its GEMVs on the tensor cores) beside the default and bf16, one process
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
@@ -167,18 +167,20 @@ elif [ "$stage" = wa ]; then
   python -m loadtest.int4_bench --only model --batches ${WA_BATCHES:-128 256 512} --gemv-variants wg512 wg512async \
     --mixed --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-4000
 elif [ "$stage" = ds ]; then
-  timeout 240 python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_decode_step.py -m gpu \
+  # the MMA GEMV's own tests run on the GPU's device when there is one (its inline PTX then, not the interpreter's path)
+  { timeout 240 python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_decode_step.py -m gpu &&
+    timeout 60 python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_decode_mma.py -k dequantized; } \
     > "$out/step_tests.txt" 2>&1 && echo "STEP GPU TESTS PASSED" || echo "STEP GPU TESTS FAILED (see step_tests.txt)"
   tail -3 "$out/step_tests.txt"
   # shellcheck disable=SC2086  # DS_TILES is a list of JSON words
   # a persistent kernel that deadlocks would hold the call to its limit: the bench gets 5.5 minutes
   timeout -k 10 330 python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
-    --tiles ${DS_TILES:-'{}' '{"fine_deps":false}' '{"parts":32}' '{"tn":128,"splits":[4,8,1,8]}' \
-    '{"tn":128,"splits":[4,8,1,8],"parts":32}'} 2>&1 \
+    --tiles ${DS_TILES:-'{}' '{"tn":128,"mma":true}' '{"tn":128,"mma":true,"splits":[4,8,1,8]}' \
+    '{"parts":32}' '{"tn":128,"mma":true,"parts":32}'} 2>&1 \
     | grep -v '^{"shape"' | tail -100 \
     || echo "decode_step_bench FAILED or timed out"
 elif [ "$stage" = dm ]; then
-  timeout -k 10 300 python -m loadtest.int4_bench --only model --gemv-variants step stepphases \
+  timeout -k 10 300 python -m loadtest.int4_bench --only model --gemv-variants step stepmma \
     --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-3000
 elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24

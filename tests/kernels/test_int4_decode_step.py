@@ -112,12 +112,45 @@ def test_other_head_layouts(
     assert rel_err(out, want) < 1e-4
 
 
+def test_mma_gemvs_equal_the_cuda_core_ones(gen: torch.Generator) -> None:
+    """``StepTiles(mma=True)``: the GEMVs on the tensor cores (``kernels.int4_decode_mma``), two bf16 layers of group
+    64 (the MMA needs bk >= 64), split K ranges in qkv and down. Within the interpreter's bf16 rounding of the
+    reference, and within 1 % of the CUDA-core GEMVs on the same step (the same products, summed in another order)."""
+    shape = StepShape(heads=4, kv_heads=2, head_dim=16, group_size=64, eps=1e-5, scale=16**-0.5)
+    layers = make_layers(2, 128, shape, 128, 6, 16, torch.bfloat16, gen)
+    caches = [layer.kv_cache.clone() for layer in layers]
+    ref_layers = [StepLayer(**{**vars(lr), "kv_cache": lr.kv_cache.clone()}) for lr in layers]
+    block_table = torch.randperm(6, generator=gen)[:4].to(torch.int32).to(DEVICE)
+    cs, seq = rope_cache(128, 16), torch.tensor([37], dtype=torch.int32, device=DEVICE)
+    hidden = torch.randn(128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    tiles = StepTiles(tn=16, bk=64, num_stages=1, parts=3, bt=16, splits=(2, 1, 1, 2))
+    outs = []
+    for mma in (False, True):
+        for layer, cache in zip(layers, caches, strict=True):
+            layer.kv_cache.copy_(cache)
+        out = hidden.clone()
+        Int4DecodeStep(layers, shape, replace(tiles, mma=mma))(out, seq, block_table, cs)
+        outs.append(out)
+    want = int4_decode_step_ref(ref_layers, shape, hidden.clone(), 37, block_table, cs)
+    assert rel_err(outs[1], want) < 5e-2
+    assert rel_err(outs[1], outs[0]) < 1e-2
+    for got, ref in zip(layers, ref_layers, strict=True):
+        assert rel_err(got.kv_cache, ref.kv_cache) < 5e-2
+    with pytest.raises(ValueError, match="MMA"):
+        Int4DecodeStep([StepLayer(**{**vars(lr), "in_norm": lr.in_norm.float()}) for lr in layers], shape,
+                       replace(tiles, mma=True))  # fmt: skip
+
+
 def test_fit_tiles() -> None:
     """The engine's tiles for a model: bk inside the group, each split at most its projection's K tiles."""
     small = StepShape(heads=4, kv_heads=2, head_dim=16, group_size=32, eps=1e-5, scale=0.25)
     assert fit_tiles(small, 64, 96) == StepTiles(bk=32, splits=(2, 2, 1, 3))
     big = StepShape(heads=32, kv_heads=8, head_dim=128, group_size=128, eps=1e-5, scale=0.25)
     assert fit_tiles(big, 4096, 14336) == StepTiles()
+    mma = StepTiles(tn=128, mma=True)
+    assert fit_tiles(big, 4096, 14336, mma) == mma
+    assert not fit_tiles(big, 4096, 14336, mma, sixteen_bit=False).mma  # fp32: the CUDA-core GEMVs
+    assert not fit_tiles(small, 64, 96, mma).mma  # bk 32 < the MMA's 64
 
 
 def test_refuses_tiles_that_do_not_divide() -> None:
@@ -163,28 +196,34 @@ compiled = triton.compile(ASTSource(kernel, signature, c, aligned), target=GPUTa
     + PTXAS_REPORT
     + """
 print("LDGSTS" * sass.count("LDGSTS"))
+print("HGMMA" * sass.count("HGMMA"))
 print("GLOBALTIMER" * compiled.asm["ptx"].count("%globaltimer"))
 print("COPY16" * sum("cp.async" in line and "0x10" in line for line in compiled.asm["ptx"].splitlines()))
 """
 )
 
 
-@pytest.mark.parametrize("trace", [False, True])
-def test_compiles_for_sm90(trace: bool) -> None:
+@pytest.mark.parametrize(("trace", "mma"), [(False, False), (True, False), (False, True)], ids=["", "trace", "mma"])
+def test_compiles_for_sm90(trace: bool, mma: bool) -> None:
     """The 8B shape's constexprs at the default tiles: no spills, and both loops' loads pipelined through 16-byte
     cp.async (the spin-waits, atomics and pointer table compile as the interpreter ran them); with TRACE (inline PTX,
-    which the interpreter cannot run) the clock reads are in the code."""
-    tiles = StepTiles()
+    which the interpreter cannot run) the clock reads are in the code. ``mma``: the GEMVs on the tensor cores at 128
+    columns (warpgroup MMAs in the code), still two programs an SM's worth of registers."""
+    tiles = StepTiles(tn=128, mma=True) if mma else StepTiles()
     constexprs = {"GROUP": 128, "HP": 4096, "D": 128, "QG": 4, "BS": 16, "BT": tiles.bt, "PP": tiles.parts,
-                  "BK": tiles.bk, "TN": tiles.tn, "NUM_STAGES": tiles.num_stages, "TRACE": trace}  # fmt: skip
+                  "BK": tiles.bk, "TN": tiles.tn, "NUM_STAGES": tiles.num_stages, "TRACE": trace, "MMA": mma,
+                  "COMPILED": True}  # fmt: skip
     report = run_without_interpreter(_COMPILE_SM90, json.dumps(constexprs))
     assert "0 bytes spill stores" in report, report
     assert "LDGSTS" in report, report
     assert report.count("GLOBALTIMER") == 4 * trace, report  # four clock reads a task
+    assert ("HGMMA" in report) == mma, report
+    assert int(report.split("Used ")[1].split()[0]) <= 255, report
     # 16-byte copies a thread: the weights' (2 a stage, 8 in the PTX) and the keys' and values' (4 a stage), all
     # addressed from kernel arguments, not loaded pointers (on the H200 at 4c712e6 the words' were 4 bytes wide, and
-    # K and V were 32 scalar 2-byte loads a thread a tile, outside the pipeline, until 98e2ab8)
-    assert report.count("COPY16") >= 8 + 16, report
+    # K and V were 32 scalar 2-byte loads a thread a tile, outside the pipeline, until 98e2ab8). The MMA GEMV reads
+    # the words as 16-bit halves in k's permuted order, 4 bytes a copy
+    assert report.count("COPY16") >= (16 if mma else 8 + 16), report
 
 
 def test_bench_checks_an_engine_model_on_cpu(tmp_path: Path) -> None:
@@ -198,18 +237,20 @@ def test_bench_checks_an_engine_model_on_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fine_deps", [False, True], ids=["phases", "fine"])
+@pytest.mark.parametrize(
+    "tiles", [StepTiles(fine_deps=False), StepTiles(), StepTiles(tn=128, mma=True)], ids=["phases", "fine", "mma"]
+)
 @pytest.mark.parametrize("seq_len", [1, 300, 2049])
-def test_8b_shapes_on_the_gpu(seq_len: int, fine_deps: bool, gen: torch.Generator) -> None:
-    """Two layers of the 8B shape in bf16 (32 query heads on 8 KV heads, group 128), the default tiles and the fine
-    waits: within bf16's tolerance of the reference; twice, from a CUDA graph (the counters reset by the kernel);
-    then traced."""
+def test_8b_shapes_on_the_gpu(seq_len: int, tiles: StepTiles, gen: torch.Generator) -> None:
+    """Two layers of the 8B shape in bf16 (32 query heads on 8 KV heads, group 128) at the default tiles, the phase
+    waits and the MMA GEMVs: within bf16's tolerance of the reference; twice, from a CUDA graph (the counters reset
+    by the kernel); then traced."""
     shape = StepShape(heads=32, kv_heads=8, head_dim=128, group_size=128, eps=1e-5, scale=128**-0.5)
     layers = make_layers(2, 4096, shape, 14336, 160, 16, torch.bfloat16, gen)
     ref_layers = [StepLayer(**{**vars(lr), "kv_cache": lr.kv_cache.clone()}) for lr in layers]
     block_table = torch.randperm(160, generator=gen)[:130].to(torch.int32).to(DEVICE)
     cs = rope_cache(4096, 128)
-    step = Int4DecodeStep(layers, shape, StepTiles(fine_deps=fine_deps))
+    step = Int4DecodeStep(layers, shape, tiles)
     embedding = torch.randn(4096, generator=gen).to(torch.bfloat16).to(DEVICE)
     hidden = embedding.clone()
     seq = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)

@@ -4,8 +4,10 @@ Why: the step's CUDA-core GEMV loop is ~5.5 SASS instructions a weight on sm_90 
 (docs/benchmarks.md, Session 28); the codes alone take 3 there (a shift, a LOP3 into an fp32 mantissa, an FFMA).
 Here a warpgroup MMA does the multiply-adds: ``W^T [TN, K] @ x^T [K, 16]``, x in column 0..3 of the 16, and the
 codes reach it in registers, two a 32-bit register from one shift and one LOP3 (bf16 ``128 + code``, as Session 23's
-Gluon GEMV does). Compiled for sm_90 on the CPU (tests/kernels/test_int4_decode_mma.py): ~2.5 instructions a weight
-at 128 columns, the words through cp.async and ldmatrix, four HGMMAs a 128-k tile per 64 columns.
+Gluon GEMV does). Compiled for sm_90 on the CPU (tests/kernels/test_int4_decode_mma.py): ~2.7 instructions a weight
+at 128 columns, the words through cp.async and ldmatrix, four HGMMAs a 128-k tile per 64 columns; the scales, zeros
+and x's sum loaded a tile ahead. What is left a tile: x's sum and the scales' move to the MMA rows cross warps
+(three barriers), and the four products' columns are picked out (FSEL, FADD).
 
 The order of k inside a tile does not change the sum, so the MMA takes k permuted: the words are read as 16-bit
 halves, ``[TN, 2 R]`` for ``R = BK / 8`` word rows (column ``2 r + h``: half ``h`` of word row ``r``, whose nibble
@@ -61,6 +63,13 @@ def _product(halves, J: tl.constexpr, b, dtype: tl.constexpr, COMPILED: tl.const
 
 
 @triton.jit
+def _group_terms(x_ptr, s_ptr, z_ptr, k0, cols, N, GROUP: tl.constexpr, BK: tl.constexpr):
+    """The tile at ``k0``'s scales and zeros ``[TN]`` and its x ``[BK]`` (summed where used, a tile later)."""
+    sz = (k0 // GROUP) * N + cols
+    return tl.load(s_ptr + sz), tl.load(z_ptr + sz), tl.load(x_ptr + k0 + tl.arange(0, BK))
+
+
+@triton.jit
 def gemv_mma(x_ptr, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi,
              GROUP: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, COMPILED: tl.constexpr):  # fmt: skip
     """``x[k_lo:k_hi] @ W[k_lo:k_hi]`` at columns ``offs_n [TN]``: ``[TN]`` fp32, as ``kernels.int4_decode_step._gemv``
@@ -80,16 +89,18 @@ def gemv_mma(x_ptr, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi,
     qw16 = qw_ptr.to(tl.pointer_type(tl.int16))
     acc = tl.zeros((TN, 16), dtype=tl.float32)  # s sum (offset + c) x, in columns 0..3
     zacc = tl.zeros((TN,), dtype=tl.float32)  # s (offset + z) sum x
+    s_n, z_n, x_n = _group_terms(x_ptr, s_ptr, z_ptr, k_lo, cols, N, GROUP, BK)
     for k0 in tl.range(k_lo, k_hi, BK, num_stages=NUM_STAGES):
+        s, z, xv = s_n.to(tl.float32), z_n.to(tl.float32), x_n  # loaded a tile ahead: Triton pipelines only the
+        # words' and b's copies
+        # the last tile loads its own again (in bounds, unused): cheaper than masks
+        s_n, z_n, x_n = _group_terms(x_ptr, s_ptr, z_ptr, tl.minimum(k0 + BK, k_hi - BK), cols, N, GROUP, BK)
         halves = tl.load(qw16 + (k0 // 8) * N * 2 + half_at)
         b = tl.load(x_ptr + k0 + x_at, mask=col[None, :] < 4, other=0.0)
         d0, d1 = _product(halves, 0, b, dtype, COMPILED), _product(halves, 1, b, dtype, COMPILED)
         d2, d3 = _product(halves, 2, b, dtype, COMPILED), _product(halves, 3, b, dtype, COMPILED)
         d = tl.where(col[None, :] == 0, d0, 0.0) + tl.where(col[None, :] == 1, d1, 0.0)
         d += tl.where(col[None, :] == 2, d2, 0.0) + tl.where(col[None, :] == 3, d3, 0.0)
-        xs = tl.sum(tl.load(x_ptr + k0 + tl.arange(0, BK)).to(tl.float32), axis=0)
-        sz = (k0 // GROUP) * N + cols
-        s, z = tl.load(s_ptr + sz).to(tl.float32), tl.load(z_ptr + sz).to(tl.float32)
         acc += s[:, None] * d
-        zacc += s * (OFFSET + z) * xs
+        zacc += s * (OFFSET + z) * tl.sum(xv.to(tl.float32), axis=0)
     return tl.sum(tl.where(col[None, :] < 4, acc, 0.0), axis=1) - zacc

@@ -56,7 +56,7 @@ class StepTiles:
     # wait only for the tasks that write what a task reads (the module docstring), not for whole phases: 3-18 % faster
     # on the H200 (docs/benchmarks.md, Session 27)
     fine_deps: bool = True
-    # the GEMVs on the tensor cores (kernels.int4_decode_mma; bf16 / fp16, bk >= 64): ~2.75 SASS instructions a weight
+    # the GEMVs on the tensor cores (kernels.int4_decode_mma; bf16 / fp16, bk >= 64): ~2.7 SASS instructions a weight
     # at 128 columns against the CUDA-core loop's ~5.5 (sm_90 compile on the CPU); not yet timed on the GPU
     mma: bool = False
 

@@ -1,5 +1,5 @@
 """The one-launch split-K reduction of the int4 kernels (``kernels.int4_gemv``, ``kernels.int4_gemm``'s tl.dot
-tiles, ``kernels.int4_mlp``), and the zeroed scratch that the Gluon kernels'
+tiles), and the zeroed scratch that the Gluon kernels'
 (``kernels.int4_gemv_mma``, ``kernels.int4_gemm_wgmma``) atomics share. Its own module since several kernels use it.
 
 Split-K (``SPLIT_MODE``) when N alone does not give every SM enough programs, reduced in the same launch:

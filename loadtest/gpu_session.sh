@@ -73,8 +73,6 @@
 #   stage bp (~2 min): batch 1 by kernel: the GEMVs cold, after an L2 prefetch and hot (loadtest.prefetch_bench;
 #                     BP_FILLERS, default "0 10"), then the int4 and the bf16 8B shapes' decode steps by kernel
 #                     (loadtest.step_profile --decode-kernels 50)
-#   stage mlp (~1 min): the int4 MLP in one launch at batch 1 (kernels.int4_mlp, not in the engine): its GPU tests,
-#                     its tiles against the two GEMVs and a copy of the same bytes (loadtest.int4_mlp_bench; MLP_VARIANTS)
 #   stage v (~4 min): the engine's and kernels' GPU tests (not GEMV, not int4), then the kernel benchmark at the
 #                     defaults (batch 1 also with 128k-token block tables)
 #   stage wg (~6 min): int4 at 9-512 rows (kernels.int4_gemv_mma, kernels.int4_gemm_wgmma): their GPU tests, the GEMM
@@ -100,7 +98,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, mlp, sd, sa, v, wg, wa, ds, dm, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, sd, sa, v, wg, wa, ds, dm, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -245,12 +243,6 @@ elif [ "$stage" = bp ]; then
     python -m loadtest.step_profile --shape 8b --prompt-len 128 --decode-kernels 50 --top ${BP_TOP:-30} $kind \
       --out "$out/step-profile${kind:+-int4}.json" 2>&1 | grep -v USDT | head -$((${BP_TOP:-30} + 1)) | sed "s/^/${kind:-bf16} /"
   done
-elif [ "$stage" = mlp ]; then
-  python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_mlp.py -m gpu > "$out/mlp_tests.txt" 2>&1 \
-    || echo "INT4 MLP GPU TESTS FAILED (see mlp_tests.txt)"
-  tail -3 "$out/mlp_tests.txt"
-  # shellcheck disable=SC2086  # MLP_VARIANTS is a list
-  python -m loadtest.int4_mlp_bench ${MLP_VARIANTS:+--variants $MLP_VARIANTS} --out "$out/mlp.json" 2>&1 | grep -v '^{' | tail -30
 elif [ "$stage" = bt ]; then
   if [ -n "${BT_TESTS:-}" ]; then
     python -m pytest -q -p no:cacheprovider tests/kernels/test_fused_norm.py tests/kernels/test_gpu.py \

@@ -95,15 +95,13 @@ from triton.compiler import ASTSource
 from kernels.int4_gemm import _int4_gemm_kernel
 from kernels.int4_gemv import _int4_gemv_kernel
 from kernels.gemv import _gemv_kernel
-from kernels.int4_mlp import _int4_mlp_kernel
 
-kernel = {"gemv": _int4_gemv_kernel, "dot": _int4_gemm_kernel, "dense": _gemv_kernel,
-          "mlp": _int4_mlp_kernel}[sys.argv[1]]
+kernel = {"gemv": _int4_gemv_kernel, "dot": _int4_gemm_kernel, "dense": _gemv_kernel}[sys.argv[1]]
 names = kernel.arg_names
 fused_norm_off = {"NORMED": False, "PARTS": 1, "ADD_RESIDUAL": False, "PDL": False, "TRIGGER": False}  # fused_norm's switches, no PDL
 constexprs = {**{a: v for a, v in fused_norm_off.items() if a in names}, **json.loads(sys.argv[2])}
 pointers = {"qw_ptr": "*i32", "g_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-            "ssi_ptr": "*fp32", "sso_ptr": "*fp32", "gq_ptr": "*i32", "dq_ptr": "*i32", "gz_ptr": "*u8", "dz_ptr": "*u8"}
+            "ssi_ptr": "*fp32", "sso_ptr": "*fp32"}
 scalars = {"eps": "fp32"}
 signature = {a: "constexpr" if a in constexprs else pointers.get(a, "*bf16" if a.endswith("_ptr") else
              scalars.get(a, "i32")) for a in names}
@@ -116,9 +114,8 @@ print(compiled.asm["ttgir"])
 
 
 def ttgir_sm90(kernel: str, constexprs: dict[str, object], num_warps: int) -> str:
-    """The TTGIR of ``kernel`` ("gemv" | "dot", the int4 GEMMs; "dense", ``kernels.gemv``; "mlp",
-    ``kernels.int4_mlp``) compiled
-    for sm_90; ``kernels.fused_norm``'s switches and PDL default to off."""
+    """The TTGIR of ``kernel`` ("gemv" | "dot", the int4 GEMMs; "dense", ``kernels.gemv``) compiled for sm_90;
+    ``kernels.fused_norm``'s switches and PDL default to off."""
     return run_without_interpreter(_COMPILE_SM90, kernel, json.dumps(constexprs), str(num_warps))
 
 

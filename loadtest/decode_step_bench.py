@@ -82,14 +82,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     embedding = torch.randn(layers[0].in_norm.numel(), generator=gen).to(layers[0].in_norm.dtype).to(cos_sin.device)
     res["rows"] = []
     for tiles in [TINY_TILES] if args.tiny else [StepTiles(**json.loads(t)) for t in args.tiles]:
-        step = Int4DecodeStep(layers, shape, tiles)
         for context in args.contexts if not args.tiny else [40]:
-            table = torch.zeros(width, dtype=torch.int32, device=cos_sin.device)
-            table[: -(-context // layers[0].kv_cache.shape[2])] = filled_table(layers, context, gen)
-            err = check(step, layers, shape, table, context, cos_sin, embedding)
-            row: dict[str, Any] = {"tiles": vars(tiles), "context": context, "rel_err": err}
-            if not args.tiny:
-                row.update(_timings(step, model, table, context, cos_sin, embedding, layer_bytes, res["copy_tb_s"]))
+            row: dict[str, Any] = {"tiles": vars(tiles), "context": context}
+            try:  # a setting that fails (a new path's first GPU run) is reported, and the next ones still run
+                step = Int4DecodeStep(layers, shape, tiles)
+                table = torch.zeros(width, dtype=torch.int32, device=cos_sin.device)
+                table[: -(-context // layers[0].kv_cache.shape[2])] = filled_table(layers, context, gen)
+                row["rel_err"] = check(step, layers, shape, table, context, cos_sin, embedding)
+                if not args.tiny:
+                    row.update(_timings(step, model, table, context, cos_sin, embedding, layer_bytes,
+                                        res["copy_tb_s"]))  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - any failure of one setting is that setting's result
+                if args.tiny:
+                    raise
+                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
             res["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)  # its lines came first
     engine.shutdown()

@@ -33,7 +33,8 @@ norm's weight rounds to x's dtype, and ``1 / rms`` scales the fp32 sums (the eng
 ``1 / rms``, then that times the weight). On the H200
 (docs/benchmarks.md, Sessions 27-28) it is correct and ~5x its floor, slower than the layer-by-layer step, so the
 engine leaves it off: its GEMV tiles are bound by instruction issue (~5.7 SASS instructions a weight) and its
-programs wait ~46 % of the time. An L2 prefetch of the next task's words when it is claimed lost (Session 27) and
+programs wait ~46 % of the time. ``StepTiles(mma=True)`` runs the GEMVs on the tensor cores instead
+(``kernels.int4_decode_mma``, ~2.7 instructions a weight; not yet timed). An L2 prefetch of the next task's words when it is claimed lost (Session 27) and
 was removed; attention multiplies on the CUDA cores.
 """
 
@@ -103,11 +104,6 @@ def _wait(cnt_ptr, target):
 def _proj(kind):
     """A GEMV kind's projection: its index (0..3: qkv, o, gate_up, down) in the pointer table and in ``splits``."""
     return tl.where(kind > _ATTN, kind - 1, kind)
-
-
-@triton.jit
-def _ptr(ptrs_ptr, layer, field, dtype: tl.constexpr):
-    return tl.load(ptrs_ptr + layer * _PTR_FIELDS + field).to(tl.pointer_type(dtype))
 
 
 @triton.jit

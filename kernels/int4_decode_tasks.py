@@ -103,9 +103,8 @@ class Int4DecodeStep:
         shape, tiles, first = self.shape, self.tiles, self.layers[0]
         if trace is not None and (self.grid == 1 or trace.shape != (len(self.plan.rows), TRACE_FIELDS)):
             raise ValueError(f"trace: [{len(self.plan.rows)}, {TRACE_FIELDS}] int64 on a GPU, not the interpreter")
-        torch.mul(
-            hidden, first.in_norm, out=self.normed[: self.hidden]
-        )  # the first layer's; the kernel writes the rest
+        # the first layer's stream times its norm weight; the kernel writes the others as it writes the streams
+        torch.mul(hidden, first.in_norm, out=self.normed[: self.hidden])
         _int4_decode_step_kernel[(self.grid,)](
             self.tasks, self.tasks.shape[0], self.counters, self.num_counters, self.ptrs, *self.bases, hidden,
             self.stream, self.normed,

@@ -82,10 +82,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     embedding = torch.randn(layers[0].in_norm.numel(), generator=gen).to(layers[0].in_norm.dtype).to(cos_sin.device)
     res["rows"] = []
     for tiles in [TINY_TILES] if args.tiny else [StepTiles(**json.loads(t)) for t in args.tiles]:
+        step: Int4DecodeStep | None = None
         for context in args.contexts if not args.tiny else [40]:
             row: dict[str, Any] = {"tiles": vars(tiles), "context": context}
             try:  # a setting that fails (a new path's first GPU run) is reported, and the next ones still run
-                step = Int4DecodeStep(layers, shape, tiles)
+                step = step or Int4DecodeStep(layers, shape, tiles)
                 table = torch.zeros(width, dtype=torch.int32, device=cos_sin.device)
                 table[: -(-context // layers[0].kv_cache.shape[2])] = filled_table(layers, context, gen)
                 row["rel_err"] = check(step, layers, shape, table, context, cos_sin, embedding)

@@ -215,19 +215,20 @@ def int4_gemm_normed(
     g_idx: torch.Tensor | None = None,  # [K] int32
     config: Int4GemmConfig | None = None,
 ) -> torch.Tensor:
-    """``int4_gemm(rms_norm(h) * norm_weight, ...)``: where the launch is the GEMV its programs normalize the x
-    they load, from the partial sums of squares of the GEMV that wrote ``h`` (``kernels.fused_norm``); another
-    kernel gets the norm's own launch first."""
+    """``int4_gemm(rms_norm(h) * norm_weight, ...)``: where the launch is the GEMV and the producer wrote
+    ``norm.g``, its programs read ``g`` and normalize late, from the partial sums of squares of the GEMV that
+    wrote ``h`` (``kernels.fused_norm``); otherwise the norm's own launch comes first."""
     require_triton("int4_gemm_normed")
     _check_inputs(norm.h, qweight, scales, zeros, group_size, g_idx)
     norm.check(norm.h.shape[1])
     m, n = norm.h.shape[0], scales.shape[1]
     cfg = _pick(norm.h, qweight, scales, group_size, g_idx, config) if m and n else None
-    if cfg is not None and cfg.kernel != "gemv":
+    if cfg is not None and (cfg.kernel != "gemv" or norm.g is None):
         return int4_gemm(materialize(norm), qweight, scales, zeros, group_size, g_idx, config)
     out = torch.empty((m, n), dtype=norm.h.dtype, device=norm.h.device)
     if cfg is not None:
-        _launch_gemv(norm.h, qweight, scales, zeros, group_size, g_idx, out, cfg, gated=False, norm=norm)
+        assert norm.g is not None
+        _launch_gemv(norm.g, qweight, scales, zeros, group_size, g_idx, out, cfg, gated=False, norm=norm)
     return out
 
 
@@ -241,10 +242,12 @@ def int4_gemm_residual(
     residual: torch.Tensor,  # [M, N], x's dtype
     gated: bool = False,
     config: Int4GemmConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h = int4_gemm(x, ...) + residual`` (``int4_gemm_gated`` when ``gated``) and ``h``'s sums of squares
-    ``[M, P]`` fp32, the next RMSNorm's statistics: the GEMV adds and sums as it writes each output tile;
-    another kernel is followed by ``kernels.fused_norm.residual_sum_ref`` (one partial a row)."""
+    scale: torch.Tensor | None = None,  # [N], x's dtype: the next norm's weight
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``h = int4_gemm(x, ...) + residual`` (``int4_gemm_gated`` when ``gated``), ``h``'s sums of squares
+    ``[M, P]`` fp32 (the next RMSNorm's statistics) and, with ``scale``, ``g = h * scale`` for a consumer that
+    normalizes late: the GEMV adds, sums and scales as it writes each output tile; another kernel is followed by
+    ``kernels.fused_norm.residual_sum_ref`` (one partial a row, no ``g``)."""
     require_triton("int4_gemm_residual")
     k = qweight.shape[-2] * PACK
     gate = x[:, :k] if gated else x
@@ -255,11 +258,15 @@ def int4_gemm_residual(
     cfg = _pick(gate, qweight, scales, group_size, g_idx, config) if m and n else None
     if cfg is None or cfg.kernel != "gemv" or (gated and x.shape[1] != 2 * k):
         gemm = int4_gemm_gated if gated else int4_gemm
-        return residual_sum_ref(gemm(x, qweight, scales, zeros, group_size, g_idx, config), residual, 1)
+        return (*residual_sum_ref(gemm(x, qweight, scales, zeros, group_size, g_idx, config), residual, 1), None)
+    if scale is not None and (scale.shape != (n,) or scale.dtype != x.dtype or scale.stride(0) != 1):
+        raise ValueError(f"scale must be [{n}] of x's dtype, got {scale.dtype} {tuple(scale.shape)}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    sumsq = _launch_gemv(x, qweight, scales, zeros, group_size, g_idx, out, cfg, gated=gated, residual=residual)
-    assert sumsq is not None
-    return out, sumsq
+    written = _launch_gemv(
+        x, qweight, scales, zeros, group_size, g_idx, out, cfg, gated=gated, residual=residual, scale=scale
+    )
+    assert written is not None
+    return out, *written
 
 
 def _pick(
@@ -289,12 +296,13 @@ def _launch_gemv(
     gated: bool,
     norm: NormIn | None = None,
     residual: torch.Tensor | None = None,
-) -> torch.Tensor | None:
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     return int4_gemv_launch(
         x, qweight, scales, zeros, group_size, g_idx, out,
         block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, split_reduce=cfg.split_reduce,
         factored=cfg.factored, num_warps=cfg.num_warps, num_stages=cfg.num_stages, subnormal=cfg.subnormal,
-        gated=gated, norm=norm, residual=residual, pdl=cfg.pdl,
+        gated=gated, norm=norm, residual=residual, scale=scale, pdl=cfg.pdl,
     )  # fmt: skip
 
 

@@ -48,16 +48,19 @@ def _sum_partials(total, ws_ptr, mn, mask, plane, num_splits, SPLIT_CHUNK: tl.co
 def finish_tile(
     acc, out_ptr, ws_ptr, cnt_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, tile, num_tiles,
     pid_k, num_splits, SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    g_ptr=None, nw_ptr=None, SCALED: tl.constexpr = False,
 ):  # fmt: skip
     """Writes a program's fp32 ``acc [BM, BN]`` (rows ``offs_m``, columns ``offs_n``, unit stride along N)
     as the module docstring's split modes say; ``tile`` numbers the output tile (of ``num_tiles``) for its
-    counter. ADD_RESIDUAL: ``kernels.fused_norm.store_tile`` adds ``res`` and writes ``ss[:, tile]``."""
+    counter. ADD_RESIDUAL: ``kernels.fused_norm.store_tile`` adds ``res`` and writes ``ss[:, tile]`` (SCALED:
+    and ``g``)."""
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     mn = offs_m[:, None] * N + offs_n[None, :]  # [BM, BN] offsets in a contiguous fp32 [M, N] plane
     if SPLIT_MODE == 0:  # none
         store_tile(
-            acc, out_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, tile, num_tiles, ADD_RESIDUAL
-        )
+            acc, out_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, tile, num_tiles, ADD_RESIDUAL,
+            g_ptr, nw_ptr, SCALED,
+        )  # fmt: skip
     else:
         if SPLIT_MODE == 1:  # counter
             tl.store(ws_ptr + pid_k * M * N + mn, acc, mask=mask)
@@ -81,7 +84,7 @@ def finish_tile(
                 tl.store(ws_ptr + mn, tl.zeros_like(acc), mask=mask)
             store_tile(
                 total, out_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, tile, num_tiles,
-                ADD_RESIDUAL,
+                ADD_RESIDUAL, g_ptr, nw_ptr, SCALED,
             )  # fmt: skip
             tl.store(cnt_ptr + tile, 0)  # ready for the next launch
 

@@ -137,6 +137,9 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
         "engine.models.decode_step:DECODE_STEP": True,
         "engine.models.decode_step:DECODE_STEP_TILES": StepTiles(tn=128, mma=True),
     },
+    # both norms of each layer carried by the GEMVs around them, the 4-bit consumers normalizing late
+    # (kernels.fused_norm; not yet timed: PAGEDSERVE_FUSED_NORM=1 turns it on)
+    "latenorm": {"engine.models.llama:FUSED_NORM": {False: True, True: True}},
     # no programmatic dependent launch (kernels.pdl) anywhere: the defaults before 2026-12-04 evening
     "nopdl": {
         "kernels.int4_plan:GEMV_PDL": False,

@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from engine.layers.norm import RMSNorm
 from engine.layers.weights import LinearSlice, WeightSource, copy_checked, read_full, set_weight_loader
 from engine.parallel import ParallelState, divide
 from kernels.fused_norm import NormIn, materialize, residual_sum_ref
@@ -53,8 +54,13 @@ class NormFusedQuantMethod(QuantMethod, Protocol):
     def apply_normed(self, layer: Any, norm: NormIn) -> torch.Tensor: ...
 
     def apply_residual(
-        self, layer: Any, x: torch.Tensor, residual: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] | None
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+        self,
+        layer: Any,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        act: Callable[[torch.Tensor], torch.Tensor] | None,
+        scale: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 
 def _new_param(*shape: int) -> nn.Parameter:
@@ -280,16 +286,32 @@ class RowParallelLinear(_ParallelLinear):
         return y if self.bias is None else y + self.bias
 
     def forward_residual(
-        self, x: torch.Tensor, residual: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``h = forward(x) + residual`` (``forward_gated(x, act)`` with ``act``) and ``h``'s sums of squares
-        ``[M, P]`` fp32 for the next norm (``kernels.fused_norm``): added and summed as the GEMV writes its
-        output where it can, else after the matmul (one partial a row)."""
-        gated = act is not None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        act: Callable[[torch.Tensor], torch.Tensor] | None,
+        norm: RMSNorm,
+        late: bool = False,
+    ) -> NormIn:
+        """The input of ``norm`` applied to ``h = forward(x) + residual`` (``forward_gated(x, act)`` with ``act``),
+        for the next projection to normalize (``kernels.fused_norm``): ``h`` and its sums of squares ``[M, P]``
+        fp32, added and summed as the GEMV writes its output where it can, else after the matmul (one partial a
+        row); with ``late``, also ``g = h * norm.weight`` where the 4-bit GEMV writes it (for a 4-bit consumer,
+        which then normalizes late)."""
+        h, sumsq, g = self._residual_sum(x, residual, act, norm.weight if late else None)
+        return NormIn(h, sumsq, norm.weight, norm.eps, g)
+
+    def _residual_sum(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        act: Callable[[torch.Tensor], torch.Tensor] | None,
+        scale: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if self.fusable and self.norm_quant is not None:
-            return self.norm_quant.apply_residual(self, x, residual, act)
+            return self.norm_quant.apply_residual(self, x, residual, act, scale)
         if self.fusable and self.quant is None:
             assert self.weight is not None
-            return dense_linear_residual(x, self.weight, residual, gated)
+            return (*dense_linear_residual(x, self.weight, residual, act is not None), None)
         y = self.forward_gated(x, act) if act is not None else self.forward(x)
-        return residual_sum_ref(y, residual, 1)
+        return (*residual_sum_ref(y, residual, 1), None)

@@ -41,9 +41,12 @@ from kernels.fused_norm import NormIn
 # alternating (gpu_session.sh fn, 81c5c22): bf16 4.267 / 4.273 / 4.272 ms with it against 4.313 / 4.313 / 4.310
 # without (-1.0 %); the post-attention norm carried by o_proj and a GEMV gate_up as well: 4.272-4.276 (gate_up
 # leaves cuBLAS for nothing), that one alone 4.309-4.317. 4-bit: 2.532 ms against 2.525 without (the replicated
-# normalization costs the int4 GEMV what the launch saved), both norms 2.628, so off for 4-bit weights.
-# PAGEDSERVE_FUSED_NORM=1 / 0 turns it on / off for both. A model whose down_proj or qkv_proj would not run the
-# GEMV at batch 1 (a dense weight past kernels.gemv_plan.GEMV_MAX_WEIGHT_ELEMS, a bias, TP > 1) keeps the norm's launch.
+# normalization costs the int4 GEMV what the launch saved), both norms 2.628, so off for 4-bit weights. Since, the
+# 4-bit GEMV normalizes late (kernels.fused_norm: the producer also writes h times the norm's weight, the consumer
+# scales its sums by 1 / rms, no norm work in its loop) and carries both norms of a layer; not yet timed, so
+# still off for 4-bit weights. PAGEDSERVE_FUSED_NORM=1 / 0 turns it on / off for both. A model whose down_proj or
+# qkv_proj would not run the GEMV at batch 1 (a dense weight past kernels.gemv_plan.GEMV_MAX_WEIGHT_ELEMS, a bias,
+# TP > 1) keeps the norm's launch; one whose o_proj or gate_up would not, the post-attention norm's.
 FUSED_NORM_MAX_M = 1
 FUSED_NORM_DEVICES = ("cuda",)
 _FUSED_NORM_ENV = os.environ.get("PAGEDSERVE_FUSED_NORM")
@@ -143,26 +146,40 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, stream: Stream, meta: AttentionMetadata, fused: bool = False) -> Stream:
-        """One layer on the residual stream. ``fused``: the next layer's input norm rides on the GEMVs around it
-        (``kernels.fused_norm``): down_proj adds the residual and sums squares, the next qkv_proj normalizes."""
+    def forward(
+        self,
+        positions: torch.Tensor,
+        stream: Stream,
+        meta: AttentionMetadata,
+        fusion: NormFusion | None = None,
+        next_norm: RMSNorm | None = None,
+    ) -> Stream:
+        """One layer on the residual stream. With ``fusion``, the norm after this layer (``next_norm``: the next
+        layer's input norm, or the model's final one) rides on the GEMVs around it (``kernels.fused_norm``):
+        down_proj adds the residual and sums squares, the next qkv_proj normalizes; ``fusion.post``: so does
+        this layer's post-attention norm, between o_proj and gate_up."""
         attn, mlp = self.self_attn, self.mlp
-        x, residual, sumsq = stream
-        if sumsq is not None:  # x is the stream after the residual add, whose norm the projection applies
-            norm = NormIn(x, sumsq, self.input_layernorm.weight, self.input_layernorm.eps)
-            residual = x
-            x = attn.o_proj(attn.attend(positions, attn.qkv_proj.forward_normed(norm), meta))
+        x, residual, norm = stream
+        if norm is not None:  # x is the stream after the residual add, whose norm the projection applies
+            residual, qkv = x, attn.qkv_proj.forward_normed(norm)
         else:
             if residual is None:  # the first layer: the embedding is the residual
                 residual, x = x, self.input_layernorm(x)
             else:
                 x, residual = self.input_layernorm(x, residual)
-            x = attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        if not fused:
-            return Stream(mlp(x), residual, None)
-        residual, sumsq = mlp.down_proj.forward_residual(mlp.gate_up_proj(x), residual, mlp.act_fn)
-        return Stream(residual, residual, sumsq)
+            qkv = attn.qkv_proj(x)
+        out = attn.attend(positions, qkv, meta)
+        if fusion is not None and fusion.post:
+            post = attn.o_proj.forward_residual(out, residual, None, self.post_attention_layernorm, fusion.late)
+            residual, gate_up = post.h, mlp.gate_up_proj.forward_normed(post)
+        else:
+            x, residual = self.post_attention_layernorm(attn.o_proj(out), residual)
+            gate_up = mlp.gate_up_proj(x)
+        if fusion is None:
+            return Stream(mlp.down_proj.forward_gated(gate_up, mlp.act_fn), residual, None)
+        assert next_norm is not None
+        norm = mlp.down_proj.forward_residual(gate_up, residual, mlp.act_fn, next_norm, fusion.late)
+        return Stream(norm.h, norm.h, norm)
 
 
 class LlamaModel(nn.Module):
@@ -180,7 +197,8 @@ class LlamaModel(nn.Module):
         half = (torch.float16, torch.bfloat16)
         self.fused_norm_dtypes = half if quant is None else (*half, torch.float32)
         self.fuse_norm = FUSED_NORM[quant is not None]
-        self.gemvs_carry_norms: bool | None = None
+        self.late_norms = quant is not None  # the 4-bit GEMV normalizes late, and carries both norms of a layer
+        self.cuda_fusion: tuple[NormFusion | None] | None = None  # decided at the first CUDA step that may fuse
         self.decode_step = DecodeStepPath(self)  # batch-1 4-bit decode steps in one launch, when switched on
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -190,25 +208,32 @@ class LlamaModel(nn.Module):
             assert isinstance(out, torch.Tensor)
             return out
         stream = Stream(hidden, None, None)
-        fused = self._fused_norms(hidden)
-        for layer in self.layers:
-            stream = layer(positions, stream, meta, fused)
-        x, residual, sumsq = stream
-        out = self.norm(x) if sumsq is not None or residual is None else self.norm(x, residual)[0]
+        fusion = self._norm_fusion(hidden)
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            stream = layer(positions, stream, meta, fusion, next_norm)
+        x, residual, norm = stream
+        out = self.norm(x) if norm is not None or residual is None else self.norm(x, residual)[0]
         assert isinstance(out, torch.Tensor)
         return out
 
-    def _fused_norms(self, hidden: torch.Tensor) -> bool:
-        """Whether this step's input norms ride on the GEMVs (``FUSED_NORM_MAX_M`` and ``FUSED_NORM`` say when)."""
+    def _norm_fusion(self, hidden: torch.Tensor) -> NormFusion | None:
+        """Which of this step's norms ride on the GEMVs, if any (``FUSED_NORM_MAX_M`` and ``FUSED_NORM`` say
+        when; the input norms, and the post-attention ones too where the GEMVs normalize late)."""
         if not self.fuse_norm or hidden.shape[0] > FUSED_NORM_MAX_M or self.parallel.world_size > 1:
-            return False
+            return None
         if hidden.device.type not in FUSED_NORM_DEVICES:
-            return False
+            return None
         if not hidden.is_cuda:
-            return True  # tests: the seam on the torch references
-        if self.gemvs_carry_norms is None:  # decided once: the shapes do not change
-            self.gemvs_carry_norms = all(self._carry_norms(layer, hidden.shape[0]) for layer in self.layers)
-        return hidden.dtype in self.fused_norm_dtypes and self.gemvs_carry_norms
+            return NormFusion(post=self.late_norms, late=self.late_norms)  # tests: the seam on the torch references
+        if hidden.dtype not in self.fused_norm_dtypes:
+            return None
+        if self.cuda_fusion is None:  # decided once: the shapes do not change
+            m = hidden.shape[0]
+            post = self.late_norms and all(self._carry_post_norm(layer, m) for layer in self.layers)
+            fusion = NormFusion(post=post, late=self.late_norms)
+            self.cuda_fusion = (fusion if all(self._carry_norms(layer, m) for layer in self.layers) else None,)
+        return self.cuda_fusion[0]
 
     @staticmethod
     def _carry_norms(layer: nn.Module, m: int) -> bool:
@@ -218,15 +243,31 @@ class LlamaModel(nn.Module):
         down = layer.mlp.down_proj
         return down.fusable and down.carries_norm(m, gated=True) and layer.self_attn.qkv_proj.carries_norm(m)
 
+    @staticmethod
+    def _carry_post_norm(layer: nn.Module, m: int) -> bool:
+        """The same for the post-attention norm, between ``layer``'s o_proj and gate_up."""
+        assert isinstance(layer, LlamaDecoderLayer)
+        o_proj = layer.self_attn.o_proj
+        return o_proj.fusable and o_proj.carries_norm(m) and layer.mlp.gate_up_proj.carries_norm(m)
+
 
 class Stream(NamedTuple):
     """The residual stream between layers: ``x`` the last layer's output and ``residual`` the stream before it
-    is added (None in the first layer: the embedding is both); with ``sumsq``, ``x`` is already the sum and
-    ``sumsq`` its partial sums of squares, for the next projection to normalize."""
+    is added (None in the first layer: the embedding is both); with ``norm``, ``x`` is already the sum and
+    ``norm`` the next projection's input to normalize (its partial sums of squares, maybe ``g``)."""
 
     x: torch.Tensor
     residual: torch.Tensor | None
-    sumsq: torch.Tensor | None
+    norm: NormIn | None
+
+
+class NormFusion(NamedTuple):
+    """How a decode step's norms ride on the GEMVs (``kernels.fused_norm``): each input norm always (between
+    down_proj and the next qkv_proj); ``post``: each post-attention norm too; ``late``: the producers also write
+    the stream times the norm's weight, for consumers that normalize late (the 4-bit GEMV)."""
+
+    post: bool
+    late: bool
 
 
 class LlamaForCausalLM(nn.Module):

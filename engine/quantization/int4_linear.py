@@ -147,31 +147,45 @@ class Int4LinearMethod:
         return self.apply(layer, materialize(norm))
 
     def apply_normed_triton(self, layer: Any, norm: NormIn) -> torch.Tensor:
-        """Below ``DEQUANT_MIN_M`` rows the GEMV normalizes what it loads (``kernels.fused_norm``); above, the
-        norm runs first. Tests run it on CPU under the Triton interpreter."""
+        """Below ``DEQUANT_MIN_M`` rows the GEMV reads the producer's ``g`` and normalizes late
+        (``kernels.fused_norm``); above, or without ``g``, the norm runs first. Tests run it on CPU under the
+        Triton interpreter."""
         if norm.h.shape[0] < DEQUANT_MIN_M:
             return int4_gemm_normed(norm, layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.g_idx)
         return self.apply_triton(layer, materialize(norm))
 
     def apply_residual(
-        self, layer: Any, x: torch.Tensor, residual: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``h = apply(layer, x) + residual`` (``apply_gated(layer, x, act)`` with ``act``) and ``h``'s sums of
-        squares (``kernels.fused_norm``); on CUDA ``apply_residual_triton``, elsewhere summed by torch."""
+        self,
+        layer: Any,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        act: Callable[[torch.Tensor], torch.Tensor] | None,
+        scale: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``h = apply(layer, x) + residual`` (``apply_gated(layer, x, act)`` with ``act``), ``h``'s sums of
+        squares and, asked for with ``scale`` (the next norm's weight) where the GEMV writes it, ``g = h * scale``
+        (``kernels.fused_norm``); on CUDA ``apply_residual_triton``, elsewhere summed by torch (no ``g``: the
+        torch consumer normalizes ``h``)."""
         if x.is_cuda and HAS_TRITON:
-            return self.apply_residual_triton(layer, x, residual, act)
-        return residual_sum_ref(self.apply_gated(layer, x, act) if act else self.apply(layer, x), residual, 1)
+            return self.apply_residual_triton(layer, x, residual, act, scale)
+        y = self.apply_gated(layer, x, act) if act else self.apply(layer, x)
+        return (*residual_sum_ref(y, residual, 1), None)
 
     def apply_residual_triton(
-        self, layer: Any, x: torch.Tensor, residual: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Below ``DEQUANT_MIN_M`` rows (the gated GEMV switched on, when ``act``) the GEMV adds and sums as it
-        writes; above, torch after the matmul. Tests run it on CPU under the Triton interpreter."""
+        self,
+        layer: Any,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        act: Callable[[torch.Tensor], torch.Tensor] | None,
+        scale: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Below ``DEQUANT_MIN_M`` rows (the gated GEMV switched on, when ``act``) the GEMV adds, sums and scales
+        as it writes; above, torch after the matmul. Tests run it on CPU under the Triton interpreter."""
         if x.shape[0] < DEQUANT_MIN_M and (act is None or dense_gemv.GEMV_GATED):
             weights = (layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.g_idx)
-            return int4_gemm_residual(x, *weights, residual, act is not None)
+            return int4_gemm_residual(x, *weights, residual, act is not None, scale=scale)
         y = self.apply_gated_triton(layer, x, act) if act else self.apply_triton(layer, x)
-        return residual_sum_ref(y, residual, 1)
+        return (*residual_sum_ref(y, residual, 1), None)
 
     @staticmethod
     @torch.no_grad()

@@ -119,10 +119,11 @@ def test_gated_down_projection_keeps_the_greedy_tokens(
 
 @pytest.mark.slow  # ~4 s: the interpreter runs every projection of two engines (test_fused_norm.py: the exact path)
 def test_fused_norms_keep_the_greedy_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The quantized layers on their CUDA path (the Triton kernels, run here by the interpreter on CPU) with each
-    input RMSNorm of a batch-1 decode step carried by the GEMVs around it (``kernels.fused_norm``, on by
+    """The quantized layers on their CUDA path (the Triton kernels, run here by the interpreter on CPU) with both
+    RMSNorms of each layer of a batch-1 decode step carried by the GEMVs around them (``kernels.fused_norm``, on by
     PAGEDSERVE_FUSED_NORM=1 for 4-bit weights): the greedy tokens equal those of the norms' own launches, and the
-    fused GEMVs ran (down adds the residual, qkv normalizes, from the second layer on)."""
+    fused GEMVs ran, normalizing late (o_proj and down add the residual and write ``g``; gate_up, and qkv from the
+    second layer on, read it)."""
     fmt, family, options = FORMATS["ct-asym-g32"]  # the GEMV's factored path
     folder, _ = build_quantized_model(tmp_path, fmt, family, seed=8, **options)
     for method in ("apply", "apply_gated", "apply_normed", "apply_residual"):
@@ -130,6 +131,9 @@ def test_fused_norms_keep_the_greedy_tokens(tmp_path: Path, monkeypatch: pytest.
     calls: list[str] = []
     for fn in ("int4_gemm_normed", "int4_gemm_residual"):
         monkeypatch.setattr(int4_linear, fn, _counted(getattr(int4_linear, fn), fn, calls))
+    late: list[bool] = []  # per fused call: g was asked for (a producer) or given (a consumer)
+    monkeypatch.setattr(int4_linear, "int4_gemm_residual", _late(int4_linear.int4_gemm_residual, late))
+    monkeypatch.setattr(int4_linear, "int4_gemm_normed", _late(int4_linear.int4_gemm_normed, late))
     monkeypatch.setattr(llama, "FUSED_NORM", {False: True, True: True})  # 4-bit: off by default
     prompts = [{"prompt_token_ids": p} for p in make_prompts(seed=9, n=2)]
     tokens = {}
@@ -142,6 +146,10 @@ def test_fused_norms_keep_the_greedy_tokens(tmp_path: Path, monkeypatch: pytest.
         assert bool(calls) == bool(devices)
     assert tokens[()] == tokens[("cuda", "cpu")]
     assert {"int4_gemm_normed", "int4_gemm_residual"} == set(calls)
+    layers = 2  # a fused step: o_proj and down_proj add the residual; gate_up, and qkv after the first layer, read g
+    steps = calls.count("int4_gemm_residual") // (2 * layers)
+    assert steps >= 4 and calls.count("int4_gemm_normed") == (2 * layers - 1) * steps  # two decode steps a prompt
+    assert late and all(late)
 
 
 def test_one_launch_decode_step_keeps_the_greedy_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,8 +180,18 @@ def test_one_launch_decode_step_keeps_the_greedy_tokens(tmp_path: Path, monkeypa
 
 
 def _counted(fn: Any, name: Any, calls: list[Any]) -> Any:
-    def counted(*args: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(name)
-        return fn(*args)
+        return fn(*args, **kwargs)
 
     return counted
+
+
+def _late(fn: Any, late: list[bool]) -> Any:
+    """``fn`` (a fused producer or consumer) recording whether its call carried ``g`` (asked for, or given)."""
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        late.append(kwargs.get("scale") is not None if "scale" in kwargs else args[0].g is not None)
+        return fn(*args, **kwargs)
+
+    return recorded

@@ -1,12 +1,13 @@
 """RMSNorm carried by the GEMVs (``kernels.fused_norm``): a producer GEMV adds the residual and writes each
-tile's sums of squares, a consumer GEMV normalizes what it loads from them. Under the interpreter on CPU,
-tiny shapes, both GEMV families (dense ``kernels.gemv``, 4-bit ``kernels.int4_gemv``), every split-K
-reduction:
+tile's sums of squares (the 4-bit one, asked, also ``g = h * weight``), a consumer GEMV normalizes from them
+what it loads (dense) or its sums (4-bit, reading ``g``: late). Under the interpreter on CPU, tiny shapes, both
+GEMV families (dense ``kernels.gemv``, 4-bit ``kernels.int4_gemv``), every split-K reduction:
 
 - the producer's ``h`` is bit for bit the same kernel's output plus the residual (as ``rms_norm_ref`` adds
-  them), its partial sums of squares match each tile's in fp32;
-- the consumer equals the same GEMV of ``rms_norm_ref(h)``: the squares are summed in another order, so
-  fp16 activations may round an ulp apart (bound 1e-3), fp32 ones tightly;
+  them), its partial sums of squares match each tile's in fp32, its ``g`` is ``scaled_ref(h)`` bit for bit;
+- the consumer equals the same GEMV of ``rms_norm_ref(h)``: the squares are summed in another order (and the
+  late norm rounds ``h * weight`` instead), so fp16 activations may round an ulp apart (bound 1e-3), fp32 ones
+  tightly;
 - launches that cannot fuse (a tl.dot tile) fall back to the norm's own launch / a torch sum, same results.
 fp16, not bf16: the interpreter truncates fp32 -> bf16 casts where torch rounds (``test_gemv.py``)."""
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_norm import MAX_PARTS, NormIn, materialize, normed_ref, residual_sum_ref
+from kernels.fused_norm import MAX_PARTS, NormIn, materialize, normed_ref, residual_sum_ref, scaled_ref
 from kernels.gemv import (
     GemvConfig,
     gemv,
@@ -46,11 +47,12 @@ INT4 = [  # (group_size, act_order, config)
 
 
 def _norm_in(m: int, k: int, parts: int, dtype: torch.dtype, gen: torch.Generator) -> NormIn:
-    """h as a producer leaves it: the sum of two activations, with its sums of squares over ``parts`` slices."""
+    """h as a producer leaves it: the sum of two activations, with its sums of squares over ``parts`` slices and
+    ``g = h * weight``."""
     out, res = (torch.randn(m, k, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
     h, sumsq = residual_sum_ref(out, res, parts)
     weight = (1 + 0.5 * torch.randn(k, generator=gen)).to(dtype).to(DEVICE)
-    return NormIn(h, sumsq, weight, EPS)
+    return NormIn(h, sumsq, weight, EPS, scaled_ref(h, weight))
 
 
 def _int4(
@@ -108,6 +110,10 @@ def test_int4_consumer(
     out = int4_gemm_normed(norm, qw, s, z, group_size, g_idx, config)
     ref = int4_gemm(normed_ref(norm), qw, s, z, group_size, g_idx, config)
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-3), f"seed {gen.initial_seed()}"
+    assert not torch.equal(out, ref) or dtype == torch.float32  # the late norm rounds elsewhere: it ran
+    # without g (a producer that could not write it) the norm's own launch comes first: the reference exactly
+    without_g = NormIn(norm.h, norm.sumsq, norm.weight, EPS)
+    assert torch.equal(int4_gemm_normed(without_g, qw, s, z, group_size, g_idx, config), ref)
 
 
 @pytest.mark.parametrize(("group_size", "act_order", "config"), INT4)
@@ -119,11 +125,14 @@ def test_int4_producer(
     qw, s, z, g_idx = _int4(k, n, group_size, act_order, dtype, gen)
     x = torch.randn(m, 2 * k if gated else k, generator=gen).to(dtype).to(DEVICE)
     res = torch.randn(m, n, generator=gen).to(dtype).to(DEVICE)
-    h, sumsq = int4_gemm_residual(x, qw, s, z, group_size, g_idx, res, gated, config)
+    nw = (1 + 0.5 * torch.randn(n, generator=gen)).to(dtype).to(DEVICE)
+    h, sumsq, g = int4_gemm_residual(x, qw, s, z, group_size, g_idx, res, gated, config, scale=nw)
     plain = (int4_gemm_gated if gated else int4_gemm)(x, qw, s, z, group_size, g_idx, config)
     assert rel_err(h, res + plain) < 1e-3  # atomic split-K may sum in another order than the call before
     width = n // sumsq.shape[1]
     assert torch.allclose(sumsq, _tiles_sumsq(h, width), rtol=1e-5), f"seed {gen.initial_seed()}"
+    assert g is not None and torch.equal(g, scaled_ref(h, nw))
+    assert int4_gemm_residual(x, qw, s, z, group_size, g_idx, res, gated, config)[2] is None  # not asked
 
 
 def test_int4_other_kernels_fall_back(gen: torch.Generator) -> None:
@@ -135,8 +144,9 @@ def test_int4_other_kernels_fall_back(gen: torch.Generator) -> None:
     out = int4_gemm_normed(norm, qw, s, z, 32, g_idx, cfg)
     assert rel_err(out, int4_gemm(normed_ref(norm), qw, s, z, 32, g_idx, cfg)) < 1e-6
     res = torch.randn(2, n, generator=gen).to(dtype).to(DEVICE)
-    h, sumsq = int4_gemm_residual(norm.h, qw, s, z, 32, g_idx, res, False, cfg)
+    h, sumsq, g = int4_gemm_residual(norm.h, qw, s, z, 32, g_idx, res, False, cfg, scale=res[0])
     assert sumsq.shape == (2, 1) and torch.equal(h, res + int4_gemm(norm.h, qw, s, z, 32, g_idx, cfg))
+    assert g is None  # the consumer then normalizes h with its own launch
 
 
 def test_bad_statistics_are_refused(gen: torch.Generator) -> None:
@@ -147,6 +157,7 @@ def test_bad_statistics_are_refused(gen: torch.Generator) -> None:
         NormIn(norm.h, norm.sumsq[:1], norm.weight, EPS),
         NormIn(norm.h, torch.zeros(2, MAX_PARTS + 1, device=DEVICE), norm.weight, EPS),
         NormIn(norm.h, norm.sumsq, norm.weight.float(), EPS),
+        NormIn(norm.h, norm.sumsq, norm.weight, EPS, norm.h[:1]),
     ):
         with pytest.raises(ValueError, match="fused norm"):
             gemv_normed(bad, w)
@@ -159,7 +170,7 @@ def test_fused_kernels_compile_for_sm90(kernel: str, switch: str) -> None:
     int4: dict[str, object] = {
         "GROUP_SIZE": 128, "HAS_G_IDX": False, "FACTORED": True, "ONE_GROUP_PER_TILE": True, "SUBNORMAL": False,
         "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 2, "SPLIT_MODE": 2, "SPLIT_CHUNK": 1, "EVEN": True,
-        "GATED": switch == "ADD_RESIDUAL",
+        "GATED": switch == "ADD_RESIDUAL", "SCALED": switch == "ADD_RESIDUAL",
     }  # fmt: skip
     dense: dict[str, object] = {
         "HAS_BIAS": False, "USE_DOT": False, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 512, "NUM_STAGES": 3,
@@ -180,7 +191,7 @@ def _gpu_norm_in(parts: int, gen: torch.Generator) -> NormIn:
     h = (4 * torch.randn(1, HIDDEN, generator=gen)).to(torch.bfloat16).cuda()
     weight = (1 + 0.3 * torch.randn(HIDDEN, generator=gen)).to(torch.bfloat16).cuda()
     _, sumsq = residual_sum_ref(torch.zeros_like(h), h, parts)
-    return NormIn(h, sumsq, weight, EPS)
+    return NormIn(h, sumsq, weight, EPS, scaled_ref(h, weight))
 
 
 @pytest.mark.gpu
@@ -196,7 +207,8 @@ def test_consumers_at_8b_shapes(n: int, parts: int, int4: bool, gen: torch.Gener
     else:
         w = (0.02 * torch.randn(n, HIDDEN, generator=gen)).to(torch.bfloat16).cuda()
         out, ref = linear_normed(norm, w), gemv(normed, w)
-    assert rel_err(out, ref) < 2e-3, f"seed {gen.initial_seed()}"  # an ulp of a few activations apart
+    # an ulp of a few activations apart (the 4-bit GEMV normalizes late: h * weight rounds, not h / rms)
+    assert rel_err(out, ref) < 2e-3, f"seed {gen.initial_seed()}"
 
 
 @pytest.mark.gpu
@@ -208,9 +220,11 @@ def test_producers_at_8b_shapes(k: int, gated: bool, int4: bool, gen: torch.Gene
     res = (4 * torch.randn(1, HIDDEN, generator=gen)).to(torch.bfloat16).cuda()
     if int4:
         qw, s, z, _ = _int4(k, HIDDEN, 128, False, torch.bfloat16, gen)
-        h, sumsq = int4_gemm_residual(x, qw, s, z, 128, None, res, gated)
+        nw = (1 + 0.3 * torch.randn(HIDDEN, generator=gen)).to(torch.bfloat16).cuda()
+        h, sumsq, g = int4_gemm_residual(x, qw, s, z, 128, None, res, gated, scale=nw)
         plain = (int4_gemm_gated if gated else int4_gemm)(x, qw, s, z, 128)
         assert rel_err(h, res + plain) < 1e-3  # atomic split-K: the order varies between calls
+        assert g is not None and torch.equal(g, scaled_ref(h, nw))
     else:
         w = (0.02 * torch.randn(HIDDEN, k, generator=gen)).to(torch.bfloat16).cuda()
         h, sumsq = linear_residual(x, w, res, gated)
@@ -222,16 +236,17 @@ def test_producers_at_8b_shapes(k: int, gated: bool, int4: bool, gen: torch.Gene
 @pytest.mark.gpu
 @needs_cuda
 def test_a_captured_layer_replays_its_eager_result(gen: torch.Generator) -> None:
-    """o_proj (adds the residual) then gate_up (normalizes) in one CUDA graph, as a decode graph holds them."""
-    wo = (0.02 * torch.randn(HIDDEN, HIDDEN, generator=gen)).to(torch.bfloat16).cuda()
+    """o_proj (adds the residual, writes g) then gate_up (normalizes late) in one CUDA graph, as a 4-bit decode
+    graph holds them."""
+    wo, wo_s, wo_z, _ = _int4(HIDDEN, HIDDEN, 128, False, torch.bfloat16, gen)
     qw, s, z, _ = _int4(HIDDEN, 2 * INTER, 128, False, torch.bfloat16, gen)
     nw = (1 + 0.3 * torch.randn(HIDDEN, generator=gen)).to(torch.bfloat16).cuda()
     x = torch.randn(1, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
     res = (4 * torch.randn(1, HIDDEN, generator=gen)).to(torch.bfloat16).cuda()
 
     def layer() -> torch.Tensor:
-        h, sumsq = linear_residual(x, wo, res)
-        return int4_gemm_normed(NormIn(h, sumsq, nw, EPS), qw, s, z, 128)
+        h, sumsq, g = int4_gemm_residual(x, wo, wo_s, wo_z, 128, None, res, scale=nw)
+        return int4_gemm_normed(NormIn(h, sumsq, nw, EPS, g), qw, s, z, 128)
 
     eager = layer()
     graph = torch.cuda.CUDAGraph()

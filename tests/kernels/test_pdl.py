@@ -59,7 +59,7 @@ def _chain(x, res, weights, nw, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = Int4GemmConfig(pdl=pdl)
     h, res2 = rms_norm(x, nw, 1e-5, res)
     x2 = int4_gemm(h, gu, gu_s, gu_z, 128, config=cfg)
-    out, _ = int4_gemm_residual(x2, dn, dn_s, dn_z, 128, None, res2, gated=True, config=cfg)
+    out, _, _ = int4_gemm_residual(x2, dn, dn_s, dn_z, 128, None, res2, gated=True, config=cfg)
     return rms_norm(out, nw, 1e-5), out  # type: ignore[return-value]
 
 

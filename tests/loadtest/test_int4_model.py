@@ -1,0 +1,26 @@
+"""``loadtest.int4_model``'s variants: each names module constants that exist, and the device stage that runs them
+(``loadtest/gpu_session.sh``, stage dm) names only variants that exist: a typo there would cost a device call."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+from loadtest.int4_model import GEMV_VARIANTS
+
+
+def test_every_variant_sets_constants_that_exist() -> None:
+    for name, settings in GEMV_VARIANTS.items():
+        for key, value in settings.items():
+            module, attr = key.split(":")
+            current = getattr(importlib.import_module(module), attr)  # AttributeError: a typo
+            assert isinstance(value, type(current)) or isinstance(current, type(value)), (name, key)
+
+
+def test_stage_dm_runs_known_variants() -> None:
+    script = (Path(__file__).parents[2] / "loadtest" / "gpu_session.sh").read_text()
+    match = re.search(r"DM_VARIANTS:-([^}]*)\}", script)
+    assert match is not None
+    names = match.group(1).split()
+    assert "latenorm" in names and set(names) <= set(GEMV_VARIANTS), names

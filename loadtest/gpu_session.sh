@@ -93,8 +93,9 @@
 #                     launch's summary (loadtest.decode_step_trace: where its programs' time went)
 #   stage dm (~6 min): the fused norms' GPU tests (DM_TESTS; the 4-bit GEMVs normalizing late among them), then the
 #                     int4 model's batch-1 TPOT with the int4_model variants of DM_VARIANTS (default: latenorm, both
-#                     norms on the GEMVs; step and stepmma, the one-launch step, its GEMVs on the CUDA or the tensor
-#                     cores) beside the default and bf16, one process
+#                     norms on the GEMVs; fusedmerge, decode attention in one launch; step and stepmma, the
+#                     one-launch step, its GEMVs on the CUDA or the tensor cores) beside the default and bf16, one
+#                     process
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
@@ -184,7 +185,8 @@ elif [ "$stage" = dm ]; then
     -k "${DM_TESTS:-fused or norm}" > "$out/gpu_tests.txt" 2>&1 \
     && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   { grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
-  timeout -k 10 400 python -m loadtest.int4_bench --only model --gemv-variants ${DM_VARIANTS:-latenorm step stepmma} \
+  timeout -k 10 480 python -m loadtest.int4_bench --only model \
+    --gemv-variants ${DM_VARIANTS:-latenorm fusedmerge step stepmma} \
     --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-3000
 elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24

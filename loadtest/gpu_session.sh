@@ -177,7 +177,7 @@ elif [ "$stage" = ds ]; then
   # a persistent kernel that deadlocks would hold the call to its limit: the bench gets 5.5 minutes
   timeout -k 10 330 python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
     --tiles ${DS_TILES:-'{}' '{"parts":32}' '{"tn":128,"mma":true}' '{"tn":128,"mma":true,"splits":[4,8,1,8]}' \
-    '{"tn":128,"mma":true,"splits":[4,8,1,8],"parts":32}'} 2>&1 \
+    '{"tn":128,"mma":true,"splits":[4,8,2,8],"parts":32}'} 2>&1 \
     | grep -v '^{"shape"' | tail -100 \
     || echo "decode_step_bench FAILED or timed out"
 elif [ "$stage" = dm ]; then

@@ -90,14 +90,14 @@ def test_equals_the_layer_by_layer_reference(
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "hidden", "inter", "tiles"),
-    [(4, 4, 64, 96, TINY), (8, 1, 96, 64, TINY), (4, 2, 64, 128, replace(TINY, splits=(1, 1, 1, 2)))],
+    [(4, 4, 64, 96, TINY), (8, 1, 96, 64, TINY), (4, 2, 64, 128, replace(TINY, splits=(1, 1, 2, 2)))],
     ids=["mha", "mqa-hidden96", "inter128"],
 )
 def test_other_head_layouts(
     heads: int, kv_heads: int, hidden: int, inter: int, tiles: StepTiles, gen: torch.Generator
 ) -> None:
-    """One query head a KV head, and eight on one (a hidden size past its power of two); down_proj's K split in two
-    even halves: three layers, fp32."""
+    """One query head a KV head, and eight on one (a hidden size past its power of two); gate_up's and down_proj's K
+    split in two even halves (the last half of a gate_up tile applies silu * up): three layers, fp32."""
     shape = StepShape(heads=heads, kv_heads=kv_heads, head_dim=16, group_size=32, eps=1e-5, scale=0.25)
     layers = make_layers(3, hidden, shape, inter, 8, 16, torch.float32, gen)
     ref_layers = [StepLayer(**{**vars(lr), "kv_cache": lr.kv_cache.clone()}) for lr in layers]

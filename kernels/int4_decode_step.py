@@ -34,8 +34,9 @@ norm's weight rounds to x's dtype, and ``1 / rms`` scales the fp32 sums (the eng
 (docs/benchmarks.md, Sessions 27-28) it is correct and ~5x its floor, slower than the layer-by-layer step, so the
 engine leaves it off: its GEMV tiles are bound by instruction issue (~5.7 SASS instructions a weight) and its
 programs wait ~46 % of the time. ``StepTiles(mma=True)`` runs the GEMVs on the tensor cores instead
-(``kernels.int4_decode_mma``, ~2.7 instructions a weight; not yet timed). An L2 prefetch of the next task's words when it is claimed lost (Session 27) and
-was removed; attention multiplies on the CUDA cores.
+(``kernels.int4_decode_mma``, ~2.7 instructions a weight; not yet timed). An L2 prefetch of the next task's words
+when it is claimed lost (Session 27) and was removed. Attention's products are ``tl.dot``s since Session 30
+(``kernels.int4_decode_attn``: ~9x fewer instructions a key tile; not yet timed).
 """
 
 from __future__ import annotations
@@ -317,7 +318,7 @@ def _int4_decode_step_kernel(
             _attn_task(
                 qkv_ptr, attn_ptr, _wptr(ptrs_ptr, layer, _KV_CACHE, kv_base), v_off, bt_ptr, cs_ptr,
                 ws_o, ws_m, ws_l, cnt_ptr + head_slots + layer * HKV + g, g, part, pos, part_len, num_parts, scale,
-                HQ, HKV, P_MAX, D, QG, BS, BT, PP, NUM_STAGES,
+                HQ, HKV, P_MAX, D, QG, BS, BT, PP, NUM_STAGES, COMPILED,
             )  # fmt: skip
         else:
             _gemv_task(

@@ -190,40 +190,66 @@ names = kernel.arg_names
 signature = {a: "constexpr" if a in c else types.get(a, "*bf16" if a.endswith("_ptr") else "i32") for a in names}
 aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
            if a.endswith(("_ptr", "_base")) or a in ("ws_o", "ws_m", "ws_l", "H", "INTER", "v_off")}
+cap = {"maxnreg": int(sys.argv[2])} if len(sys.argv) > 2 else {}  # a register cap: a test of the spill check
 compiled = triton.compile(ASTSource(kernel, signature, c, aligned), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4})
+                          options={"num_warps": 4, **cap})
 """
     + PTXAS_REPORT
-    + """
+    + r"""
 print("LDGSTS" * sass.count("LDGSTS"))
 print("HGMMA" * sass.count("HGMMA"))
 print("GLOBALTIMER" * compiled.asm["ptx"].count("%globaltimer"))
 print("COPY16" * sum("cp.async" in line and "0x10" in line for line in compiled.asm["ptx"].splitlines()))
+import re
+code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,5})\*/\s+([^;]*);", sass)]
+spans = [(int(m.group(1), 16), a) for a, op in code if (m := re.search(r"BRA 0x([0-9a-f]+)", op)) and int(m.group(1), 16) < a]
+inner = [(lo, hi) for lo, hi in spans if not any(lo <= lo2 and hi2 <= hi and (lo2, hi2) != (lo, hi) for lo2, hi2 in spans)]
+print("INNERSPILL" * sum(1 for a, op in code if ("LDL" in op or "STL" in op) and any(lo <= a <= hi for lo, hi in inner)))
+print("INNERLOOPS" * len(inner))
+# attention's key loop: the inner loop of mma.sync (HMMA; the GEMVs' MMAs are warpgroup ones), its length
+print("ATTNLOOP", *[sum(lo <= a <= hi for a, _ in code) for lo, hi in inner
+                    if any(lo <= a <= hi and op.split()[0].startswith("HMMA") for a, op in code)])
 """
 )
 
 
 @pytest.mark.parametrize(("trace", "mma"), [(False, False), (True, False), (False, True)], ids=["", "trace", "mma"])
 def test_compiles_for_sm90(trace: bool, mma: bool) -> None:
-    """The 8B shape's constexprs at the default tiles: no spills, and both loops' loads pipelined through 16-byte
-    cp.async (the spin-waits, atomics and pointer table compile as the interpreter ran them); with TRACE (inline PTX,
-    which the interpreter cannot run) the clock reads are in the code. ``mma``: the GEMVs on the tensor cores at 128
-    columns (warpgroup MMAs in the code), still two programs an SM's worth of registers."""
+    """The 8B shape's constexprs at the default tiles: no spills inside the inner loops (the GEMV's, attention's: with
+    the MMA GEMV, Triton 3.7 spills 68 bytes of values kept across a task, and 3.6, the device's, 24, reloaded once
+    a task), and both loops' loads pipelined through 16-byte cp.async (the spin-waits, atomics and pointer table
+    compile as the interpreter ran them); with TRACE (inline PTX, which the interpreter cannot run) the clock reads
+    are in the code. ``mma``: the GEMVs on the tensor cores at 128 columns (warpgroup MMAs in the code), still two
+    programs an SM's worth of registers."""
     tiles = StepTiles(tn=128, mma=True) if mma else StepTiles()
     constexprs = {"GROUP": 128, "HP": 4096, "D": 128, "QG": 4, "BS": 16, "BT": tiles.bt, "PP": tiles.parts,
                   "BK": tiles.bk, "TN": tiles.tn, "NUM_STAGES": tiles.num_stages, "TRACE": trace, "MMA": mma,
                   "COMPILED": True}  # fmt: skip
     report = run_without_interpreter(_COMPILE_SM90, json.dumps(constexprs))
-    assert "0 bytes spill stores" in report, report
+    assert "INNERLOOPS" in report and "INNERSPILL" not in report, report
+    assert mma or "0 bytes spill stores" in report, report
     assert "LDGSTS" in report, report
     assert report.count("GLOBALTIMER") == 4 * trace, report  # four clock reads a task
     assert ("HGMMA" in report) == mma, report
+    # attention's products on the tensor cores: 233 SASS instructions a 16-key tile (Triton 3.7), against 2,058 on
+    # the CUDA cores (348 shuffles, 14 barriers) before Session 30
+    attn_loop = [int(n) for n in report.split("ATTNLOOP")[1].split("\n")[0].split()]
+    assert len(attn_loop) == 1 and attn_loop[0] <= 300, report
     assert int(report.split("Used ")[1].split()[0]) <= 255, report
-    # 16-byte copies a thread: the weights' (2 a stage, 8 in the PTX) and the keys' and values' (4 a stage), all
-    # addressed from kernel arguments, not loaded pointers (on the H200 at 4c712e6 the words' were 4 bytes wide, and
-    # K and V were 32 scalar 2-byte loads a thread a tile, outside the pipeline, until 98e2ab8). The MMA GEMV reads
-    # the words as 16-bit halves in k's permuted order, 4 bytes a copy
-    assert report.count("COPY16") >= (16 if mma else 8 + 16), report
+    # 16-byte copies a thread: the weights' (2 a stage, 8 in the PTX) and the keys' and values' (4 a stage, 8 in the
+    # PTX: the tl.dot loop's pipeline), all addressed from kernel arguments, not loaded pointers (on the H200 at
+    # 4c712e6 the words' were 4 bytes wide, and K and V were 32 scalar 2-byte loads a thread a tile, outside the
+    # pipeline, until 98e2ab8). The MMA GEMV reads the words as 16-bit halves in k's permuted order, 4 bytes a copy
+    assert report.count("COPY16") >= (8 if mma else 8 + 8), report
+
+
+def test_the_spill_check_finds_spills_in_the_loops() -> None:
+    """The check above, under a register cap of 64 a thread (at 96 ptxas still keeps the inner loops free): spills
+    inside the inner loops, and it sees them."""
+    constexprs = {"GROUP": 128, "HP": 4096, "D": 128, "QG": 4, "BS": 16, "BT": 16, "PP": 16, "BK": 128, "TN": 64,
+                  "NUM_STAGES": 4, "TRACE": False, "MMA": False, "COMPILED": True}  # fmt: skip
+    report = run_without_interpreter(_COMPILE_SM90, json.dumps(constexprs), "64")
+    assert "INNERSPILL" in report, report
 
 
 def test_bench_checks_an_engine_model_on_cpu(tmp_path: Path) -> None:

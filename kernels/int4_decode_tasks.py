@@ -135,12 +135,14 @@ def _pointers(layer: StepLayer, bases: tuple[torch.Tensor, ...]) -> list[int]:
 
 def shape_reason(shape: StepShape) -> str | None:
     """Why the kernel cannot run a model of ``shape`` (its tiles are powers of two: the head and the query heads
-    a KV head serves), or None."""
+    a KV head serves; attention's ``tl.dot`` wants a head of at least 16), or None."""
     group = shape.heads // shape.kv_heads
     if shape.heads % shape.kv_heads or group & (group - 1) or shape.head_dim & (shape.head_dim - 1):
         return (
             f"{shape.heads} heads on {shape.kv_heads} KV heads of {shape.head_dim}: powers of two per KV head and dim"
         )
+    if shape.head_dim < 16:
+        return f"head_dim {shape.head_dim}: attention's MMA needs at least 16"
     return None
 
 
@@ -149,6 +151,8 @@ def _check(layers: list[StepLayer], shape: StepShape, tiles: StepTiles, hidden: 
     group, cache = shape.group_size, layers[0].kv_cache
     if tiles.tn % 2 or tiles.bk % 8 or group % tiles.bk or any(k % tiles.bk for k in (hidden, inter, hqd)):
         raise ValueError(f"tiles {tiles}: tn even, bk a multiple of 8 dividing the group {group} and every K")
+    if tiles.bt < 16 or tiles.bt & (tiles.bt - 1):
+        raise ValueError(f"tiles {tiles}: bt a power of two of at least 16 (attention's MMA)")
     dtype = layers[0].in_norm.dtype
     if tiles.mma and (tiles.tn < 16 or tiles.bk < 64 or dtype not in (torch.bfloat16, torch.float16)):
         raise ValueError(f"tiles {tiles}: the MMA GEMV needs tn >= 16, bk >= 64 and bf16 or fp16, not {dtype}")

@@ -162,6 +162,10 @@ def test_refuses_tiles_that_do_not_divide() -> None:
         Int4DecodeStep(layers, shape, StepTiles(tn=16, bk=32, splits=(1, 1, 1, 4)))  # down: 96 k's, 3 tiles
     with pytest.raises(ValueError, match="powers of two"):  # 6 query heads a KV head (Qwen2-7B has 7)
         Int4DecodeStep(layers, StepShape(12, 2, 16, 32, 1e-5, 0.25), TINY)
+    with pytest.raises(ValueError, match="MMA"):  # attention's tl.dot: keys and head dims of at least 16
+        Int4DecodeStep(layers, shape, replace(TINY, bt=8))
+    with pytest.raises(ValueError, match="head_dim 8"):
+        Int4DecodeStep(layers, StepShape(8, 2, 8, 32, 1e-5, 0.25), TINY)
     with pytest.raises(ValueError, match="gate_up.qweight"):
         bad = StepLayer(**{**vars(layers[0]), "gate_up": layers[0].o})
         Int4DecodeStep([bad], shape, TINY)

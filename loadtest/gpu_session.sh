@@ -86,10 +86,11 @@
 #   stage ds (~4 min): the one-launch int4 decode step (kernels.int4_decode_step; correct, 12x its floor, Session 27): its
 #                     GPU tests, then loadtest.decode_step_bench on the engine's 8B int4 model (its reference check,
 #                     then its time for 32 layers against their floor, the LM head, the engine's batch-1 TPOT) at the
-#                     tiles of each JSON word of DS_TILES (default: five; Session 27 measured the prefetch, stages,
+#                     tiles of each JSON word of DS_TILES (default: six; Session 27 measured the prefetch, stages,
 #                     unrolling and widths, Session 28 the subnormal codes, a nanosleep between polls and register
-#                     caps; now the GEMVs on the tensor cores (mma, 128 columns) and 32 partitions (attention's
-#                     128 tasks leave half of 264 programs idle)), each with a traced
+#                     caps; now three programs an SM (168 registers under Triton 3.6 since attention's tl.dot), 32
+#                     partitions (attention's 128 tasks leave half of 264 programs idle) and the GEMVs on the tensor
+#                     cores (mma, 128 columns; their rows last: a fault there loses no other row)), each with a traced
 #                     launch's summary (loadtest.decode_step_trace: where its programs' time went)
 #   stage dm (~6 min): the fused norms' GPU tests (DM_TESTS; the 4-bit GEMVs normalizing late among them), then the
 #                     int4 model's batch-1 TPOT with the int4_model variants of DM_VARIANTS (default: latenorm, both
@@ -176,8 +177,8 @@ elif [ "$stage" = ds ]; then
   # shellcheck disable=SC2086  # DS_TILES is a list of JSON words
   # a persistent kernel that deadlocks would hold the call to its limit: the bench gets 5.5 minutes
   timeout -k 10 330 python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
-    --tiles ${DS_TILES:-'{}' '{"parts":32}' '{"tn":128,"mma":true}' '{"tn":128,"mma":true,"splits":[4,8,1,8]}' \
-    '{"tn":128,"mma":true,"splits":[4,8,2,8],"parts":32}'} 2>&1 \
+    --tiles ${DS_TILES:-'{}' '{"programs_per_sm":3}' '{"parts":32}' '{"tn":128,"mma":true}' \
+    '{"tn":128,"mma":true,"splits":[4,8,1,8]}' '{"tn":128,"mma":true,"splits":[4,8,2,8],"parts":32}'} 2>&1 \
     | grep -v '^{"shape"' | tail -100 \
     || echo "decode_step_bench FAILED or timed out"
 elif [ "$stage" = dm ]; then

@@ -174,6 +174,8 @@ def _check(layers: list[StepLayer], shape: StepShape, tiles: StepTiles, hidden: 
                     raise ValueError(f"{name}.{field}: {tuple(t.shape)} (contiguous: {t.is_contiguous()}), want {size}")
         if layer.kv_cache.shape != cache.shape or not layer.kv_cache.is_contiguous():
             raise ValueError("every layer's KV cache must have the first one's shape, contiguous")
+        if layer.kv_cache.dtype != dtype:  # attention's tl.dot takes queries and keys of one dtype
+            raise ValueError(f"the KV cache's dtype {layer.kv_cache.dtype} must be the activations' {dtype}")
         if layer.in_norm.dtype != layers[0].in_norm.dtype or layer.in_norm.numel() != hidden:
             raise ValueError("norm weights of one dtype and the hidden size")
 

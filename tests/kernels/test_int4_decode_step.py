@@ -166,6 +166,8 @@ def test_refuses_tiles_that_do_not_divide() -> None:
         Int4DecodeStep(layers, shape, replace(TINY, bt=8))
     with pytest.raises(ValueError, match="head_dim 8"):
         Int4DecodeStep(layers, StepShape(8, 2, 8, 32, 1e-5, 0.25), TINY)
+    with pytest.raises(ValueError, match="KV cache's dtype"):
+        Int4DecodeStep([StepLayer(**{**vars(layers[0]), "kv_cache": layers[0].kv_cache.half()})], shape, TINY)
     with pytest.raises(ValueError, match="gate_up.qweight"):
         bad = StepLayer(**{**vars(layers[0]), "gate_up": layers[0].o})
         Int4DecodeStep([bad], shape, TINY)

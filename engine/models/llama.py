@@ -192,6 +192,8 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, self.rotary_emb, parallel, quant) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # the norm after each layer (the next one's input norm, the final one), for the GEMVs that carry it
+        self.next_norms = [*(layer.input_layernorm for layer in self.layers[1:]), self.norm]
         self.parallel = parallel
         # the dense GEMV takes fp16 and bf16 only; the 4-bit one fp32 too
         half = (torch.float16, torch.bfloat16)
@@ -209,8 +211,7 @@ class LlamaModel(nn.Module):
             return out
         stream = Stream(hidden, None, None)
         fusion = self._norm_fusion(hidden)
-        for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+        for layer, next_norm in zip(self.layers, self.next_norms, strict=True):
             stream = layer(positions, stream, meta, fusion, next_norm)
         x, residual, norm = stream
         out = self.norm(x) if norm is not None or residual is None else self.norm(x, residual)[0]

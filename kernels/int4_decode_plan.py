@@ -43,13 +43,14 @@ class StepTiles:
     K split over ``splits`` tasks per projection (qkv, o, gate_up, down)."""
 
     # first guessed from the byte counts (64 columns x 128 k's of int4 is 4 KB a load, 4 in flight a program, 2
-    # programs an SM; splits give every phase ~200 tasks). 8 stages, 32 columns and 3-4 programs an SM under a
-    # register cap lost to them; 32 partitions won 5-7 % at Session 27's code, and 128 columns won at 128 tokens
-    # and lost at 4096 with the subnormal codes: both are to be measured again (stage ds)
+    # programs an SM; splits give every phase ~200 tasks). 8 stages, 32 columns and 3-4 programs an SM lost to them
+    # (Sessions 27-28, and 3 programs at 168 registers again in Session 31: 4.77 against 4.16 ms at 128 tokens);
+    # 32 partitions won in Sessions 27 and 31 (3.90 / 4.48 ms at 128 / 4,096 tokens against 4.16 / 4.74 with 16:
+    # attention's 128 tasks left half of the 264 programs idle)
     tn: int = 64
     bk: int = 128
     num_stages: int = 4
-    parts: int = 16
+    parts: int = 32
     bt: int = 16
     programs_per_sm: int = 2
     splits: tuple[int, int, int, int] = (2, 4, 1, 4)
@@ -57,7 +58,8 @@ class StepTiles:
     # on the H200 (docs/benchmarks.md, Session 27)
     fine_deps: bool = True
     # the GEMVs on the tensor cores (kernels.int4_decode_mma; bf16 / fp16, bk >= 64): ~2.7 SASS instructions a weight
-    # at 128 columns against the CUDA-core loop's ~5.5 (sm_90 compile on the CPU); not yet timed on the GPU
+    # at 128 columns against the CUDA-core loop's ~5.5, yet ~1.4x slower a weight on the H200 (Session 31: the step
+    # 8.01 against 4.16 ms at 128 tokens): off
     mma: bool = False
 
 

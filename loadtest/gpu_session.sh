@@ -83,15 +83,15 @@
 #                     programs among them), the sweep's wgmma rows at WA_M (default 64 128 256 512), then the int4
 #                     model at batches WA_BATCHES (default 128 256 512) and `mixed`, the defaults beside variants
 #                     wg512 and wg512async (the wgmma GEMM to 512 rows instead of dequantization + cuBLAS) and bf16
-#   stage ds (~4 min): the one-launch int4 decode step (kernels.int4_decode_step; correct, 12x its floor, Session 27): its
+#   stage ds (~4 min): the one-launch int4 decode step (kernels.int4_decode_step; correct, 4.5x its floor, Session 31): its
 #                     GPU tests, then loadtest.decode_step_bench on the engine's 8B int4 model (its reference check,
 #                     then its time for 32 layers against their floor, the LM head, the engine's batch-1 TPOT) at the
-#                     tiles of each JSON word of DS_TILES (default: six; Session 27 measured the prefetch, stages,
-#                     unrolling and widths, Session 28 the subnormal codes, a nanosleep between polls and register
-#                     caps; now three programs an SM (168 registers under Triton 3.6 since attention's tl.dot), 32
-#                     partitions (attention's 128 tasks leave half of 264 programs idle) and the GEMVs on the tensor
-#                     cores (mma, 128 columns; their rows last: a fault there loses no other row)), each with a traced
-#                     launch's summary (loadtest.decode_step_trace: where its programs' time went)
+#                     tiles of each JSON word of DS_TILES (default: six; Sessions 27-28 measured the prefetch, stages,
+#                     unrolling, widths, subnormal codes, a nanosleep between polls and register caps, Session 31
+#                     three programs an SM (lost), 32 partitions (won: the default) and the GEMVs on the tensor cores
+#                     (lost); now the defaults, 16 partitions, three other K splits, and the tensor cores again
+#                     (last: a fault there loses no other row)), each with a traced launch's summary
+#                     (loadtest.decode_step_trace: where its programs' time went)
 #   stage dm (~6 min): the fused norms' GPU tests (DM_TESTS; the 4-bit GEMVs normalizing late among them), then the
 #                     int4 model's batch-1 TPOT with the int4_model variants of DM_VARIANTS (default: latenorm, both
 #                     norms on the GEMVs; fusedmerge, decode attention in one launch; step and stepmma, the
@@ -177,8 +177,8 @@ elif [ "$stage" = ds ]; then
   # shellcheck disable=SC2086  # DS_TILES is a list of JSON words
   # a persistent kernel that deadlocks would hold the call to its limit: the bench gets 5.5 minutes
   timeout -k 10 330 python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
-    --tiles ${DS_TILES:-'{}' '{"programs_per_sm":3}' '{"parts":32}' '{"tn":128,"mma":true}' \
-    '{"tn":128,"mma":true,"splits":[4,8,1,8]}' '{"tn":128,"mma":true,"splits":[4,8,2,8],"parts":32}'} 2>&1 \
+    --tiles ${DS_TILES:-'{}' '{"parts":16}' '{"splits":[4,4,1,4]}' '{"splits":[4,8,1,8]}' '{"splits":[2,4,2,4]}' \
+    '{"tn":128,"mma":true}'} 2>&1 \
     | grep -v '^{"shape"' | tail -100 \
     || echo "decode_step_bench FAILED or timed out"
 elif [ "$stage" = dm ]; then

@@ -162,7 +162,8 @@ def test_fine_waits_are_narrower() -> None:
     waits = lambda plan, kind: sorted({r[4] for r in plan.rows if r[0] == kind})  # noqa: E731
     assert waits(coarse, QKV) == waits(fine, QKV) == [0]  # the first layer's qkv waits for nothing
     assert (waits(coarse, ATTN), waits(fine, ATTN)) == ([96 * 2], [(4 + 1 + 1) * 2 * 2])
-    assert (waits(coarse, O_PROJ), waits(fine, O_PROJ)) == ([8 * 16], [2 * 16])
+    parts = StepTiles().parts  # attention tasks a KV head
+    assert (waits(coarse, O_PROJ), waits(fine, O_PROJ)) == ([8 * parts], [2 * parts])
     assert (waits(coarse, DOWN), waits(fine, DOWN)) == ([448], [112])
     assert waits(fine, GATE_UP) == [64 * 4]  # the whole stream: every o_proj task
     o_needs = [r[3] for r in fine.rows if r[0] == O_PROJ]

@@ -44,7 +44,7 @@ class StepTiles:
 
     # first guessed from the byte counts (64 columns x 128 k's of int4 is 4 KB a load, 4 in flight a program, 2
     # programs an SM; splits give every phase ~200 tasks). 8 stages, 32 columns and 3-4 programs an SM lost to them
-    # (Sessions 27-28, and 3 programs at 168 registers again in Session 31: 4.77 against 4.16 ms at 128 tokens);
+    # (Sessions 27-28; in Session 31 a third program an SM was never resident beside the two: 4.77 against 4.16 ms);
     # 32 partitions won in Sessions 27 and 31 (3.90 / 4.48 ms at 128 / 4,096 tokens against 4.16 / 4.74 with 16:
     # attention's 128 tasks left half of the 264 programs idle)
     tn: int = 64

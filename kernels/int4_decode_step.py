@@ -35,10 +35,10 @@ norm's weight rounds to x's dtype, and ``1 / rms`` scales the fp32 sums (the eng
 Session 31), slower than the layer-by-layer step (~2.3 ms with the LM head), so the engine leaves it off: its GEMV
 phases reach 0.3-1.5 TB/s and its programs wait ~44 % of the time. Session 28 read the tiles as bound by
 instruction issue (~5.5 SASS instructions a weight), but ``StepTiles(mma=True)``, the GEMVs on the tensor cores
-(``kernels.int4_decode_mma``, ~2.7 instructions a weight), is ~1.4x slower a weight (Session 31). An L2 prefetch of the next task's words when it is claimed
-lost (Session 27) and was removed. Attention's products are ``tl.dot``s since Session 30
-(``kernels.int4_decode_attn``: ~9x fewer instructions a key tile; at 4,096 tokens the step went from 6.38 to 4.74
-ms).
+(``kernels.int4_decode_mma``, ~2.7 instructions a weight), is ~1.4x slower a weight (Session 31). An L2 prefetch
+of the next task's words when it is claimed lost (Session 27) and was removed. Attention's products are ``tl.dot``s
+since Session 30 (``kernels.int4_decode_attn``: ~9x fewer instructions a key tile; at 4,096 tokens the step went
+from 6.38 to 4.74 ms).
 """
 
 from __future__ import annotations

@@ -46,14 +46,16 @@ class StepTiles:
     # programs an SM; splits give every phase ~200 tasks). 8 stages, 32 columns and 3-4 programs an SM lost to them
     # (Sessions 27-28; in Session 31 a third program an SM was never resident beside the two: 4.77 against 4.16 ms);
     # 32 partitions won in Sessions 27 and 31 (3.90 / 4.48 ms at 128 / 4,096 tokens against 4.16 / 4.74 with 16:
-    # attention's 128 tasks left half of the 264 programs idle)
+    # attention's 128 tasks left half of the 264 programs idle); K splits (8, 8, 1, 8) won in Session 32 (3.19 / 3.70
+    # ms against (2, 4, 1, 4)'s 3.91 / 4.49 on the same machine; (4, 8, 1, 8) 3.23 / 3.85, more splits or a split gate_up
+    # lost): more tasks for qkv, o and down, so each phase's tasks start while the last phase's are still running
     tn: int = 64
     bk: int = 128
     num_stages: int = 4
     parts: int = 32
     bt: int = 16
     programs_per_sm: int = 2
-    splits: tuple[int, int, int, int] = (2, 4, 1, 4)
+    splits: tuple[int, int, int, int] = (8, 8, 1, 8)
     # wait only for the tasks that write what a task reads (the module docstring), not for whole phases: 3-18 % faster
     # on the H200 (docs/benchmarks.md, Session 27)
     fine_deps: bool = True

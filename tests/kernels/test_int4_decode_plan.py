@@ -155,17 +155,17 @@ def test_every_conflict_is_ordered_by_the_waits(case: str, fine_deps: bool) -> N
 
 def test_fine_waits_are_narrower() -> None:
     """At the 8B shape every consumer of the fine table waits for part of the phase before it: attention for its
-    KV head's 12 qkv tiles (twice: split K), o_proj's quarters for two KV heads' partitions, down_proj's quarters
-    for a quarter of gate_up."""
+    KV head's 12 qkv column tiles (each split K ways), o_proj's K ranges for their KV heads' partitions, down_proj's
+    K ranges for their share of gate_up."""
     shape, hidden, inter = EIGHT_B
     coarse, fine = (plan_tasks(shape, hidden, inter, 1, StepTiles(fine_deps=f)) for f in (False, True))
     waits = lambda plan, kind: sorted({r[4] for r in plan.rows if r[0] == kind})  # noqa: E731
+    parts, (s_qkv, s_o, s_gate_up, s_down) = StepTiles().parts, StepTiles().splits
     assert waits(coarse, QKV) == waits(fine, QKV) == [0]  # the first layer's qkv waits for nothing
-    assert (waits(coarse, ATTN), waits(fine, ATTN)) == ([96 * 2], [(4 + 1 + 1) * 2 * 2])
-    parts = StepTiles().parts  # attention tasks a KV head
-    assert (waits(coarse, O_PROJ), waits(fine, O_PROJ)) == ([8 * parts], [2 * parts])
-    assert (waits(coarse, DOWN), waits(fine, DOWN)) == ([448], [112])
-    assert waits(fine, GATE_UP) == [64 * 4]  # the whole stream: every o_proj task
+    assert (waits(coarse, ATTN), waits(fine, ATTN)) == ([96 * s_qkv], [(4 + 1 + 1) * 2 * s_qkv])
+    assert (waits(coarse, O_PROJ), waits(fine, O_PROJ)) == ([8 * parts], [8 * parts // s_o])
+    assert (waits(coarse, DOWN), waits(fine, DOWN)) == ([448 * s_gate_up], [448 * s_gate_up // s_down])
+    assert waits(fine, GATE_UP) == [64 * s_o]  # the whole stream: every o_proj task
     o_needs = [r[3] for r in fine.rows if r[0] == O_PROJ]
     assert o_needs == sorted(o_needs)  # claimed in the order their heads finish
 

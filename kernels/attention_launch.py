@@ -1,5 +1,5 @@
 """Host-side pieces of the attention kernels' launches (kernels.paged_attention, kernels.prefill_attention,
-kernels.prefill_new_kv): input checks, the decode kernel's arrival counters, and the dtype choices of a launch.
+kernels.prefill_new_kv): input checks and the dtype choices of a launch.
 A module of its own so that the kernels' files hold kernels and their wrappers."""
 
 from __future__ import annotations
@@ -49,26 +49,6 @@ def _check_step_rows(
         raise ValueError("decode rows of a mixed step are written into out: a tensor shaped like query")
     check_last_dim_contiguous("out", out)
     return int(seq_lens.shape[0])
-
-
-# Per device, every counter buffer ever handed out: a captured CUDA graph keeps the address it was
-# captured with, so a larger buffer is added beside the old ones, never in their place.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-_MIN_COUNTERS = 1 << 16  # 256 KB: more (seq, kv head) pairs than any captured batch has, so it never grows
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` zeroed int32 counters, one per (seq, kv head), that the fused variant leaves zeroed
-    after every call (and every graph replay). Growing inside a CUDA-graph capture is refused: the zeroing
-    would only be recorded, and the buffer would live in the graph's pool."""
-    bufs = _COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fused_reduce: run the shape once before capturing it in a CUDA graph")
-        bufs.append(
-            torch.zeros(max(n, 2 * bufs[-1].numel() if bufs else _MIN_COUNTERS), dtype=torch.int32, device=device)
-        )
-    return bufs[-1]
 
 
 def _upcast(query: torch.Tensor) -> bool:

@@ -1,6 +1,5 @@
 """The merge half of flash-decoding (``kernels.paged_attention``): each partition's (max, sum, output) rows are
-combined into the head's output, by a second launch (``_decode_reduce_kernel``) or, with ``fused_reduce``, by
-the last program of each (sequence, KV head) to finish (``_merge_if_last``); and the two facts both halves must
+combined into the head's output by a second launch (``_decode_reduce_kernel``); and the two facts both halves must
 agree on: a partition's length and which query row a sequence decodes."""
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ def _merge_partitions(
 ):  # fmt: skip
     """Merge one head's partition results (scratch rows ``base + p``) into its output row: an online softmax
     over chunks of partitions, so a chunk's stats and outputs come in one L2 round trip (.cg: from L2,
-    where the other programs' stores landed; the fused variant reads them right away)."""
+    where the other programs' stores landed)."""
     num_parts = tl.minimum(tl.cdiv(seq_len, part_len), num_partitions)  # the rest were never written
     d = tl.arange(0, HEAD_DIM_PAD)
     m_run = tl.full([1], float("-inf"), tl.float32)
@@ -61,31 +60,6 @@ def _query_row(seq, query_start_loc_ptr, STEP_ROWS: tl.constexpr):
         return start, (tl.load(query_start_loc_ptr + seq + 1) - start) == 1
     else:
         return seq, seq >= 0
-
-
-@triton.jit
-def _merge_if_last(
-    counter, seq, q_row, kvh, seq_len, part_len, out_ptr, part_out_ptr, part_stats_ptr, stride_os, stride_oh,
-    num_partitions, num_kv_heads, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    CHUNK: tl.constexpr,
-):  # fmt: skip
-    """Count this program's arrival at its (seq, kv head); the last live one merges every head's partitions.
-    Ordering (PTX memory model, the pattern of a cooperative-groups grid sync, as in int4_gemv): the barrier
-    makes every warp's partial stores visible to the thread that issues the scalar atomic, whose acq_rel add
-    releases them at GPU scope; in the last program the same add acquires the other programs' stores, and
-    every thread learns its result through shared memory behind a barrier, so the merge's .cg loads (L2,
-    not L1) come after it."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.minimum(tl.cdiv(seq_len, part_len), num_partitions) - 1:
-        tl.atomic_xchg(counter, 0, sem="relaxed")  # zero again for the next call and graph replay
-        for gi in tl.static_range(GROUP):  # one head at a time: [CHUNK, D] tiles, few registers
-            head = kvh * GROUP + gi
-            _merge_partitions(
-                seq_len, part_len, (seq * (GROUP * num_kv_heads) + head) * num_partitions,
-                out_ptr + q_row * stride_os + head * stride_oh, part_out_ptr, part_stats_ptr, num_partitions,
-                HEAD_DIM, HEAD_DIM_PAD, CHUNK,
-            )  # fmt: skip
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""How a paged decode-attention call is cut: KV tile, partitions of each sequence, and where they are merged.
+"""How a paged decode-attention call is cut: KV tile and partitions of each sequence.
 
 A pure function of shapes and the SM count (no device sync), so a CUDA-graph replay keeps the plan it was
 captured with, and the tests check it on CPU by passing an H200's 132 SMs. The constants below are what an
@@ -16,28 +16,19 @@ from kernels._triton import next_pow2
 
 # Programs per SM the partitioning aims at (H200, 2026-11-29: ~4 beat ~8, whose last wave left SMs idle).
 # It only matters for small batches: from 64 sequences up every choice gives the two-partition floor.
-# The sweep rows fused_p2 / fused_p0.5 are 2 / 8.
+# The sweep row two_launch_p2 (partitions twice as long) is about 2.
 PROGRAMS_PER_SM = 4
 # Batches of at most this many sequences are "small": a decode call is short (7-60 us at batch 1), so a
 # second launch and the pipeline prologue weigh.
 SMALL_BATCH_MAX_SEQS = 16
-# THE switch: batches of at most this many sequences merge their partitions in the kernel's last program
-# (fused_reduce, one launch); larger ones in a second launch. Sweep rows: "fused" vs "two_launch".
-# 0: never fused; 1 << 30: whenever there are several partitions.
-# H200 sweep at 1b86deb (2026-12-01): fused 0.62 / 0.60 / 0.77 of SDPA at B=1 L=1k/8k/32k against two launches
-# 0.95 / 0.81 / 0.88 (the one merging program per head is a serial tail), so never by default.
-FUSED_REDUCE_MAX_SEQS = 0
-# (block_n, num_stages) of small batches; large ones keep (64, 3). Sweep row fused_bn128_s2 is (128, 2),
-# fused_s2 is (64, 2).
-SMALL_BATCH_TILE = (64, 2)  # same sweep: two_launch_s2 0.97 / 0.83 / 0.88 against (64, 3)'s 0.95 / 0.81 / 0.88
+# (block_n, num_stages) of small batches; large ones keep (64, 3). Sweep row two_launch_s2 is (64, 2): H200 sweep
+# at 1b86deb (2026-12-01), B=1 L=1k/8k/32k, 0.97 / 0.83 / 0.88 of SDPA against (64, 3)'s 0.95 / 0.81 / 0.88.
+SMALL_BATCH_TILE = (64, 2)
 # Small batches over long tables (dynamic partitions) take 3 stages: H200 sweep (2026-12-04, row auto_s3, with
 # the one-chunk merge) at batch 1, L = 32k 0.93 -> 0.97 of SDPA, 8k / 32k in 128k tables 0.955 / 0.930 -> 0.975 /
 # 0.953; fixed partitions of 2 tiles (8k tables) kept 2 stages (0.965 against 0.945).
 SMALL_BATCH_DYNAMIC_STAGES = 3
 LARGE_BATCH_TILE = (64, 3)  # 128 was faster at B=256 but slower at B=64 (one program per SM at 3 stages)
-# Query-head rows x partitions one program may merge: 512 fp32 rows of 128 are 256 KB of L2 reads by one
-# SM, ~2 us on the critical path, what the saved launch is worth; past that the second launch wins.
-FUSED_MERGE_MAX_ROWS = 512
 # THE other switch: partitions cut each sequence's own length (read on the device) into as many pieces as fill
 # PROGRAMS_PER_SM programs per SM, instead of a length fixed by the block table's width. A CUDA graph is captured
 # for the longest context, so with fixed partitions a 128k-token --max-model-len cut a 1k-token sequence's decode
@@ -62,13 +53,13 @@ def use_dynamic(num_seqs: int, max_len: int) -> bool:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """The tile, partitions and merge of one decode call (``fused_reduce`` only with several partitions)."""
+    """The tile and partitions of one decode call. One partition: one launch; several: a second launch merges them
+    (the one-launch merge, by each (seq, KV head)'s last program, lost at 1b86deb and was removed)."""
 
     block_n: int
     num_stages: int
     partition_size: int
     num_partitions: int
-    fused_reduce: bool
     # partition_size is then only the tile granularity: each sequence's own length is cut in num_partitions
     dynamic: bool = False
 
@@ -102,13 +93,6 @@ def fit_partition_size(
     return -(-per_part // block_n) * block_n
 
 
-def use_fused_reduce(num_seqs: int, group: int, num_partitions: int) -> bool:
-    """Whether the last program of each (seq, KV head) merges the partitions (one launch) rather than a
-    second kernel: in small batches, while that one program's merge stays small (FUSED_MERGE_MAX_ROWS)."""
-    small_merge = group * num_partitions <= FUSED_MERGE_MAX_ROWS
-    return num_partitions > 1 and num_seqs <= FUSED_REDUCE_MAX_SEQS and small_merge
-
-
 def plan_decode(
     num_seqs: int,
     num_heads: int,
@@ -119,7 +103,6 @@ def plan_decode(
     block_n: int | None = None,
     num_stages: int | None = None,
     partition_size: int | None = None,
-    fused_reduce: bool | None = None,
     dynamic: bool | None = None,
     programs_per_sm: int | None = None,
 ) -> DecodePlan:
@@ -134,16 +117,11 @@ def plan_decode(
         per_sm = programs_per_sm or PROGRAMS_PER_SM
         parts = max(1, min(per_sm * sms // (num_seqs * num_kv_heads), -(-max_len // block_n)))
         parts = 1 << (parts.bit_length() - 1)  # a power of two: batch 1's 66 -> 64 fits one MERGE_CHUNK
-        fused = use_fused_reduce(num_seqs, num_heads // num_kv_heads, parts) if fused_reduce is None else fused_reduce
         stages = num_stages or (SMALL_BATCH_DYNAMIC_STAGES if num_seqs <= SMALL_BATCH_MAX_SEQS else tile[1])
-        return DecodePlan(block_n, stages, block_n, parts, fused and parts > 1, True)
+        return DecodePlan(block_n, stages, block_n, parts, True)
     if partition_size is None:
         partition_size = decode_partition_size(num_seqs, num_kv_heads, max_len, sms, block_n)
     if partition_size % block_n or partition_size < block_n:
         raise ValueError(f"partition_size {partition_size} must be a multiple of block_n {block_n}")
     num_partitions = max(1, -(-max_len // partition_size))
-    if fused_reduce is None:
-        fused_reduce = use_fused_reduce(num_seqs, num_heads // num_kv_heads, num_partitions)
-    return DecodePlan(
-        block_n, num_stages or tile[1], partition_size, num_partitions, fused_reduce and num_partitions > 1
-    )
+    return DecodePlan(block_n, num_stages or tile[1], partition_size, num_partitions)

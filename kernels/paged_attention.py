@@ -13,15 +13,8 @@ from typing import Any
 import torch
 
 from kernels._triton import next_pow2, require_triton, tl, triton
-from kernels.attention_launch import _COUNTERS as _COUNTERS  # re-exported: the tests check the counters
-from kernels.attention_launch import (
-    _arrival_counters,
-    _check_attention_inputs,
-    _check_step_rows,
-    _dot_precision,
-    _upcast,
-)
-from kernels.decode_merge import _decode_reduce_kernel, _merge_if_last, _partition_len, _query_row
+from kernels.attention_launch import _check_attention_inputs, _check_step_rows, _dot_precision, _upcast
+from kernels.decode_merge import _decode_reduce_kernel, _partition_len, _query_row
 from kernels.decode_plan import MERGE_CHUNK, num_sms, plan_decode
 from kernels.pdl import PDL_MAX_ROWS, launch_dependents, pdl_supported, wait_prior_grids
 from kernels.rope_cache import DecodeRope, store_new_kv
@@ -78,9 +71,8 @@ def paged_decode_attention_ref(
 # Triton: decode (flash-decoding). Grid (seq, kv_head, partition): one program reads its partition of one
 # KV head's cache once and serves all GROUP query heads of that KV head as the rows of a [GROUP_PAD, D]
 # tile (GQA). Partitions cut long sequences so that batch 1 still fills the GPU (kernels/decode_plan.py
-# sizes them); their (max, sum, output) triples are merged by a second kernel or, with fused_reduce, by the
-# last program of each (seq, kv head) to finish (kernels/decode_merge.py). With one partition the first kernel
-# writes the output.
+# sizes them); their (max, sum, output) triples are merged by a second kernel (kernels/decode_merge.py). With one
+# partition the first kernel writes the output.
 
 
 @triton.jit
@@ -124,14 +116,13 @@ def _online_softmax_step(s, v, m_i, l_i, acc, MAY_BE_EMPTY: tl.constexpr, DOT_PR
 @triton.jit
 def _decode_partition_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr, part_out_ptr, part_stats_ptr,
-    counters_ptr, scale_log2, sliding_window,
+    scale_log2, sliding_window,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_os, stride_oh,
     num_partitions, rope_pos_ptr, rope_slot_ptr, cos_sin_ptr, kn_ptr, vn_ptr, stride_cs, stride_nt, stride_nh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, DYNAMIC: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, FUSED_REDUCE: tl.constexpr, CHUNK: tl.constexpr, STEP_ROWS: tl.constexpr,
-    ROPE: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, STEP_ROWS: tl.constexpr, ROPE: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """ROPE (``kernels.decode_rope``): q, kn and vn are the step's raw rows; the query is rotated as it is
     loaded, and the program whose partition holds the new token stores its rotated key and value first. PDL
@@ -197,14 +188,6 @@ def _decode_partition_kernel(
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask & live)
         tl.store(part_stats_ptr + row * 2, m_i, mask=g_mask & live)
         tl.store(part_stats_ptr + row * 2 + 1, l_i, mask=g_mask & live)
-        # the last live program of (seq, kv head) to finish merges all partitions: no second launch
-        if FUSED_REDUCE:  # noqa: SIM102 - a constexpr branch (resolved at compile time) around a runtime one
-            if live:  # the same in every thread of the program, so the barriers in there are safe
-                _merge_if_last(
-                    counters_ptr + seq * tl.num_programs(1) + kvh, seq, q_row, kvh, seq_len, part_len, out_ptr,
-                    part_out_ptr, part_stats_ptr, stride_os, stride_oh, num_partitions, tl.num_programs(1),
-                    GROUP, HEAD_DIM, HEAD_DIM_PAD, CHUNK,
-                )  # fmt: skip
 
 
 def paged_decode_attention(
@@ -251,7 +234,7 @@ def _paged_decode_attention(
     query_start_loc: torch.Tensor | None = None,  # [num_seqs + 1]: a mixed step's rows (paged_decode_rows)
     out: torch.Tensor | None = None,  # written in place; with query_start_loc: the step's output, its decode rows
     rope: DecodeRope | None = None,  # query not rotated: the kernel rotates it and stores the new K/V (decode_rope)
-    **knobs: Any,  # plan_decode's block_n, num_stages, partition_size, fused_reduce, dynamic; unset: the defaults
+    **knobs: Any,  # plan_decode's block_n, num_stages, partition_size, dynamic, programs_per_sm; unset: the defaults
 ) -> torch.Tensor:
     """The wrapper with its tuning knobs exposed (tests force small partitions; the benchmark sweeps)."""
     require_triton("paged_decode_attention")
@@ -284,29 +267,23 @@ def _paged_decode_attention(
     )
     part_stats = query.new_empty((num_seqs, num_heads, num_partitions, 2) if not single else (1,), dtype=torch.float32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    counters = _arrival_counters(query.device, num_seqs * num_kv_heads) if plan.fused_reduce else part_stats
     head_dim_pad = max(16, next_pow2(head_dim))
-    # The fused merge's [chunk, head_dim] fp32 tile: 4096 elements keep the kernel at or below the registers
-    # (so the programs per SM) of the two-launch one (ptxas for sm_90, d 128, group 4: 96 vs 128 at block_n
-    # 64, 128 vs 133 at block_n 128 with 2 stages, 80 at 8 warps). Merging all heads of the KV head in one
-    # [group, chunk, d] tile took 128-204.
-    chunk = min(next_pow2(num_partitions), max(1, 4096 // head_dim_pad))
     pdl = DECODE_PDL and num_seqs <= PDL_MAX_ROWS and pdl_supported(query)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc if query_start_loc is not None else seq_lens,
-        out, part_out, part_stats, counters, scale * _LOG2E, sliding_window or 0,
+        out, part_out, part_stats, scale * _LOG2E, sliding_window or 0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_partitions, *_rope_args(rope, seq_lens, query),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=plan.block_n, PARTITION_SIZE=plan.partition_size, DYNAMIC=plan.dynamic,
         SINGLE_PARTITION=single,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
-        FUSED_REDUCE=plan.fused_reduce, CHUNK=chunk, STEP_ROWS=query_start_loc is not None, ROPE=rope is not None,
+        STEP_ROWS=query_start_loc is not None, ROPE=rope is not None,
         FENCE=rope is not None and query.is_cuda and not _INTERPRET, PDL=pdl,
         num_warps=num_warps,
         num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
-    if not single and not plan.fused_reduce:
+    if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             seq_lens, query_start_loc if query_start_loc is not None else seq_lens, out, part_out, part_stats,
             out.stride(0), out.stride(1), num_partitions,

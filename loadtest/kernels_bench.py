@@ -41,9 +41,8 @@ from loadtest.prefill_bench import (
 # "partition_scale" scales the variant's default partition; "min_partition" sizes as if no partition could
 # be shorter (128: the sizing measured on 2026-11-29); "fit": kernels.decode_plan.fit_partition_size with that
 # many programs per SM (ptxas for sm_90: the default tile's 128 registers allow 4, block_n 32's 80 allow 6).
-# fused_reduce False: the reduction in a second launch; True: the last program of each (seq, kv head) merges
-# the partitions; absent: the default's choice. "cap": no partition longer than that; "dynamic" with
-# "programs_per_sm": each sequence's own length cut into that many programs per SM (kernels.decode_plan.use_dynamic).
+# "cap": no partition longer than that; "dynamic" with "programs_per_sm": each sequence's own length cut into that
+# many programs per SM (kernels.decode_plan.use_dynamic).
 # Rows named default* start from the default tile, the others from (64, 3 stages).
 # Removed after the 2026-12-01 sweeps, where they never won a shape: fused_p0.5, fused_s2, fused_bn128_s2(_p2),
 # fused_w8, two_launch_min128, two_launch_bn128_s2; after the 2026-12-03 sweep (bdb22e2), the unrolled tile loop
@@ -51,13 +50,13 @@ from loadtest.prefill_bench import (
 # sweep (eeac913, batch 1 at 128-1024 tokens in 4k tables, and 8k), where none won a shape: the in-kernel merge
 # over the default tile (0.46-1.01), partitions 4x longer (0.62-0.92), dynamic partitions of at least 128 / 256
 # tokens (0.41-0.95; at batch 1 in the engine, 256 made TPOT 4.62 ms against 4.31) and dynamic + in-kernel merge.
+# The in-kernel merge itself (rows fused, fused_p2) was then removed: it never won (0.60-0.77 of SDPA at batch 1,
+# 1b86deb); two_launch* keep their names (every row merges in a second launch).
 DECODE_VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("default", {}),
-    ("two_launch", {"fused_reduce": False}),
-    ("two_launch_s2", {"fused_reduce": False, "num_stages": 2}),
-    ("two_launch_p2", {"fused_reduce": False, "partition_scale": 2}),
-    ("fused", {"fused_reduce": True}),
-    ("fused_p2", {"fused_reduce": True, "partition_scale": 2}),
+    ("two_launch", {}),
+    ("two_launch_s2", {"num_stages": 2}),
+    ("two_launch_p2", {"partition_scale": 2}),
     ("default_fit3", {"fit": 3}),
     ("default_fit4", {"fit": 4}),
     ("default_fit6", {"fit": 6}),
@@ -348,10 +347,10 @@ def _shape_name(r: dict[str, Any]) -> str:
 
 
 def _print_decode_variants(decode: list[dict[str, Any]]) -> None:
-    """One row per decode variant: its ratio to SDPA and partition count at every shape (F: merged in the
-    kernel, fused_reduce), the best of each column marked with *."""
+    """One row per decode variant: its ratio to SDPA and partition count at every shape, the best of each
+    column marked with *."""
     names = list(dict.fromkeys(v["name"] for r in decode for v in r["variants"]))
-    print("\ndecode variants: ratio to SDPA / partitions (F: fused_reduce), * best of the shape")
+    print("\ndecode variants: ratio to SDPA / partitions, * best of the shape")
     print("| variant | " + " | ".join(_shape_name(r) for r in decode) + " |")
     print("|---" * (len(decode) + 1) + "|")
     for name in names:
@@ -362,7 +361,7 @@ def _print_decode_variants(decode: list[dict[str, Any]]) -> None:
                 cells.append("failed")
                 continue
             star = "*" if v["name"] == r["best_variant"] else ""
-            cells.append(f"{v['ratio']:.3f}{star} /{v['num_partitions']}{'F' if v['fused_reduce'] else ''}")
+            cells.append(f"{v['ratio']:.3f}{star} /{v['num_partitions']}")
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

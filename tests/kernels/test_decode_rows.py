@@ -40,14 +40,14 @@ def _decode_row_mask(qsl: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(q_lens == 1, q_lens)  # [num_tokens]
 
 
-# each prefill kernel, dtype, group and window, and the decode kernel's partitions: one, fixed with a second-launch
-# merge, fixed with the in-kernel merge, dynamic (each sequence's own length), dynamic with the in-kernel merge
+# each prefill kernel, dtype, group and window, and the decode kernel's partitions: one, fixed (merged by a second
+# launch), dynamic (each sequence's own length)
 CASES = [
     ("new_kv", torch.bfloat16, 4, None, {}),
     ("new_kv", torch.float32, 1, 10, {"partition_size": 16}),
-    ("paged", torch.bfloat16, 8, None, {"partition_size": 16, "fused_reduce": True}),
+    ("paged", torch.bfloat16, 8, None, {"partition_size": 16}),
     ("paged", torch.float16, 4, 10, {"dynamic": True}),
-    ("new_kv", torch.float32, 4, None, {"dynamic": True, "fused_reduce": True}),
+    ("new_kv", torch.float32, 4, None, {"dynamic": True}),
 ]
 
 

@@ -9,12 +9,7 @@ import pytest
 import torch
 
 from kernels.decode_plan import num_sms, plan_decode
-from kernels.paged_attention import (
-    _COUNTERS,
-    _paged_decode_attention,
-    paged_decode_attention,
-    paged_decode_attention_ref,
-)
+from kernels.paged_attention import _paged_decode_attention, paged_decode_attention, paged_decode_attention_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from tests.kernels.helpers import capture_graph, paged_cache, rel_err
 
@@ -40,39 +35,27 @@ def _step_inputs(
 
 @pytest.mark.parametrize("lens", [[1, 1000, 4097, 8192], [131072]])
 @pytest.mark.parametrize("sliding_window", [None, 4096])
-@pytest.mark.parametrize("fused_reduce", [False, True, None])  # None: the default's choice
-def test_decode_real_sizes(
-    lens: list[int], sliding_window: int | None, fused_reduce: bool | None, gen: torch.Generator
-) -> None:
+def test_decode_real_sizes(lens: list[int], sliding_window: int | None, gen: torch.Generator) -> None:
     cache, tables = paged_cache(lens, 16, 8, 128, torch.bfloat16, gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     query = torch.randn(len(lens), 32, 128, generator=gen).to(torch.bfloat16).cuda()
     ref = paged_decode_attention_ref(query, cache, tables, seq_lens, 128**-0.5, sliding_window)
-    for _ in range(3):  # repeated calls: the fused variant's arrival counters must come back to zero
-        out = _paged_decode_attention(
-            query, cache, tables, seq_lens, 128**-0.5, sliding_window, fused_reduce=fused_reduce
-        )
-        assert rel_err(out, ref) < 1e-2, f"seed {gen.initial_seed()}"
+    out = _paged_decode_attention(query, cache, tables, seq_lens, 128**-0.5, sliding_window)
+    assert rel_err(out, ref) < 1e-2, f"seed {gen.initial_seed()}"
     assert paged_decode_attention(query, cache, tables, seq_lens, 128**-0.5, sliding_window).shape == out.shape
 
 
 @pytest.mark.parametrize("sliding_window", [None, 1000])
-@pytest.mark.parametrize("fused_reduce", [None, True])  # None: the default (fused at batch 1 unless turned off)
-def test_decode_batch1_in_cuda_graph(
-    sliding_window: int | None, fused_reduce: bool | None, gen: torch.Generator
-) -> None:
+def test_decode_batch1_in_cuda_graph(sliding_window: int | None, gen: torch.Generator) -> None:
     """Batch 1, 8k tokens (an 8B model's heads), many partitions: equal to the reference eagerly and in a
-    CUDA graph replayed twice; the replays equal the eager call bit for bit (the merge reads partitions in
-    index order whoever merges) and leave every arrival counter at zero."""
+    CUDA graph replayed twice; the replays equal the eager call bit for bit."""
     cache, tables = paged_cache([8192], 16, 8, 128, torch.bfloat16, gen)
     seq_lens = torch.tensor([8192], dtype=torch.int32, device="cuda")
     query = torch.randn(1, 32, 128, generator=gen).to(torch.bfloat16).cuda()
-    plan = plan_decode(1, 32, 8, tables.shape[1] * 16, num_sms(query.device.index or 0), fused_reduce=fused_reduce)
-    assert plan.num_partitions >= 8 and (plan.fused_reduce or not fused_reduce)
+    plan = plan_decode(1, 32, 8, tables.shape[1] * 16, num_sms(query.device.index or 0))
+    assert plan.num_partitions >= 8
     scale = 128**-0.5
-    decode = partial(
-        _paged_decode_attention, query, cache, tables, seq_lens, scale, sliding_window, fused_reduce=fused_reduce
-    )
+    decode = partial(_paged_decode_attention, query, cache, tables, seq_lens, scale, sliding_window)
     eager = decode()
     assert rel_err(eager, paged_decode_attention_ref(query, cache, tables, seq_lens, scale, sliding_window)) < 1e-2
     graph, captured = capture_graph(decode)
@@ -81,7 +64,6 @@ def test_decode_batch1_in_cuda_graph(
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, eager)
-        assert all(not buf.any() for buf in _COUNTERS.get(query.device, []))  # none made: nothing to check
     query.copy_(torch.randn(1, 32, 128, generator=gen).to(torch.bfloat16))  # the graph reads the new query
     graph.replay()
     ref = paged_decode_attention_ref(query, cache, tables, seq_lens, scale, sliding_window)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-import json
-import weakref
 from typing import Any
 
 import pytest
@@ -12,15 +9,9 @@ import torch
 
 from kernels import decode_plan
 from kernels.decode_plan import decode_partition_size
-from kernels.paged_attention import (
-    _COUNTERS,
-    _arrival_counters,
-    _paged_decode_attention,
-    paged_decode_attention,
-    paged_decode_attention_ref,
-)
+from kernels.paged_attention import _paged_decode_attention, paged_decode_attention, paged_decode_attention_ref
 from kernels.prefill_attention import _paged_prefill_attention, paged_prefill_attention, paged_prefill_attention_ref
-from tests.kernels.helpers import DEVICE, paged_cache, rel_err, run_without_interpreter, tolerance
+from tests.kernels.helpers import DEVICE, paged_cache, rel_err, tolerance
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEAD_DIM = 32
@@ -34,18 +25,15 @@ def _query(num_rows: int, num_heads: int, dtype: torch.dtype, gen: torch.Generat
 
 
 GROUPS = [1, 4, 8]
-# {}: one partition here; 32 (4 partitions): the reduce kernel (chunk2: its merge over two chunks); fused: the last program of each (seq, kv head)
-# merges them; 48: three tiles, not a power of two; dynamic: each sequence's own length cut
-# into the grid's partitions (3 here: 4 programs per SM of the interpreter's 8 "SMs", 5 sequences x 2 KV heads)
+# {}: one partition here; 32 (4 partitions): the reduce kernel (chunk2: its merge over two chunks); 48: three
+# tiles, not a power of two; dynamic: each sequence's own length cut into the grid's partitions (3 here: 4
+# programs per SM of the interpreter's 8 "SMs", 5 sequences x 2 KV heads)
 DECODE_KNOBS = {
     "one": {},
     "p32": {"partition_size": 32},
-    "p32_fused": {"partition_size": 32, "fused_reduce": True},
     "p32_chunk2": {"partition_size": 32, "reduce_chunk": 2},
     "p48": {"partition_size": 48},
-    "p48_fused": {"partition_size": 48, "fused_reduce": True},
     "dyn": {"dynamic": True},
-    "dyn_fused": {"dynamic": True, "fused_reduce": True},
     "dyn16": {"dynamic": True, "programs_per_sm": 16},
 }
 # Each knob (how a sequence is cut into partitions and merged) runs 3 cases: every dtype, every GQA group and
@@ -72,53 +60,6 @@ def test_decode_matches_ref(
     out = _paged_decode_attention(query, cache, tables, seq_lens, 0.17, sliding_window, block_n=16, **knobs)
     ref = paged_decode_attention_ref(query, cache, tables, seq_lens, 0.17, sliding_window)
     assert rel_err(out, ref) < tolerance(dtype), f"seed {gen.initial_seed()}"
-    _assert_counters_zero(query.device)
-
-
-def _assert_counters_zero(device: torch.device) -> None:
-    """Every arrival counter is back at zero, so the next call (or graph replay) starts clean."""
-    assert all(not buf.any() for buf in _COUNTERS.get(device, []))
-
-
-def test_decode_fused_many_partitions_repeated(gen: torch.Generator) -> None:
-    """16-token partitions: up to 9 per sequence, lengths that end mid-partition, on its edge, a sequence
-    whose only token leaves every other partition empty, a window that hides whole partitions; called
-    twice on the same counters. The merge reads the partitions in index order whoever merges, so the
-    repeat is bitwise equal."""
-    lens, sliding_window = [1, 16, 31, 130, 77], 40
-    cache, tables = paged_cache(lens, 16, NUM_KV_HEADS, HEAD_DIM, torch.float32, gen)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    query = _query(len(lens), NUM_KV_HEADS * 4, torch.float32, gen)
-    ref = paged_decode_attention_ref(query, cache, tables, seq_lens, 0.17, sliding_window)
-    outs = []
-    for _ in range(2):
-        outs.append(
-            _paged_decode_attention(
-                query,
-                cache,
-                tables,
-                seq_lens,
-                0.17,
-                sliding_window,
-                partition_size=16,
-                block_n=16,
-                fused_reduce=True,
-            )  # fmt: skip
-        )
-        _assert_counters_zero(query.device)
-    assert rel_err(outs[0], ref) < tolerance(torch.float32), f"seed {gen.initial_seed()}"
-    assert all(torch.equal(o, outs[0]) for o in outs[1:])
-
-
-def test_arrival_counters_keep_every_buffer() -> None:
-    """A CUDA graph captured with the old buffer keeps its address: growing must not free it."""
-    first = _arrival_counters(torch.device("cpu"), 8)
-    alive = weakref.ref(first)
-    grown = _arrival_counters(torch.device("cpu"), first.numel() + 1)
-    del first
-    gc.collect()
-    assert grown.numel() > 8 and alive() is not None and not grown.any()
-    assert _arrival_counters(torch.device("cpu"), 8) is grown  # later calls get the largest
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 32, 64])
@@ -145,64 +86,16 @@ def test_decode_public_wrapper_and_padding_rows(gen: torch.Generator) -> None:
     assert rel_err(out, ref) < 1e-2, f"seed {gen.initial_seed()}"
 
 
-@pytest.mark.parametrize("fused_max_seqs", [0, 16])
-def test_decode_default_at_batch_1(fused_max_seqs: int, monkeypatch: pytest.MonkeyPatch, gen: torch.Generator) -> None:
-    """Batch 1, 300 tokens, bf16: the public wrapper cuts 64-token partitions (8 SMs on CPU) and merges
-    them where decode_plan.FUSED_REDUCE_MAX_SEQS says: in the last program, or in a second launch."""
-    monkeypatch.setattr(decode_plan, "FUSED_REDUCE_MAX_SEQS", fused_max_seqs)
+def test_decode_default_at_batch_1(gen: torch.Generator) -> None:
+    """Batch 1, 300 tokens, bf16: the public wrapper cuts 64-token partitions (8 SMs on CPU) and merges them in a
+    second launch."""
     cache, tables = paged_cache([300], 16, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, gen)
     seq_lens = torch.tensor([300], dtype=torch.int32, device=DEVICE)
     query = _query(1, NUM_KV_HEADS * 4, torch.bfloat16, gen)
     plan = decode_plan.plan_decode(1, NUM_KV_HEADS * 4, NUM_KV_HEADS, tables.shape[1] * 16, 8)
-    assert plan.partition_size == 64 and plan.num_partitions == 5 and plan.fused_reduce == (fused_max_seqs > 0)
+    assert plan.partition_size == 64 and plan.num_partitions == 5
     out = paged_decode_attention(query, cache, tables, seq_lens, 0.2)
     assert rel_err(out, paged_decode_attention_ref(query, cache, tables, seq_lens, 0.2)) < 1e-2
-    _assert_counters_zero(query.device)
-
-
-# Compiles the fused decode kernel for sm_90 (no GPU needed) with the launcher's specialization of 16-aligned
-# pointers and sizes, and prints its TTGIR: argv = constexprs (JSON).
-_COMPILE_SM90 = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kernels.paged_attention import _decode_partition_kernel as kernel
-
-constexprs = json.loads(sys.argv[1])
-types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "part_out_ptr": "*fp32",
-         "part_stats_ptr": "*fp32", "scale_log2": "fp32", "kn_ptr": "*bf16", "vn_ptr": "*bf16",
-         "cos_sin_ptr": "*fp32", "rope_pos_ptr": "*i64", "rope_slot_ptr": "*i64"}
-names = kernel.arg_names
-signature = {a: "constexpr" if a in constexprs else types.get(a, "*i32" if a.endswith("_ptr") else "i32")
-             for a in names}
-aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
-           if a not in constexprs and a not in ("scale_log2", "sliding_window")}
-compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "num_stages": 3})
-print(compiled.asm["ttgir"])
-"""
-_FUSED_8B = {
-    "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
-    "PARTITION_SIZE": 128, "SINGLE_PARTITION": False, "USE_WINDOW": False, "DOT_PRECISION": "tf32",
-    "UPCAST": False, "FUSED_REDUCE": True, "CHUNK": 32, "DYNAMIC": False, "STEP_ROWS": False, "ROPE": False,
-    "FENCE": False,
-}  # fmt: skip
-
-
-def test_fused_reduce_orders_partials_before_the_arrival() -> None:
-    """Each warp stores its rows of the partial output; thread 0 alone issues the arrival atomic. Without
-    a CTA barrier between them the last program may merge partials that another program's warps have yet
-    to write (the race of int4_gemv's split-K). The interpreter cannot show it (programs run one by one,
-    each op on the whole tile); the code compiled for sm_90 must have the barrier, an acq_rel GPU-scope
-    arrival, and merge loads from L2 (.cg)."""
-    ir = run_without_interpreter(_COMPILE_SM90, json.dumps(_FUSED_8B)).splitlines()
-    arrival = next(i for i, line in enumerate(ir) if "tt.atomic_rmw add" in line)
-    assert "acq_rel, gpu" in ir[arrival], ir[arrival]
-    last_store = max(i for i in range(arrival) if "tt.store" in ir[i])
-    assert any("barrier" in line for line in ir[last_store:arrival]), "\n".join(ir[last_store : arrival + 1])
-    merge_loads = [line for line in ir[arrival:] if "tt.load" in line]
-    assert merge_loads and all("cacheModifier = cg" in line for line in merge_loads), merge_loads
 
 
 def test_partition_size_fills_the_sms_at_batch_1() -> None:
@@ -252,13 +145,8 @@ def test_dynamic_plan_counts_partitions_not_tokens() -> None:
     assert decode_plan.plan_decode(decode_plan.SMALL_BATCH_MAX_SEQS + 1, 32, 8, 1024, 132).dynamic
 
 
-def test_fused_reduce_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(decode_plan, "FUSED_REDUCE_MAX_SEQS", 16)
-    assert decode_plan.use_fused_reduce(1, 4, 64) and decode_plan.use_fused_reduce(16, 8, 64)
-    assert not decode_plan.use_fused_reduce(17, 4, 64) and not decode_plan.use_fused_reduce(1, 4, 1)
-    assert not decode_plan.use_fused_reduce(1, 32, 64)  # one KV head for 32 q heads: too big a merge for one program
-    plan = decode_plan.plan_decode(1, 32, 8, 8192, 132, partition_size=8192, fused_reduce=True)
-    assert plan.num_partitions == 1 and not plan.fused_reduce  # nothing to merge
+def test_fixed_plan_partitions() -> None:
+    assert decode_plan.plan_decode(1, 32, 8, 8192, 132, partition_size=8192).num_partitions == 1  # nothing to merge
     with pytest.raises(ValueError, match="multiple of block_n"):
         decode_plan.plan_decode(1, 32, 8, 8192, 132, block_n=64, partition_size=96)
 

@@ -1,27 +1,22 @@
-"""RMSNorm carried by the GEMVs around it, for decode steps of a few rows (the engine: batch 1).
+"""RMSNorm carried by the dense GEMVs around it, for decode steps of a few rows (the engine: batch 1).
 
 A pre-norm decoder layer runs ``norm(down + residual)`` between the MLP's down projection and the next layer's
-qkv (and ``norm(o + residual)`` between o_proj and gate_up). At batch 1 each norm is a launch of ~2 us that
-moves 24 KB. Here the norm has no launch of its own:
+qkv. At batch 1 that norm is a launch of ~2 us that moves 24 KB. Here it has no launch of its own:
 
 - the producer (down_proj) adds the residual as it writes its output tile, rounded as ``rms_norm_ref`` rounds
   it (the product to the output dtype, then the sum), writes that sum ``h`` (the new residual stream) and,
   per row, the fp32 sum of ``h**2`` over its tile's columns into ``sumsq [M, P]``, one column per output tile
-  (no atomics: the partials are summed in tile order by whoever reads them). Asked for it (``SCALED``), it
-  also writes ``g = h * weight``, the next norm's weight applied, rounded to h's dtype;
-- the consumer (qkv_proj) computes each row's ``1 / rms`` from its ``P`` partials once per program, and either
+  (no atomics: the partials are summed in tile order by whoever reads them);
+- the consumer (qkv_proj) computes each row's ``1 / rms`` from its ``P`` partials once per program and
   normalizes every activation it loads as ``rms_norm_ref`` does (``weight * (h * inv_rms)``, each product
-  rounded to ``h``'s dtype: the dense GEMV), or normalizes late (the 4-bit GEMV, given ``g``): its loop reads
-  ``g`` as a plain input and its fp32 sums are multiplied by ``1 / rms`` at the end, so the loop does no norm
-  work at all (normalizing as it loaded cost the int4 GEMV what the launch saved, Session 16).
+  rounded to ``h``'s dtype).
 
-Both GEMV families (``kernels.gemv``, ``kernels.int4_gemv``) take either role; which norms the engine fuses,
-and for which weights, is ``engine.models.llama.FUSED_NORM``'s measured choice.
+``kernels.gemv`` takes either role; when the engine fuses is ``engine.models.llama.FUSED_NORM``'s measured
+choice (4-bit weights never carry the norm: it lost on the H200).
 
-The normalize-as-loaded consumer differs from ``rms_norm_ref`` (and ``kernels.norm``) only in the order in which
-the squares are summed; the late one also rounds ``h * weight`` where the reference rounds ``h / rms`` and then
-its product with the weight. Tests bound both. :class:`NormIn` / :func:`normed_ref`, :func:`residual_sum_ref`
-and :func:`scaled_ref` are the torch references the CPU engine and the tests use.
+The consumer differs from ``rms_norm_ref`` (and ``kernels.norm``) only in the order in which the squares are
+summed; tests bound it. :class:`NormIn` / :func:`normed_ref` and :func:`residual_sum_ref` are the torch references
+the CPU engine and the tests use.
 """
 
 from __future__ import annotations
@@ -39,14 +34,12 @@ MAX_PARTS = 4096  # the consumer loads a row's partial sums in one [BM, next_pow
 @dataclass(frozen=True)
 class NormIn:
     """A consumer's input ``rms_norm(h) * weight`` still to be computed, with ``h``'s partial sums of squares
-    (``sumsq [M, P]`` fp32, any split of ``h``'s columns) from the GEMV that wrote ``h``, and ``g = h * weight``
-    (:func:`scaled_ref`) where that GEMV wrote it too: a consumer given ``g`` may normalize late."""
+    (``sumsq [M, P]`` fp32, any split of ``h``'s columns) from the GEMV that wrote ``h``."""
 
     h: torch.Tensor  # [M, K]
     sumsq: torch.Tensor  # [M, P] fp32
     weight: torch.Tensor  # [K], h's dtype
     eps: float
-    g: torch.Tensor | None = None  # [M, K] like h: h * weight
 
     def check(self, k: int) -> None:
         m = self.h.shape[0]
@@ -59,11 +52,6 @@ class NormIn:
             raise ValueError(f"fused norm: sumsq must be fp32 [{m}, P <= {MAX_PARTS}], got {s.dtype} {tuple(s.shape)}")
         if not s.is_contiguous() or {s.device, self.weight.device} != {self.h.device}:
             raise ValueError("fused norm: sumsq must be contiguous and every tensor on h's device")
-        g = self.g
-        if g is not None and (g.shape != self.h.shape or g.dtype != self.h.dtype or g.device != self.h.device):
-            raise ValueError(f"fused norm: g must be like h {tuple(self.h.shape)}, got {g.dtype} {tuple(g.shape)}")
-        if g is not None and g.stride(1) != 1:
-            raise ValueError("fused norm: g must be contiguous along K")
 
     @property
     def parts_block(self) -> int:
@@ -97,11 +85,6 @@ def residual_sum_ref(out: torch.Tensor, residual: torch.Tensor, num_parts: int) 
     return h, torch.stack(parts, dim=1)
 
 
-def scaled_ref(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """What a ``SCALED`` producer writes besides ``h``: ``h * weight`` in fp32, rounded to h's dtype."""
-    return (h.float() * weight.float()).to(h.dtype)
-
-
 def new_sumsq(m: int, num_parts: int, device: torch.device) -> torch.Tensor:
     if num_parts > MAX_PARTS:
         raise ValueError(f"fused norm: {num_parts} output tiles exceed the consumer's limit of {MAX_PARTS} partials")
@@ -132,12 +115,11 @@ def normalize(h, w, inv):
 @triton.jit
 def store_tile(
     total, out_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, tile, num_tiles,
-    ADD_RESIDUAL: tl.constexpr, g_ptr=None, nw_ptr=None, SCALED: tl.constexpr = False,
+    ADD_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     """Writes a finished fp32 tile ``total [BM, BN]`` in the output's dtype. ``ADD_RESIDUAL``: writes ``h =
     out + residual`` instead (both rounded as ``rms_norm_ref``) and ``h``'s sums of squares over the tile's
-    columns into ``ss[m, tile]`` (``num_tiles`` columns a row); with ``SCALED`` also ``g = h * nw`` (the next
-    norm's weight ``nw [N]``, :func:`scaled_ref`) into ``g`` (strided as the output)."""
+    columns into ``ss[m, tile]`` (``num_tiles`` columns a row)."""
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out = total.to(out_ptr.dtype.element_ty)
     if ADD_RESIDUAL:
@@ -145,8 +127,4 @@ def store_tile(
         out = (out.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
         h = tl.where(mask, out.to(tl.float32), 0.0)
         tl.store(ss_ptr + offs_m * num_tiles + tile, tl.sum(h * h, axis=1), mask=offs_m < M)
-        if SCALED:
-            nw = tl.load(nw_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-            g = (h * nw[None, :]).to(out_ptr.dtype.element_ty)
-            tl.store(g_ptr + offs_m[:, None] * stride_om + offs_n[None, :], g, mask=mask)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)

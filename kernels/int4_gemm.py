@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from kernels._triton import check_float, require_triton, tl, triton
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.fused_norm import NormIn, materialize, residual_sum_ref
 from kernels.int4_config import Int4GemmConfig, Int4Launch, Kernel
 from kernels.int4_dequant import MAGIC_BITS, PACK, check_int4_weights, codes_tile, dequant_tile, dequantize_int4
 from kernels.int4_gemm_wgmma import int4_gemm_wgmma, wgmma_available
@@ -106,8 +105,8 @@ def _int4_gemm_kernel(
             acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
     tile = pid_m * tl.num_programs(1) + pid_n
     finish_tile(
-        acc, out_ptr, ws_ptr, cnt_ptr, out_ptr, ws_ptr, offs_m, offs_n, M, N, stride_om, 0, tile, 0, pid_k,
-        tl.num_programs(2), SPLIT_MODE, SPLIT_CHUNK, False,
+        acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, tile, pid_k, tl.num_programs(2), SPLIT_MODE,
+        SPLIT_CHUNK,
     )  # fmt: skip
 
 
@@ -206,69 +205,6 @@ def int4_gemm_gated(
     return out
 
 
-def int4_gemm_normed(
-    norm: NormIn,  # x = rms_norm(norm.h) * norm.weight, [M, K]
-    qweight: torch.Tensor,  # [K // 8, N] int32
-    scales: torch.Tensor,  # [num_groups, N]
-    zeros: torch.Tensor,  # [num_groups, N] uint8
-    group_size: int,
-    g_idx: torch.Tensor | None = None,  # [K] int32
-    config: Int4GemmConfig | None = None,
-) -> torch.Tensor:
-    """``int4_gemm(rms_norm(h) * norm_weight, ...)``: where the launch is the GEMV and the producer wrote
-    ``norm.g``, its programs read ``g`` and normalize late, from the partial sums of squares of the GEMV that
-    wrote ``h`` (``kernels.fused_norm``); otherwise the norm's own launch comes first."""
-    require_triton("int4_gemm_normed")
-    _check_inputs(norm.h, qweight, scales, zeros, group_size, g_idx)
-    norm.check(norm.h.shape[1])
-    m, n = norm.h.shape[0], scales.shape[1]
-    cfg = _pick(norm.h, qweight, scales, group_size, g_idx, config) if m and n else None
-    if cfg is not None and (cfg.kernel != "gemv" or norm.g is None):
-        return int4_gemm(materialize(norm), qweight, scales, zeros, group_size, g_idx, config)
-    out = torch.empty((m, n), dtype=norm.h.dtype, device=norm.h.device)
-    if cfg is not None:
-        assert norm.g is not None
-        _launch_gemv(norm.g, qweight, scales, zeros, group_size, g_idx, out, cfg, gated=False, norm=norm)
-    return out
-
-
-def int4_gemm_residual(
-    x: torch.Tensor,  # [M, K], or [M, 2K] (gate | up) when gated
-    qweight: torch.Tensor,  # [K // 8, N] int32
-    scales: torch.Tensor,  # [num_groups, N]
-    zeros: torch.Tensor,  # [num_groups, N] uint8
-    group_size: int,
-    g_idx: torch.Tensor | None,  # [K] int32
-    residual: torch.Tensor,  # [M, N], x's dtype
-    gated: bool = False,
-    config: Int4GemmConfig | None = None,
-    scale: torch.Tensor | None = None,  # [N], x's dtype: the next norm's weight
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``h = int4_gemm(x, ...) + residual`` (``int4_gemm_gated`` when ``gated``), ``h``'s sums of squares
-    ``[M, P]`` fp32 (the next RMSNorm's statistics) and, with ``scale``, ``g = h * scale`` for a consumer that
-    normalizes late: the GEMV adds, sums and scales as it writes each output tile; another kernel is followed by
-    ``kernels.fused_norm.residual_sum_ref`` (one partial a row, no ``g``)."""
-    require_triton("int4_gemm_residual")
-    k = qweight.shape[-2] * PACK
-    gate = x[:, :k] if gated else x
-    _check_inputs(gate, qweight, scales, zeros, group_size, g_idx)
-    m, n = x.shape[0], scales.shape[1]
-    if residual.shape != (m, n) or residual.dtype != x.dtype or (n > 1 and residual.stride(1) != 1):
-        raise ValueError(f"residual must be [{m}, {n}] of x's dtype, got {residual.dtype} {tuple(residual.shape)}")
-    cfg = _pick(gate, qweight, scales, group_size, g_idx, config) if m and n else None
-    if cfg is None or cfg.kernel != "gemv" or (gated and x.shape[1] != 2 * k):
-        gemm = int4_gemm_gated if gated else int4_gemm
-        return (*residual_sum_ref(gemm(x, qweight, scales, zeros, group_size, g_idx, config), residual, 1), None)
-    if scale is not None and (scale.shape != (n,) or scale.dtype != x.dtype or scale.stride(0) != 1):
-        raise ValueError(f"scale must be [{n}] of x's dtype, got {scale.dtype} {tuple(scale.shape)}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    written = _launch_gemv(
-        x, qweight, scales, zeros, group_size, g_idx, out, cfg, gated=gated, residual=residual, scale=scale
-    )
-    assert written is not None
-    return out, *written
-
-
 def _pick(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -294,15 +230,12 @@ def _launch_gemv(
     out: torch.Tensor,
     cfg: Int4Launch,
     gated: bool,
-    norm: NormIn | None = None,
-    residual: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    return int4_gemv_launch(
+) -> None:
+    int4_gemv_launch(
         x, qweight, scales, zeros, group_size, g_idx, out,
         block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, split_reduce=cfg.split_reduce,
         factored=cfg.factored, num_warps=cfg.num_warps, num_stages=cfg.num_stages, subnormal=cfg.subnormal,
-        gated=gated, norm=norm, residual=residual, scale=scale, pdl=cfg.pdl,
+        gated=gated, pdl=cfg.pdl,
     )  # fmt: skip
 
 

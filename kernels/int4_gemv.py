@@ -31,7 +31,6 @@ import torch
 
 from kernels._triton import next_pow2, tl, triton
 from kernels.activation import silu_mul
-from kernels.fused_norm import NormIn, new_sumsq, row_inv_rms
 from kernels.int4_split import finish_tile, split_target
 from kernels.pdl import launch_dependents, pdl_supported, wait_prior_grids
 
@@ -180,20 +179,16 @@ def _exact_tile(
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every M of a block_m (M = 1 would be its own)
 def _int4_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr, ssi_ptr, res_ptr, sso_ptr, nw_ptr, gout_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, K_PER_SPLIT, one_bits,
-    stride_xm, stride_xk, stride_qk, stride_sg, stride_zg, stride_om, stride_rm, num_parts, eps,
+    stride_xm, stride_xk, stride_qk, stride_sg, stride_zg, stride_om,
     GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, FACTORED: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
     SUBNORMAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-    NORMED: tl.constexpr, PARTS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):  # fmt: skip
-    """NORMED: x is ``g = h * weight`` and the sums are multiplied by each row's ``1 / rms`` at the end (``h``'s
-    partial sums of squares ``ssi [M, num_parts]``): the late norm of ``kernels.fused_norm``. ADD_RESIDUAL: the
-    output is ``out + res``, its sums of squares to ``sso`` (SCALED: and ``g = (out + res) * nw`` to ``gout``).
-    PDL (launched with ``launch_pdl``, ``kernels.pdl``): the program waits for the kernel
-    before, first of all; TRIGGER: a PDL-launched next kernel may start once every program's K loop is done."""
+    """PDL (launched with ``launch_pdl``, ``kernels.pdl``): the program waits for the kernel before, first of all;
+    TRIGGER: a PDL-launched next kernel may start once every program's K loop is done."""
     ROWS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -207,7 +202,6 @@ def _int4_gemv_kernel(
     if PDL:
         wait_prior_grids()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    inv = row_inv_rms(ssi_ptr, offs_m, M, num_parts, K, eps, PARTS) if NORMED else tl.zeros((BLOCK_M,), tl.float32)
     # a dot-free loop is software-pipelined only when the loop itself carries num_stages
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         rows = k0 // 8 + offs_i  # [R] word rows
@@ -228,13 +222,11 @@ def _int4_gemv_kernel(
                 words, x_ptr, s_ptr, z_ptr, g_ptr, k0, k_end, offs_m, offs_n, M, N,
                 stride_xm, stride_xk, stride_sg, stride_zg, up_offset, GROUP_SIZE, HAS_G_IDX, ONE_GROUP_PER_TILE, GATED,
             )  # fmt: skip
-    if NORMED:
-        acc *= inv[:, None]
     if TRIGGER:
         launch_dependents()
     finish_tile(
-        acc, out_ptr, ws_ptr, cnt_ptr, res_ptr, sso_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, pid_n,
-        tl.num_programs(0), pid_k, tl.num_programs(1), SPLIT_MODE, SPLIT_CHUNK, ADD_RESIDUAL, gout_ptr, nw_ptr, SCALED,
+        acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k, tl.num_programs(1), SPLIT_MODE,
+        SPLIT_CHUNK,
     )  # fmt: skip
 
 
@@ -256,20 +248,12 @@ def int4_gemv_launch(
     num_stages: int,
     subnormal: bool = False,
     gated: bool = False,
-    norm: NormIn | None = None,
-    residual: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
     pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+) -> None:
     """Launches the GEMV on inputs ``kernels.int4_gemm.int4_gemm`` (``int4_gemm_gated``) has checked;
     ``factored`` needs each ``block_k`` tile inside one group (no g_idx, ``group_size % block_k == 0``) and
-    falls back to exact. ``gated``: the GEMV of ``silu_and_mul(x)``, K is half of x's columns. ``norm``: x is
-    its ``g``, normalized late; ``residual``: ``out`` gets ``out + residual``, and the sums of squares ``[M,
-    tiles]`` are returned, with ``g = out * scale`` where ``scale`` (the next norm's weight ``[N]``) is given
-    (``kernels.fused_norm``). ``pdl``: launched with programmatic dependent launch where the device has it
-    (``kernels.pdl``)."""
-    if norm is not None and norm.g is not x:
-        raise ValueError("int4 GEMV: a normed launch reads the producer's g (NormIn.g) as x")
+    falls back to exact. ``gated``: the GEMV of ``silu_and_mul(x)``, K is half of x's columns. ``pdl``: launched
+    with programmatic dependent launch where the device has it (``kernels.pdl``)."""
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = qweight.shape[1]
     block_m = next_pow2(m)
@@ -278,22 +262,14 @@ def int4_gemv_launch(
     num_tiles = -(-n // block_n)
     target = split_target(split_reduce, split, num_tiles, block_m * block_n, out)
     one_group = g_idx is None and group_size % block_k == 0
-    sumsq = new_sumsq(m, num_tiles, x.device) if residual is not None else None
-    g = torch.empty_like(out) if sumsq is not None and scale is not None else None
     hopper = pdl_supported(x)
     pdl = pdl and hopper
     _int4_gemv_kernel[(num_tiles, split)](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, target.workspace, target.counters,
-        out if norm is None else norm.sumsq, out if residual is None else residual, out if sumsq is None else sumsq,
-        out if g is None else scale, out if g is None else g,
         m, n, k, k_per_split, 0x3F800000,
         x.stride(0), x.stride(1), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
-        0 if residual is None else residual.stride(0), 1 if norm is None else norm.sumsq.shape[1],
-        0.0 if norm is None else norm.eps,
         GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None, FACTORED=factored and one_group,
         ONE_GROUP_PER_TILE=one_group, SUBNORMAL=subnormal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk, EVEN=n % block_n == 0 and k % block_k == 0, GATED=gated,
-        NORMED=norm is not None, PARTS=1 if norm is None else norm.parts_block, ADD_RESIDUAL=residual is not None,
-        SCALED=g is not None, PDL=pdl, TRIGGER=hopper, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, TRIGGER=hopper, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
-    return None if sumsq is None else (sumsq, g)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton import tl, triton
-from kernels.fused_norm import store_tile
 
 SPLIT_MODES = {"none": 0, "counter": 1, "atomic": 2}
 SPLIT_CHUNK_ELEMS = 4096  # fp32 partials the last program of a tile loads at once: [chunk, BM, BN]
@@ -45,22 +44,22 @@ def _sum_partials(total, ws_ptr, mn, mask, plane, num_splits, SPLIT_CHUNK: tl.co
 
 
 @triton.jit
+def _store(total, out_ptr, offs_m, offs_n, mask, stride_om):
+    """A finished fp32 tile ``total [BM, BN]`` written in the output's dtype."""
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def finish_tile(
-    acc, out_ptr, ws_ptr, cnt_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, tile, num_tiles,
-    pid_k, num_splits, SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-    g_ptr=None, nw_ptr=None, SCALED: tl.constexpr = False,
+    acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, tile, pid_k, num_splits,
+    SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Writes a program's fp32 ``acc [BM, BN]`` (rows ``offs_m``, columns ``offs_n``, unit stride along N)
-    as the module docstring's split modes say; ``tile`` numbers the output tile (of ``num_tiles``) for its
-    counter. ADD_RESIDUAL: ``kernels.fused_norm.store_tile`` adds ``res`` and writes ``ss[:, tile]`` (SCALED:
-    and ``g``)."""
+    as the module docstring's split modes say; ``tile`` numbers the output tile for its counter."""
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     mn = offs_m[:, None] * N + offs_n[None, :]  # [BM, BN] offsets in a contiguous fp32 [M, N] plane
     if SPLIT_MODE == 0:  # none
-        store_tile(
-            acc, out_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, tile, num_tiles, ADD_RESIDUAL,
-            g_ptr, nw_ptr, SCALED,
-        )  # fmt: skip
+        _store(acc, out_ptr, offs_m, offs_n, mask, stride_om)
     else:
         if SPLIT_MODE == 1:  # counter
             tl.store(ws_ptr + pid_k * M * N + mn, acc, mask=mask)
@@ -82,10 +81,7 @@ def finish_tile(
                 # zeroes sums that another warp has yet to read (wrong outputs on an H200 at 7f8955d)
                 tl.debug_barrier()
                 tl.store(ws_ptr + mn, tl.zeros_like(acc), mask=mask)
-            store_tile(
-                total, out_ptr, res_ptr, ss_ptr, offs_m, offs_n, M, N, stride_om, stride_rm, tile, num_tiles,
-                ADD_RESIDUAL, g_ptr, nw_ptr, SCALED,
-            )  # fmt: skip
+            _store(total, out_ptr, offs_m, offs_n, mask, stride_om)
             tl.store(cnt_ptr + tile, 0)  # ready for the next launch
 
 

@@ -48,8 +48,8 @@
 #   stage sa (~6 min): `mixed` unprofiled, a mixed step's decode rows split or not (1 0 1 0 1), one process each
 #   stage fn (~8 min): RMSNorm carried by the GEMVs at batch 1 (kernels.fused_norm): its GPU tests with the GEMV, norm,
 #                     graph, bf16 and HF ones (FN_TESTS), then batch-1 TPOT of the bf16 8B shape for each
-#                     PAGEDSERVE_FUSED_NORM in FN_RUNS (default "1 0 1 0", one process each);
-#                     then the int4 model (and bf16 beside it, loadtest.int4_bench --only model) for each in FN_INT4
+#                     PAGEDSERVE_FUSED_NORM in FN_RUNS (default "1 0 1 0", one process each; 4-bit weights never
+#                     carry the norm: it lost in Sessions 31-32 and was removed)
 #   stage bt (~7 min): the step budget's effect on throughput: the suite's mixed-128 and mixed (MFU) with
 #                     --max-num-batched-tokens each of BT_TOKENS (default "8192 2048 4096 16384"), one process each;
 #                     BT_TESTS (a pytest -k selection of the engine's and kernels' GPU tests) runs first when set
@@ -92,11 +92,10 @@
 #                     (lost); now the defaults, 16 partitions, three other K splits, and the tensor cores again
 #                     (last: a fault there loses no other row)), each with a traced launch's summary
 #                     (loadtest.decode_step_trace: where its programs' time went)
-#   stage dm (~6 min): the fused norms' GPU tests (DM_TESTS; the 4-bit GEMVs normalizing late among them), then the
-#                     int4 model's batch-1 TPOT with the int4_model variants of DM_VARIANTS (default: latenorm, both
-#                     norms on the GEMVs; fusedmerge, decode attention in one launch; step and stepmma, the
-#                     one-launch step, its GEMVs on the CUDA or the tensor cores) beside the default and bf16, one
-#                     process
+#   stage dm (~4 min): the fused norms' GPU tests (DM_TESTS), then the int4 model's batch-1 TPOT with the int4_model
+#                     variants of DM_VARIANTS (default: step and stepmma, the one-launch step, its GEMVs on the CUDA
+#                     or the tensor cores) beside the default and bf16, one process (Session 32 ran latenorm and
+#                     fusedmerge here: both lost and were removed)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
@@ -177,7 +176,7 @@ elif [ "$stage" = ds ]; then
   # shellcheck disable=SC2086  # DS_TILES is a list of JSON words
   # a persistent kernel that deadlocks would hold the call to its limit: the bench gets 5.5 minutes
   timeout -k 10 330 python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
-    --tiles ${DS_TILES:-'{}' '{"parts":16}' '{"splits":[4,4,1,4]}' '{"splits":[4,8,1,8]}' '{"splits":[2,4,2,4]}' \
+    --tiles ${DS_TILES:-'{}' '{"splits":[4,8,1,8]}' '{"splits":[8,8,1,4]}' '{"splits":[8,8,2,8]}' \
     '{"tn":128,"mma":true}'} 2>&1 \
     | grep -v '^{"shape"' | tail -100 \
     || echo "decode_step_bench FAILED or timed out"
@@ -187,7 +186,7 @@ elif [ "$stage" = dm ]; then
     && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   { grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
   timeout -k 10 480 python -m loadtest.int4_bench --only model \
-    --gemv-variants ${DM_VARIANTS:-latenorm fusedmerge step stepmma} \
+    --gemv-variants ${DM_VARIANTS:-step stepmma} \
     --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-3000
 elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24
@@ -241,10 +240,6 @@ elif [ "$stage" = fn ]; then
   for fused in ${FN_RUNS-1 0 1 0}; do  # batch-1 TPOT with and without the fused input norms
     PAGEDSERVE_FUSED_NORM=$fused python -m loadtest.throughput latency --shape 8b --max-model-len 4096 2>&1 \
       | grep -E "tpot|ttft" | tr -d '\n '; echo " fused_norm=$fused"
-  done
-  for fused in ${FN_INT4:-}; do
-    PAGEDSERVE_FUSED_NORM=$fused python -m loadtest.int4_bench --only model --out "$out/int4-model-$fused.json" \
-      2>&1 | grep -v '^{"layer"' | tail -1 | sed "s/^/fused_norm=$fused /"
   done
 elif [ "$stage" = bp ]; then
   python -m loadtest.prefetch_bench --fillers-us ${BP_FILLERS:-0 10} --out "$out/prefetch.json" 2>&1 | grep -v '^{' | tail -20

@@ -137,12 +137,6 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
         "engine.models.decode_step:DECODE_STEP": True,
         "engine.models.decode_step:DECODE_STEP_TILES": StepTiles(tn=128, mma=True),
     },
-    # both norms of each layer carried by the GEMVs around them, the 4-bit consumers normalizing late
-    # (kernels.fused_norm; not yet timed: PAGEDSERVE_FUSED_NORM=1 turns it on)
-    "latenorm": {"engine.models.llama:FUSED_NORM": {False: True, True: True}},
-    # decode attention's partitions merged by the last program of each head, no second launch, at batches up to 16
-    # (kernels.decode_plan: it lost at 1b86deb, before Session 17 merged a head's partitions in one load)
-    "fusedmerge": {"kernels.decode_plan:FUSED_REDUCE_MAX_SEQS": 16},
     # no programmatic dependent launch (kernels.pdl) anywhere: the defaults before 2026-12-04 evening
     "nopdl": {
         "kernels.int4_plan:GEMV_PDL": False,

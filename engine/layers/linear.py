@@ -46,23 +46,6 @@ class GatedQuantMethod(QuantMethod, Protocol):
     ) -> torch.Tensor: ...
 
 
-@runtime_checkable
-class NormFusedQuantMethod(QuantMethod, Protocol):
-    """A ``QuantMethod`` whose matmul can carry the RMSNorm around it (``kernels.fused_norm``): normalize its
-    input as it loads it, or add the residual and sum the squares as it writes its output."""
-
-    def apply_normed(self, layer: Any, norm: NormIn) -> torch.Tensor: ...
-
-    def apply_residual(
-        self,
-        layer: Any,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        act: Callable[[torch.Tensor], torch.Tensor] | None,
-        scale: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
-
-
 def _new_param(*shape: int) -> nn.Parameter:
     # Uninitialised: filled by load_weights, or by the dummy loader. Dtype/device come from the
     # build context (torch default dtype and device set by build_model).
@@ -91,7 +74,6 @@ class _ParallelLinear(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.quant = quant
-        self.norm_quant = quant if isinstance(quant, NormFusedQuantMethod) else None
         self.weight: nn.Parameter | None = None
         if quant is None:
             self.weight = _new_param(output_size, input_size)
@@ -134,11 +116,8 @@ class _ParallelLinear(nn.Module):
         return self.matmul(x, self.bias)
 
     def forward_normed(self, norm: NormIn) -> torch.Tensor:
-        """``forward(rms_norm(norm.h) * norm.weight)``, the norm computed as the GEMV loads its input where the
-        matmul can (``kernels.fused_norm``), else by its own launch first."""
-        if self.norm_quant is not None:
-            y = self.norm_quant.apply_normed(self, norm)
-            return y if self.bias is None else y + self.bias
+        """``forward(rms_norm(norm.h) * norm.weight)``, the norm computed as the dense GEMV loads its input where
+        it can (``kernels.fused_norm``), else by its own launch first (always for 4-bit weights)."""
         if self.quant is not None:
             return self.forward(materialize(norm))
         assert self.weight is not None
@@ -146,10 +125,10 @@ class _ParallelLinear(nn.Module):
 
     def carries_norm(self, m: int, gated: bool = False) -> bool:
         """Whether ``m`` rows of this layer's matmul (of ``silu_and_mul(x2)`` when ``gated``) run a GEMV that can
-        carry an RMSNorm (``forward_normed``, ``forward_residual``) on CUDA: 4-bit weights' GEMV, or the dense
-        GEMV where ``kernels.gemv.linear`` takes it for this shape."""
+        carry an RMSNorm (``forward_normed``, ``forward_residual``) on CUDA: the dense GEMV where
+        ``kernels.gemv.linear`` takes it for this shape; never with 4-bit weights."""
         if self.quant is not None:
-            return self.norm_quant is not None
+            return False
         assert self.weight is not None
         return takes_gemv(m, self.weight, gated)
 
@@ -291,27 +270,15 @@ class RowParallelLinear(_ParallelLinear):
         residual: torch.Tensor,
         act: Callable[[torch.Tensor], torch.Tensor] | None,
         norm: RMSNorm,
-        late: bool = False,
     ) -> NormIn:
         """The input of ``norm`` applied to ``h = forward(x) + residual`` (``forward_gated(x, act)`` with ``act``),
         for the next projection to normalize (``kernels.fused_norm``): ``h`` and its sums of squares ``[M, P]``
-        fp32, added and summed as the GEMV writes its output where it can, else after the matmul (one partial a
-        row); with ``late``, also ``g = h * norm.weight`` where the 4-bit GEMV writes it (for a 4-bit consumer,
-        which then normalizes late)."""
-        h, sumsq, g = self._residual_sum(x, residual, act, norm.weight if late else None)
-        return NormIn(h, sumsq, norm.weight, norm.eps, g)
-
-    def _residual_sum(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        act: Callable[[torch.Tensor], torch.Tensor] | None,
-        scale: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        if self.fusable and self.norm_quant is not None:
-            return self.norm_quant.apply_residual(self, x, residual, act, scale)
+        fp32, added and summed as the dense GEMV writes its output where it can, else after the matmul (one
+        partial a row)."""
         if self.fusable and self.quant is None:
             assert self.weight is not None
-            return (*dense_linear_residual(x, self.weight, residual, act is not None), None)
-        y = self.forward_gated(x, act) if act is not None else self.forward(x)
-        return (*residual_sum_ref(y, residual, 1), None)
+            h, sumsq = dense_linear_residual(x, self.weight, residual, act is not None)
+        else:
+            y = self.forward_gated(x, act) if act is not None else self.forward(x)
+            h, sumsq = residual_sum_ref(y, residual, 1)
+        return NormIn(h, sumsq, norm.weight, norm.eps)

@@ -37,20 +37,18 @@ from kernels.fused_norm import NormIn
 
 # Decode steps of at most this many tokens carry each layer's input RMSNorm on the GEMVs around it (kernels.fused_norm:
 # the down projection before adds the residual and sums squares, qkv_proj normalizes as it loads), on these devices
-# (tests add "cpu": the same seam on the torch references). H200, 8B shape, batch-1 TPOT, one process each,
-# alternating (gpu_session.sh fn, 81c5c22): bf16 4.267 / 4.273 / 4.272 ms with it against 4.313 / 4.313 / 4.310
-# without (-1.0 %); the post-attention norm carried by o_proj and a GEMV gate_up as well: 4.272-4.276 (gate_up
-# leaves cuBLAS for nothing), that one alone 4.309-4.317. 4-bit: 2.532 ms against 2.525 without (the replicated
-# normalization costs the int4 GEMV what the launch saved), both norms 2.628, so off for 4-bit weights. Since, the
-# 4-bit GEMV normalizes late (kernels.fused_norm: the producer also writes h times the norm's weight, the consumer
-# scales its sums by 1 / rms, no norm work in its loop) and carries both norms of a layer; not yet timed, so
-# still off for 4-bit weights. PAGEDSERVE_FUSED_NORM=1 / 0 turns it on / off for both. A model whose down_proj or
-# qkv_proj would not run the GEMV at batch 1 (a dense weight past kernels.gemv_plan.GEMV_MAX_WEIGHT_ELEMS, a bias,
-# TP > 1) keeps the norm's launch; one whose o_proj or gate_up would not, the post-attention norm's.
+# (tests add "cpu": the same seam on the torch references), for dense (fp16 / bf16) weights. H200, 8B shape, batch-1
+# TPOT, one process each, alternating (gpu_session.sh fn, 81c5c22): bf16 4.267 / 4.273 / 4.272 ms with it against
+# 4.313 / 4.313 / 4.310 without (-1.0 %); the post-attention norm carried by o_proj and a GEMV gate_up as well:
+# 4.272-4.276 (gate_up leaves cuBLAS for nothing), that one alone 4.309-4.317. 4-bit weights never carry the norm:
+# it lost on the H200 every time (normalizing as loaded 2.532 ms against 2.525 without; normalizing late, both norms
+# of a layer, 2.375 / 2.376 against 2.332 / 2.328, Sessions 31-32), and was removed. PAGEDSERVE_FUSED_NORM=0 turns
+# it off. A model whose down_proj or qkv_proj would not run the GEMV at batch 1 (a weight past
+# kernels.gemv_plan.GEMV_MAX_WEIGHT_ELEMS, a bias, TP > 1) keeps the norm's launch.
 FUSED_NORM_MAX_M = 1
 FUSED_NORM_DEVICES = ("cuda",)
-_FUSED_NORM_ENV = os.environ.get("PAGEDSERVE_FUSED_NORM")
-FUSED_NORM = {False: _FUSED_NORM_ENV != "0", True: _FUSED_NORM_ENV == "1"}  # keyed by "the weights are 4-bit"
+FUSED_NORM = os.environ.get("PAGEDSERVE_FUSED_NORM") != "0"  # dense weights only
+FUSED_NORM_DTYPES = (torch.float16, torch.bfloat16)  # the dense GEMV's
 
 # HF checkpoint name fragment -> (our fused module name fragment, shard id)
 _STACKED_PARAMS = (
@@ -151,13 +149,12 @@ class LlamaDecoderLayer(nn.Module):
         positions: torch.Tensor,
         stream: Stream,
         meta: AttentionMetadata,
-        fusion: NormFusion | None = None,
+        fuse_norm: bool = False,
         next_norm: RMSNorm | None = None,
     ) -> Stream:
-        """One layer on the residual stream. With ``fusion``, the norm after this layer (``next_norm``: the next
+        """One layer on the residual stream. With ``fuse_norm``, the norm after this layer (``next_norm``: the next
         layer's input norm, or the model's final one) rides on the GEMVs around it (``kernels.fused_norm``):
-        down_proj adds the residual and sums squares, the next qkv_proj normalizes; ``fusion.post``: so does
-        this layer's post-attention norm, between o_proj and gate_up."""
+        down_proj adds the residual and sums squares, the next qkv_proj normalizes."""
         attn, mlp = self.self_attn, self.mlp
         x, residual, norm = stream
         if norm is not None:  # x is the stream after the residual add, whose norm the projection applies
@@ -169,16 +166,12 @@ class LlamaDecoderLayer(nn.Module):
                 x, residual = self.input_layernorm(x, residual)
             qkv = attn.qkv_proj(x)
         out = attn.attend(positions, qkv, meta)
-        if fusion is not None and fusion.post:
-            post = attn.o_proj.forward_residual(out, residual, None, self.post_attention_layernorm, fusion.late)
-            residual, gate_up = post.h, mlp.gate_up_proj.forward_normed(post)
-        else:
-            x, residual = self.post_attention_layernorm(attn.o_proj(out), residual)
-            gate_up = mlp.gate_up_proj(x)
-        if fusion is None:
+        x, residual = self.post_attention_layernorm(attn.o_proj(out), residual)
+        gate_up = mlp.gate_up_proj(x)
+        if not fuse_norm:
             return Stream(mlp.down_proj.forward_gated(gate_up, mlp.act_fn), residual, None)
         assert next_norm is not None
-        norm = mlp.down_proj.forward_residual(gate_up, residual, mlp.act_fn, next_norm, fusion.late)
+        norm = mlp.down_proj.forward_residual(gate_up, residual, mlp.act_fn, next_norm)
         return Stream(norm.h, norm.h, norm)
 
 
@@ -195,12 +188,8 @@ class LlamaModel(nn.Module):
         # the norm after each layer (the next one's input norm, the final one), for the GEMVs that carry it
         self.next_norms = [*(layer.input_layernorm for layer in self.layers[1:]), self.norm]
         self.parallel = parallel
-        # the dense GEMV takes fp16 and bf16 only; the 4-bit one fp32 too
-        half = (torch.float16, torch.bfloat16)
-        self.fused_norm_dtypes = half if quant is None else (*half, torch.float32)
-        self.fuse_norm = FUSED_NORM[quant is not None]
-        self.late_norms = quant is not None  # the 4-bit GEMV normalizes late, and carries both norms of a layer
-        self.cuda_fusion: tuple[NormFusion | None] | None = None  # decided at the first CUDA step that may fuse
+        self.fuse_norm = FUSED_NORM and quant is None  # 4-bit weights never carry the norm
+        self.cuda_fuse_norm: bool | None = None  # decided at the first CUDA step that may fuse
         self.decode_step = DecodeStepPath(self)  # batch-1 4-bit decode steps in one launch, when switched on
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -210,31 +199,28 @@ class LlamaModel(nn.Module):
             assert isinstance(out, torch.Tensor)
             return out
         stream = Stream(hidden, None, None)
-        fusion = self._norm_fusion(hidden)
+        fuse_norm = self._fuses_norm(hidden)
         for layer, next_norm in zip(self.layers, self.next_norms, strict=True):
-            stream = layer(positions, stream, meta, fusion, next_norm)
+            stream = layer(positions, stream, meta, fuse_norm, next_norm)
         x, residual, norm = stream
         out = self.norm(x) if norm is not None or residual is None else self.norm(x, residual)[0]
         assert isinstance(out, torch.Tensor)
         return out
 
-    def _norm_fusion(self, hidden: torch.Tensor) -> NormFusion | None:
-        """Which of this step's norms ride on the GEMVs, if any (``FUSED_NORM_MAX_M`` and ``FUSED_NORM`` say
-        when; the input norms, and the post-attention ones too where the GEMVs normalize late)."""
+    def _fuses_norm(self, hidden: torch.Tensor) -> bool:
+        """Whether this step's input norms ride on the GEMVs (``FUSED_NORM_MAX_M`` and ``FUSED_NORM`` say when)."""
         if not self.fuse_norm or hidden.shape[0] > FUSED_NORM_MAX_M or self.parallel.world_size > 1:
-            return None
+            return False
         if hidden.device.type not in FUSED_NORM_DEVICES:
-            return None
+            return False
         if not hidden.is_cuda:
-            return NormFusion(post=self.late_norms, late=self.late_norms)  # tests: the seam on the torch references
-        if hidden.dtype not in self.fused_norm_dtypes:
-            return None
-        if self.cuda_fusion is None:  # decided once: the shapes do not change
+            return True  # tests: the seam on the torch references
+        if hidden.dtype not in FUSED_NORM_DTYPES:
+            return False
+        if self.cuda_fuse_norm is None:  # decided once: the shapes do not change
             m = hidden.shape[0]
-            post = self.late_norms and all(self._carry_post_norm(layer, m) for layer in self.layers)
-            fusion = NormFusion(post=post, late=self.late_norms)
-            self.cuda_fusion = (fusion if all(self._carry_norms(layer, m) for layer in self.layers) else None,)
-        return self.cuda_fusion[0]
+            self.cuda_fuse_norm = all(self._carry_norms(layer, m) for layer in self.layers)
+        return self.cuda_fuse_norm
 
     @staticmethod
     def _carry_norms(layer: nn.Module, m: int) -> bool:
@@ -244,31 +230,15 @@ class LlamaModel(nn.Module):
         down = layer.mlp.down_proj
         return down.fusable and down.carries_norm(m, gated=True) and layer.self_attn.qkv_proj.carries_norm(m)
 
-    @staticmethod
-    def _carry_post_norm(layer: nn.Module, m: int) -> bool:
-        """The same for the post-attention norm, between ``layer``'s o_proj and gate_up."""
-        assert isinstance(layer, LlamaDecoderLayer)
-        o_proj = layer.self_attn.o_proj
-        return o_proj.fusable and o_proj.carries_norm(m) and layer.mlp.gate_up_proj.carries_norm(m)
-
 
 class Stream(NamedTuple):
     """The residual stream between layers: ``x`` the last layer's output and ``residual`` the stream before it
     is added (None in the first layer: the embedding is both); with ``norm``, ``x`` is already the sum and
-    ``norm`` the next projection's input to normalize (its partial sums of squares, maybe ``g``)."""
+    ``norm`` the next projection's input to normalize (with its partial sums of squares)."""
 
     x: torch.Tensor
     residual: torch.Tensor | None
     norm: NormIn | None
-
-
-class NormFusion(NamedTuple):
-    """How a decode step's norms ride on the GEMVs (``kernels.fused_norm``): each input norm always (between
-    down_proj and the next qkv_proj); ``post``: each post-attention norm too; ``late``: the producers also write
-    the stream times the norm's weight, for consumers that normalize late (the 4-bit GEMV)."""
-
-    post: bool
-    late: bool
 
 
 class LlamaForCausalLM(nn.Module):

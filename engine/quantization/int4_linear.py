@@ -20,9 +20,8 @@ from engine.quantization.formats import read_qweight, read_scales, read_zeros
 from kernels import gemv as dense_gemv
 from kernels import int4_plan
 from kernels._triton import HAS_TRITON
-from kernels.fused_norm import NormIn, materialize, residual_sum_ref
 from kernels.int4_dequant import DEQUANT_MIN_M, PACK, DequantScratch, int4_dequant_linear
-from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_normed, int4_gemm_ref, int4_gemm_residual
+from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_ref
 from kernels.int4_gemm_wgmma import wgmma_available
 
 SYMMETRIC_ZERO = 8  # the zero code of symmetric 4-bit weights (signed values stored with an offset of 8)
@@ -139,53 +138,6 @@ class Int4LinearMethod:
         if dense_gemv.GEMV_GATED and x2.shape[0] < DEQUANT_MIN_M:  # read per call: tests switch it
             return int4_gemm_gated(x2, layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.g_idx)
         return self.apply_triton(layer, act(x2))
-
-    def apply_normed(self, layer: Any, norm: NormIn) -> torch.Tensor:
-        """``apply(layer, rms_norm(norm.h) * norm.weight)``; on CUDA ``apply_normed_triton``."""
-        if norm.h.is_cuda and HAS_TRITON:
-            return self.apply_normed_triton(layer, norm)
-        return self.apply(layer, materialize(norm))
-
-    def apply_normed_triton(self, layer: Any, norm: NormIn) -> torch.Tensor:
-        """Below ``DEQUANT_MIN_M`` rows the GEMV reads the producer's ``g`` and normalizes late
-        (``kernels.fused_norm``); above, or without ``g``, the norm runs first. Tests run it on CPU under the
-        Triton interpreter."""
-        if norm.h.shape[0] < DEQUANT_MIN_M:
-            return int4_gemm_normed(norm, layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.g_idx)
-        return self.apply_triton(layer, materialize(norm))
-
-    def apply_residual(
-        self,
-        layer: Any,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        act: Callable[[torch.Tensor], torch.Tensor] | None,
-        scale: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``h = apply(layer, x) + residual`` (``apply_gated(layer, x, act)`` with ``act``), ``h``'s sums of
-        squares and, asked for with ``scale`` (the next norm's weight) where the GEMV writes it, ``g = h * scale``
-        (``kernels.fused_norm``); on CUDA ``apply_residual_triton``, elsewhere summed by torch (no ``g``: the
-        torch consumer normalizes ``h``)."""
-        if x.is_cuda and HAS_TRITON:
-            return self.apply_residual_triton(layer, x, residual, act, scale)
-        y = self.apply_gated(layer, x, act) if act else self.apply(layer, x)
-        return (*residual_sum_ref(y, residual, 1), None)
-
-    def apply_residual_triton(
-        self,
-        layer: Any,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        act: Callable[[torch.Tensor], torch.Tensor] | None,
-        scale: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Below ``DEQUANT_MIN_M`` rows (the gated GEMV switched on, when ``act``) the GEMV adds, sums and scales
-        as it writes; above, torch after the matmul. Tests run it on CPU under the Triton interpreter."""
-        if x.shape[0] < DEQUANT_MIN_M and (act is None or dense_gemv.GEMV_GATED):
-            weights = (layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.g_idx)
-            return int4_gemm_residual(x, *weights, residual, act is not None, scale=scale)
-        y = self.apply_gated_triton(layer, x, act) if act else self.apply_triton(layer, x)
-        return (*residual_sum_ref(y, residual, 1), None)
 
     @staticmethod
     @torch.no_grad()

@@ -371,36 +371,6 @@ def test_bf16_decode_with_fused_norms_matches_the_unfused_one(folder: Path, monk
     assert ((logits[("cuda",)] - unfused).norm() / unfused.norm()).item() < 5e-3
 
 
-def test_int4_decode_with_late_norms_keeps_the_greedy_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 4-bit model's batch-1 decode steps with both norms of each layer carried by its GEMVs, normalizing late
-    (``kernels.fused_norm``, PAGEDSERVE_FUSED_NORM=1), in its CUDA graphs: the greedy tokens of the norms' own
-    launches, in fp32, and the consumers read ``g``."""
-    from engine.models import llama
-    from engine.quantization import int4_linear
-    from loadtest.int4_model import quantized_shape_folder
-
-    folder = quantized_shape_folder("tiny", 128)
-    prompt_ids = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(2)]
-    late: list[bool] = []
-    normed = int4_linear.int4_gemm_normed
-
-    def recorded(norm: Any, *args: Any) -> Any:
-        late.append(norm.g is not None)
-        return normed(norm, *args)
-
-    monkeypatch.setattr(int4_linear, "int4_gemm_normed", recorded)
-    tokens = {}
-    for fused in (True, False):
-        monkeypatch.setattr(llama, "FUSED_NORM", {False: True, True: fused})
-        with LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, device="cuda", dtype="float32",
-                 max_num_seqs=1, max_model_len=128, num_gpu_blocks_override=32) as llm:  # fmt: skip
-            outs = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-            tokens[fused] = [list(o.outputs[0].token_ids) for o in outs]
-        assert bool(late) == fused and all(late)
-        late.clear()
-    assert tokens[True] == tokens[False]
-
-
 def test_decode_with_rope_in_the_kernel_equals_the_two_launches(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode steps whose attention rotates q / k and stores the new K/V itself (``engine.attention.fuses_rope``,
     batches up to DECODE_ROPE_MAX_SEQS by default) against rope_and_cache + the decode kernel: the same logits,

@@ -98,8 +98,8 @@ from kernels.gemv import _gemv_kernel
 
 kernel = {"gemv": _int4_gemv_kernel, "dot": _int4_gemm_kernel, "dense": _gemv_kernel}[sys.argv[1]]
 names = kernel.arg_names
-fused_norm_off = {"NORMED": False, "PARTS": 1, "ADD_RESIDUAL": False, "SCALED": False, "PDL": False,
-                  "TRIGGER": False}  # fused_norm's switches, no PDL
+fused_norm_off = {"NORMED": False, "PARTS": 1, "ADD_RESIDUAL": False, "PDL": False,
+                  "TRIGGER": False}  # the dense GEMV's fused_norm switches, no PDL
 constexprs = {**{a: v for a, v in fused_norm_off.items() if a in names}, **json.loads(sys.argv[2])}
 pointers = {"qw_ptr": "*i32", "g_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
             "ssi_ptr": "*fp32", "sso_ptr": "*fp32"}
@@ -116,7 +116,7 @@ print(compiled.asm["ttgir"])
 
 def ttgir_sm90(kernel: str, constexprs: dict[str, object], num_warps: int) -> str:
     """The TTGIR of ``kernel`` ("gemv" | "dot", the int4 GEMMs; "dense", ``kernels.gemv``) compiled for sm_90;
-    ``kernels.fused_norm``'s switches and PDL default to off."""
+    the dense GEMV's ``kernels.fused_norm`` switches and PDL default to off."""
     return run_without_interpreter(_COMPILE_SM90, kernel, json.dumps(constexprs), str(num_warps))
 
 

@@ -2,7 +2,7 @@
 both decode-attention kernels launched with it (the defaults on sm_90+). On CPU: the plan's switch and the sm_90
 compile (the interpreter cannot run ``griddepcontrol``). On a GPU, replayed from CUDA graphs with new inputs, equal to the torch
 references at every replay (a program that read its input before its wait would read the replay before's): the
-MLP's chain RMSNorm -> gate_up GEMV -> gated down GEMV (+ residual) -> RMSNorm, and the attention's
+MLP's chain RMSNorm -> gate_up GEMV -> gated down GEMV -> RMSNorm (+ residual), and the attention's
 query -> decode partitions -> merge -> o_proj GEMV."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import kernels.norm as norm_module
 import kernels.paged_attention as paged_attention
 from kernels.activation import silu_and_mul_ref
 from kernels.int4_config import Int4GemmConfig
-from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_ref, int4_gemm_residual
+from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_ref
 from kernels.int4_plan import GEMV_PDL, pick_config
 from kernels.norm import rms_norm, rms_norm_ref
 from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
@@ -54,13 +54,13 @@ def test_pdl_gemv_compiles_for_sm90(subnormal: bool) -> None:
 
 
 def _chain(x, res, weights, nw, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
-    """RMSNorm(x + res) -> gate_up -> silu * mul -> down + residual -> RMSNorm: the batch-1 MLP's kernels."""
+    """RMSNorm(x + res) -> gate_up -> silu * mul -> down -> RMSNorm(+ residual): the batch-1 MLP's kernels."""
     (gu, gu_s, gu_z), (dn, dn_s, dn_z) = weights
     cfg = Int4GemmConfig(pdl=pdl)
     h, res2 = rms_norm(x, nw, 1e-5, res)
     x2 = int4_gemm(h, gu, gu_s, gu_z, 128, config=cfg)
-    out, _, _ = int4_gemm_residual(x2, dn, dn_s, dn_z, 128, None, res2, gated=True, config=cfg)
-    return rms_norm(out, nw, 1e-5), out  # type: ignore[return-value]
+    down = int4_gemm_gated(x2, dn, dn_s, dn_z, 128, config=cfg)
+    return rms_norm(down, nw, 1e-5, res2)  # type: ignore[return-value]
 
 
 def _chain_ref(x, res, weights, nw) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]

@@ -63,6 +63,11 @@ class StepTiles:
     # at 128 columns against the CUDA-core loop's ~5.5, yet ~1.4x slower a weight on the H200 (Session 31: the step
     # 8.01 against 4.16 ms at 128 tokens): off
     mma: bool = False
+    # warps a program, and a register cap a thread (0: none; ptxas's count, 214 at 4 warps with Triton 3.7, leaves
+    # room for two programs an SM): 8 warps or a cap of 128 with 4 programs an SM give an SM 16 warps to issue from
+    # instead of 8 (not yet timed)
+    num_warps: int = 4
+    maxnreg: int = 0
 
 
 def fit_tiles(

@@ -115,6 +115,7 @@ class Int4DecodeStep:
             GROUP=shape.group_size, HP=next_pow2(self.hidden), D=shape.head_dim, QG=shape.heads // shape.kv_heads,
             BS=self.block_size, BT=tiles.bt, PP=next_pow2(self.p_max), BK=tiles.bk, TN=tiles.tn,
             NUM_STAGES=tiles.num_stages, TRACE=trace is not None, MMA=tiles.mma, COMPILED=not self.interpreted,
+            num_warps=tiles.num_warps, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}),
         )  # fmt: skip
 
 

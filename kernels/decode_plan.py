@@ -95,7 +95,6 @@ def fit_partition_size(
 
 def plan_decode(
     num_seqs: int,
-    num_heads: int,
     num_kv_heads: int,
     max_len: int,
     sms: int,

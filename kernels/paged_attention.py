@@ -259,7 +259,7 @@ def _paged_decode_attention(
     if num_seqs == 0:
         return out
     max_len = block_tables.shape[1] * block_size  # upper bound on seq_lens; no device sync
-    plan = plan_decode(num_seqs, num_heads, num_kv_heads, max_len, num_sms(query.device.index or 0), **knobs)
+    plan = plan_decode(num_seqs, num_kv_heads, max_len, num_sms(query.device.index or 0), **knobs)
     num_partitions, single = plan.num_partitions, plan.num_partitions == 1
     # [num_seqs, num_heads, num_partitions, head_dim] partial outputs and (max, sum) pairs, fp32
     part_out = query.new_empty(

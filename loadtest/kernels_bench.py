@@ -189,7 +189,7 @@ def _decode_variant_kwargs(batch: int, seq_len: int, name: str, variant: dict[st
     if name == "default" or name.startswith("auto"):  # auto*: the default plan with the variant's knobs
         kwargs: dict[str, Any] = dict(variant)
     elif name.startswith("default"):
-        tile = plan_decode(batch, NUM_HEADS, NUM_KV_HEADS, seq_len, 8)  # the default tile (any SM count)
+        tile = plan_decode(batch, NUM_KV_HEADS, seq_len, 8)  # the default tile (any SM count)
         kwargs = {"block_n": tile.block_n, "num_stages": tile.num_stages, "dynamic": False, **variant}
     else:  # fixed partitions, whatever kernels.decode_plan.use_dynamic picks for the default
         kwargs = {"block_n": 64, "num_stages": 3, "dynamic": False, **variant}
@@ -199,7 +199,7 @@ def _decode_variant_kwargs(batch: int, seq_len: int, name: str, variant: dict[st
                                                       kwargs["block_n"])  # fmt: skip
     if "cap" in kwargs:  # no partition longer than this (a whole number of tiles)
         cap = kwargs.pop("cap") // kwargs["block_n"] * kwargs["block_n"]
-        default = plan_decode(batch, NUM_HEADS, NUM_KV_HEADS, seq_len, sms, block_n=kwargs["block_n"], dynamic=False)
+        default = plan_decode(batch, NUM_KV_HEADS, seq_len, sms, block_n=kwargs["block_n"], dynamic=False)
         kwargs["partition_size"] = min(kwargs.get("partition_size", default.partition_size), cap)
     if "min_partition" in kwargs or "partition_scale" in kwargs:
         block_n = kwargs["block_n"]
@@ -208,7 +208,7 @@ def _decode_variant_kwargs(batch: int, seq_len: int, name: str, variant: dict[st
         )
         kwargs["partition_size"] = max(block_n, int(partition * kwargs.pop("partition_scale", 1)))
     knobs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "reduce_chunk")}
-    return kwargs, dataclasses.asdict(plan_decode(batch, NUM_HEADS, NUM_KV_HEADS, seq_len, sms, **knobs))
+    return kwargs, dataclasses.asdict(plan_decode(batch, NUM_KV_HEADS, seq_len, sms, **knobs))
 
 
 def _pick(rows: list, args: argparse.Namespace) -> list:

@@ -52,7 +52,7 @@ def test_decode_batch1_in_cuda_graph(sliding_window: int | None, gen: torch.Gene
     cache, tables = paged_cache([8192], 16, 8, 128, torch.bfloat16, gen)
     seq_lens = torch.tensor([8192], dtype=torch.int32, device="cuda")
     query = torch.randn(1, 32, 128, generator=gen).to(torch.bfloat16).cuda()
-    plan = plan_decode(1, 32, 8, tables.shape[1] * 16, num_sms(query.device.index or 0))
+    plan = plan_decode(1, 8, tables.shape[1] * 16, num_sms(query.device.index or 0))
     assert plan.num_partitions >= 8
     scale = 128**-0.5
     decode = partial(_paged_decode_attention, query, cache, tables, seq_lens, scale, sliding_window)

@@ -92,7 +92,7 @@ def test_decode_default_at_batch_1(gen: torch.Generator) -> None:
     cache, tables = paged_cache([300], 16, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, gen)
     seq_lens = torch.tensor([300], dtype=torch.int32, device=DEVICE)
     query = _query(1, NUM_KV_HEADS * 4, torch.bfloat16, gen)
-    plan = decode_plan.plan_decode(1, NUM_KV_HEADS * 4, NUM_KV_HEADS, tables.shape[1] * 16, 8)
+    plan = decode_plan.plan_decode(1, NUM_KV_HEADS, tables.shape[1] * 16, 8)
     assert plan.partition_size == 64 and plan.num_partitions == 5
     out = paged_decode_attention(query, cache, tables, seq_lens, 0.2)
     assert rel_err(out, paged_decode_attention_ref(query, cache, tables, seq_lens, 0.2)) < 1e-2
@@ -128,27 +128,27 @@ def test_dynamic_plan_counts_partitions_not_tokens() -> None:
     than the table has tiles), the same for an 8k- and a 128k-token table; batch 1's fit one merge chunk."""
     wanted = 64  # 4 * 132 // 8 = 66 programs per KV head, rounded down
     assert wanted <= decode_plan.PROGRAMS_PER_SM * 132 // 8 < 2 * wanted and wanted <= decode_plan.MERGE_CHUNK
-    assert decode_plan.plan_decode(2, 32, 8, 8192, 132, dynamic=True).num_partitions == 32  # 33 rounded down
+    assert decode_plan.plan_decode(2, 8, 8192, 132, dynamic=True).num_partitions == 32  # 33 rounded down
     for max_len in (8192, 131072):
-        plan = decode_plan.plan_decode(1, 32, 8, max_len, 132, dynamic=True)
+        plan = decode_plan.plan_decode(1, 8, max_len, 132, dynamic=True)
         assert plan.dynamic and plan.num_partitions == wanted
-    assert decode_plan.plan_decode(1, 32, 8, 256, 132, dynamic=True).num_partitions == 4  # 4 tiles of 64
-    assert decode_plan.plan_decode(256, 32, 8, 4096, 132, dynamic=True).num_partitions == 1
+    assert decode_plan.plan_decode(1, 8, 256, 132, dynamic=True).num_partitions == 4  # 4 tiles of 64
+    assert decode_plan.plan_decode(256, 8, 4096, 132, dynamic=True).num_partitions == 1
     with pytest.raises(ValueError, match="dynamic"):
-        decode_plan.plan_decode(1, 32, 8, 4096, 132, dynamic=True, partition_size=128)
+        decode_plan.plan_decode(1, 8, 4096, 132, dynamic=True, partition_size=128)
     # the default rule: fixed partitions for small batches over short tables, dynamic past either bound
-    assert not decode_plan.plan_decode(1, 32, 8, 4096, 132).dynamic
-    assert decode_plan.plan_decode(1, 32, 8, 4096, 132).num_stages == decode_plan.SMALL_BATCH_TILE[1]
-    long_table = decode_plan.plan_decode(1, 32, 8, 131072, 132)  # a small batch, dynamic: deeper pipeline
+    assert not decode_plan.plan_decode(1, 8, 4096, 132).dynamic
+    assert decode_plan.plan_decode(1, 8, 4096, 132).num_stages == decode_plan.SMALL_BATCH_TILE[1]
+    long_table = decode_plan.plan_decode(1, 8, 131072, 132)  # a small batch, dynamic: deeper pipeline
     assert long_table.num_stages == decode_plan.SMALL_BATCH_DYNAMIC_STAGES
-    assert decode_plan.plan_decode(1, 32, 8, decode_plan.DYNAMIC_FROM_LEN, 132).dynamic
-    assert decode_plan.plan_decode(decode_plan.SMALL_BATCH_MAX_SEQS + 1, 32, 8, 1024, 132).dynamic
+    assert decode_plan.plan_decode(1, 8, decode_plan.DYNAMIC_FROM_LEN, 132).dynamic
+    assert decode_plan.plan_decode(decode_plan.SMALL_BATCH_MAX_SEQS + 1, 8, 1024, 132).dynamic
 
 
 def test_fixed_plan_partitions() -> None:
-    assert decode_plan.plan_decode(1, 32, 8, 8192, 132, partition_size=8192).num_partitions == 1  # nothing to merge
+    assert decode_plan.plan_decode(1, 8, 8192, 132, partition_size=8192).num_partitions == 1  # nothing to merge
     with pytest.raises(ValueError, match="multiple of block_n"):
-        decode_plan.plan_decode(1, 32, 8, 8192, 132, block_n=64, partition_size=96)
+        decode_plan.plan_decode(1, 8, 8192, 132, block_n=64, partition_size=96)
 
 
 # (cached prefix, new tokens): a 1-token prompt, a full prefill, chunked prefills over a prefix that ends

@@ -48,7 +48,9 @@ class StepTiles:
     # 32 partitions won in Sessions 27 and 31 (3.90 / 4.48 ms at 128 / 4,096 tokens against 4.16 / 4.74 with 16:
     # attention's 128 tasks left half of the 264 programs idle); K splits (8, 8, 1, 8) won in Session 32 (3.19 / 3.70
     # ms against (2, 4, 1, 4)'s 3.91 / 4.49 on the same machine; (4, 8, 1, 8) 3.23 / 3.85, more splits or a split gate_up
-    # lost): more tasks for qkv, o and down, so each phase's tasks start while the last phase's are still running
+    # lost): more tasks for qkv, o and down, so each phase's tasks start while the last phase's are still running.
+    # The GEMVs on the tensor cores (~2.7 SASS instructions a weight at 128 columns against ~5.5) made the step 1.9x
+    # slower on the H200 (8.01 against 4.16 ms at 128 tokens, Session 31) and were removed
     tn: int = 64
     bk: int = 128
     num_stages: int = 4
@@ -59,10 +61,6 @@ class StepTiles:
     # wait only for the tasks that write what a task reads (the module docstring), not for whole phases: 3-18 % faster
     # on the H200 (docs/benchmarks.md, Session 27)
     fine_deps: bool = True
-    # the GEMVs on the tensor cores (kernels.int4_decode_mma; bf16 / fp16, bk >= 64): ~2.7 SASS instructions a weight
-    # at 128 columns against the CUDA-core loop's ~5.5, yet ~1.4x slower a weight on the H200 (Session 31: the step
-    # 8.01 against 4.16 ms at 128 tokens): off
-    mma: bool = False
     # warps a program, and a register cap a thread (0: none; ptxas's count, 214 at 4 warps with Triton 3.7, leaves
     # room for two programs an SM): 8 warps or a cap of 128 with 4 programs an SM give an SM 16 warps to issue from
     # instead of 8 (not yet timed)
@@ -70,16 +68,13 @@ class StepTiles:
     maxnreg: int = 0
 
 
-def fit_tiles(
-    shape: StepShape, hidden: int, inter: int, tiles: StepTiles = StepTiles(), sixteen_bit: bool = True
-) -> StepTiles:
+def fit_tiles(shape: StepShape, hidden: int, inter: int, tiles: StepTiles = StepTiles()) -> StepTiles:
     """``tiles`` for a model they may not fit: ``bk`` at most the group's largest power-of-two divisor, each split
-    at most its projection's K / bk; the MMA GEMV only where it runs (bk >= 64, 16-bit activations)."""
+    at most its projection's K / bk."""
     bk = min(tiles.bk, shape.group_size & -shape.group_size)
     ks = proj_ks(hidden, inter, shape.heads * shape.head_dim)
     splits = tuple(max(1, min(s, k // bk)) for s, k in zip(tiles.splits, ks, strict=True))
-    mma = tiles.mma and bk >= 64 and tiles.tn >= 16 and sixteen_bit
-    return replace(tiles, bk=bk, splits=splits, mma=mma)  # type: ignore[arg-type]
+    return replace(tiles, bk=bk, splits=splits)  # type: ignore[arg-type]
 
 
 def proj_ks(hidden: int, inter: int, hqd: int) -> tuple[int, int, int, int]:

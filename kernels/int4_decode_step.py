@@ -34,8 +34,8 @@ norm's weight rounds to x's dtype, and ``1 / rms`` scales the fp32 sums (the eng
 (docs/benchmarks.md, Sessions 27-31) it is correct and ~4.5x its floor (3.90 ms for 32 layers at 128 tokens,
 Session 31), slower than the layer-by-layer step (~2.3 ms with the LM head), so the engine leaves it off: its GEMV
 phases reach 0.3-1.5 TB/s and its programs wait ~44 % of the time. Session 28 read the tiles as bound by
-instruction issue (~5.5 SASS instructions a weight), but ``StepTiles(mma=True)``, the GEMVs on the tensor cores
-(``kernels.int4_decode_mma``, ~2.7 instructions a weight), is ~1.4x slower a weight (Session 31). An L2 prefetch
+instruction issue (~5.5 SASS instructions a weight), but the GEMVs on the tensor cores (~2.7 instructions a weight)
+made the step 1.9x slower on the H200 (8.01 against 4.16 ms, Session 31) and were removed. An L2 prefetch
 of the next task's words when it is claimed lost (Session 27) and was removed. Attention's products are ``tl.dot``s
 since Session 30 (``kernels.int4_decode_attn``: ~9x fewer instructions a key tile; at 4,096 tokens the step went
 from 6.38 to 4.74 ms).
@@ -46,7 +46,6 @@ from __future__ import annotations
 from kernels._triton import HAS_TRITON, tl, triton
 from kernels.activation import silu_mul
 from kernels.int4_decode_attn import _attn_task
-from kernels.int4_decode_mma import gemv_mma
 from kernels.int4_gemv import _split8, nibble
 
 QKV, ATTN, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3, 4  # task kinds, in a layer's phase order
@@ -201,8 +200,7 @@ def _columns(kind, tile, j, H, INTER, NQKV, HQD, TN: tl.constexpr):
 @triton.jit
 def _gemv_task(kind, layer, index, num_layers, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_ptr, g_ptr, qkv_ptr, attn_ptr,
                act_ptr, gws_ptr, proj_ptr, tile_cnt, eps, one_bits, H, INTER, NQKV, HQD, GROUP: tl.constexpr,
-               HP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr, NUM_STAGES: tl.constexpr, MMA: tl.constexpr,
-               COMPILED: tl.constexpr):  # fmt: skip
+               HP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
     """One GEMV task of ``kind`` (QKV, O_PROJ, GATE_UP or DOWN): column tile ``index // split``, the ``index %
     split``-th of its K ranges. Split K ranges add their sums into the projection's own part of ``gws`` (fp32
     atomics); the tile's last one to arrive (its counter in the projection's run of ``tile_cnt``) takes the total,
@@ -232,10 +230,7 @@ def _gemv_task(kind, layer, index, num_layers, ptrs_ptr, qw_base, s_base, z_base
     k_lo = (index % split) * k_per
     qw_ptr, k_hi = _wptr(ptrs_ptr, layer, 3 * gi, qw_base), tl.minimum(k_lo + k_per, K)
     s_ptr, z_ptr = _wptr(ptrs_ptr, layer, 3 * gi + 1, s_base), _wptr(ptrs_ptr, layer, 3 * gi + 2, z_base)
-    if MMA:
-        acc = gemv_mma(x_ptr, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, GROUP, BK, NUM_STAGES, COMPILED)
-    else:
-        acc = _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, one_bits, GROUP, BK, NUM_STAGES)
+    acc = _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, offs_n, N, k_lo, k_hi, one_bits, GROUP, BK, NUM_STAGES)
     acc = tl.reshape(acc, (TN,)) * inv
     mask = offs_n < N
     last = split == 1
@@ -291,11 +286,11 @@ def _int4_decode_step_kernel(
     cs_ptr, trace_ptr, v_off, scale, eps, one_bits, H, INTER, HQ, HKV, P_MAX, num_layers, head_slots, tile_slots,
     GROUP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, QG: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr, PP: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr,
-    NUM_STAGES: tl.constexpr, TRACE: tl.constexpr, MMA: tl.constexpr, COMPILED: tl.constexpr,
+    NUM_STAGES: tl.constexpr, TRACE: tl.constexpr, COMPILED: tl.constexpr,
 ):  # fmt: skip
     """The module docstring's task loop. TRACE: each task's timestamps into ``trace``
-    (``TRACE_FIELDS`` a task, in table order). MMA: the GEMVs on the tensor cores (``kernels.int4_decode_mma``;
-    COMPILED: False under the interpreter). ``cnt`` holds the wait counters, then the heads'
+    (``TRACE_FIELDS`` a task, in table order). COMPILED: False under the interpreter
+    (attention's ``tl.dot``s, ``kernels.int4_decode_attn``). ``cnt`` holds the wait counters, then the heads'
     arrival counters (``head_slots`` on, one per layer and KV head), the GEMV column tiles' (``tile_slots`` on, a
     run per projection), the claim counter and the exit counter (``kernels.int4_decode_plan.TaskPlan``). A program
     claims its tasks in table order, each one claim ahead (an atomic off the task's path): phases of any size spread
@@ -326,7 +321,7 @@ def _int4_decode_step_kernel(
             _gemv_task(
                 kind, layer, index, num_layers, ptrs_ptr, qw_base, s_base, z_base, h_ptr, h2_ptr, g_ptr, qkv_ptr,
                 attn_ptr, act_ptr, gws_ptr, proj_ptr, cnt_ptr + tile_slots, eps, one_bits, H, INTER, (HQ + 2 * HKV) * D,
-                HQ * D, GROUP, HP, BK, TN, NUM_STAGES, MMA, COMPILED,
+                HQ * D, GROUP, HP, BK, TN, NUM_STAGES,
             )  # fmt: skip
         tl.debug_barrier()  # every thread's stores before thread 0's release
         tl.atomic_add(cnt_ptr + tl.load(row + 5), 1, sem="release")

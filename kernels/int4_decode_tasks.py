@@ -114,7 +114,7 @@ class Int4DecodeStep:
             self.plan.tile_slots,
             GROUP=shape.group_size, HP=next_pow2(self.hidden), D=shape.head_dim, QG=shape.heads // shape.kv_heads,
             BS=self.block_size, BT=tiles.bt, PP=next_pow2(self.p_max), BK=tiles.bk, TN=tiles.tn,
-            NUM_STAGES=tiles.num_stages, TRACE=trace is not None, MMA=tiles.mma, COMPILED=not self.interpreted,
+            NUM_STAGES=tiles.num_stages, TRACE=trace is not None, COMPILED=not self.interpreted,
             num_warps=tiles.num_warps, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}),
         )  # fmt: skip
 
@@ -155,8 +155,6 @@ def _check(layers: list[StepLayer], shape: StepShape, tiles: StepTiles, hidden: 
     if tiles.bt < 16 or tiles.bt & (tiles.bt - 1):
         raise ValueError(f"tiles {tiles}: bt a power of two of at least 16 (attention's MMA)")
     dtype = layers[0].in_norm.dtype
-    if tiles.mma and (tiles.tn < 16 or tiles.bk < 64 or dtype not in (torch.bfloat16, torch.float16)):
-        raise ValueError(f"tiles {tiles}: the MMA GEMV needs tn >= 16, bk >= 64 and bf16 or fp16, not {dtype}")
     ks = proj_ks(hidden, inter, hqd)
     if len(tiles.splits) != 4 or any(not 1 <= s <= k // tiles.bk for s, k in zip(tiles.splits, ks, strict=False)):
         raise ValueError(f"splits {tiles.splits}: four, each from 1 to its projection's K / bk")

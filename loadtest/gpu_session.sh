@@ -86,16 +86,15 @@
 #   stage ds (~4 min): the one-launch int4 decode step (kernels.int4_decode_step; correct, 4.5x its floor, Session 31): its
 #                     GPU tests, then loadtest.decode_step_bench on the engine's 8B int4 model (its reference check,
 #                     then its time for 32 layers against their floor, the LM head, the engine's batch-1 TPOT) at the
-#                     tiles of each JSON word of DS_TILES (default: six; Sessions 27-28 measured the prefetch, stages,
+#                     tiles of each JSON word of DS_TILES (default: four; Sessions 27-28 measured the prefetch, stages,
 #                     unrolling, widths, subnormal codes, a nanosleep between polls and register caps, Session 31
 #                     three programs an SM (lost), 32 partitions (won: the default) and the GEMVs on the tensor cores
-#                     (lost); now the defaults, 16 partitions, three other K splits, and the tensor cores again
-#                     (last: a fault there loses no other row)), each with a traced launch's summary
-#                     (loadtest.decode_step_trace: where its programs' time went)
+#                     (lost 1.9x: removed); now the defaults and three other K splits), each with a traced launch's
+#                     summary (loadtest.decode_step_trace: where its programs' time went)
 #   stage dm (~4 min): the fused norms' GPU tests (DM_TESTS), then the int4 model's batch-1 TPOT with the int4_model
-#                     variants of DM_VARIANTS (default: step and stepmma, the one-launch step, its GEMVs on the CUDA
-#                     or the tensor cores) beside the default and bf16, one process (Session 32 ran latenorm and
-#                     fusedmerge here: both lost and were removed)
+#                     variants of DM_VARIANTS (default: step, the one-launch step) beside the default and bf16, one
+#                     process (Session 32 ran latenorm and fusedmerge here: both lost and were removed; stepmma, its
+#                     GEMVs on the tensor cores, was removed after Session 31)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
@@ -168,16 +167,13 @@ elif [ "$stage" = wa ]; then
   python -m loadtest.int4_bench --only model --batches ${WA_BATCHES:-128 256 512} --gemv-variants wg512 wg512async \
     --mixed --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-4000
 elif [ "$stage" = ds ]; then
-  # the MMA GEMV's own tests run on the GPU's device when there is one (its inline PTX then, not the interpreter's path)
-  { timeout 240 python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_decode_step.py -m gpu &&
-    timeout 60 python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_decode_mma.py -k dequantized; } \
+  timeout 240 python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_decode_step.py -m gpu \
     > "$out/step_tests.txt" 2>&1 && echo "STEP GPU TESTS PASSED" || echo "STEP GPU TESTS FAILED (see step_tests.txt)"
   tail -3 "$out/step_tests.txt"
   # shellcheck disable=SC2086  # DS_TILES is a list of JSON words
   # a persistent kernel that deadlocks would hold the call to its limit: the bench gets 5.5 minutes
   timeout -k 10 330 python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
-    --tiles ${DS_TILES:-'{}' '{"splits":[4,8,1,8]}' '{"splits":[8,8,1,4]}' '{"splits":[8,8,2,8]}' \
-    '{"tn":128,"mma":true}'} 2>&1 \
+    --tiles ${DS_TILES:-'{}' '{"splits":[4,8,1,8]}' '{"splits":[8,8,1,4]}' '{"splits":[8,8,2,8]}'} 2>&1 \
     | grep -v '^{"shape"' | tail -100 \
     || echo "decode_step_bench FAILED or timed out"
 elif [ "$stage" = dm ]; then
@@ -186,7 +182,7 @@ elif [ "$stage" = dm ]; then
     && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   { grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
   timeout -k 10 480 python -m loadtest.int4_bench --only model \
-    --gemv-variants ${DM_VARIANTS:-step stepmma} \
+    --gemv-variants ${DM_VARIANTS:-step} \
     --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-3000
 elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24

@@ -132,11 +132,6 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
         "engine.models.decode_step:DECODE_STEP": True,
         "engine.models.decode_step:DECODE_STEP_TILES": StepTiles(fine_deps=False),
     },
-    # the same with its GEMVs on the tensor cores at 128 columns (kernels.int4_decode_mma; not yet timed)
-    "stepmma": {
-        "engine.models.decode_step:DECODE_STEP": True,
-        "engine.models.decode_step:DECODE_STEP_TILES": StepTiles(tn=128, mma=True),
-    },
     # no programmatic dependent launch (kernels.pdl) anywhere: the defaults before 2026-12-04 evening
     "nopdl": {
         "kernels.int4_plan:GEMV_PDL": False,

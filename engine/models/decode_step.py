@@ -83,8 +83,7 @@ class DecodeStepPath:
         if self.step is None or self.step[0] != cache:
             layers, shape = step_layers(self.model)
             width, inter = layers[0].in_norm.numel(), layers[0].down.qweight.shape[0] * 8
-            sixteen_bit = layers[0].in_norm.element_size() == 2
-            tiles = fit_tiles(shape, width, inter, DECODE_STEP_TILES, sixteen_bit)
+            tiles = fit_tiles(shape, width, inter, DECODE_STEP_TILES)
             self.step = (cache, Int4DecodeStep(layers, shape, tiles))
         self.step[1](hidden[0], meta.seq_lens, meta.block_tables[0], self.model.rotary_emb.cos_sin_cache)
         return hidden

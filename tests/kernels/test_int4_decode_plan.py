@@ -139,8 +139,8 @@ CASES = {
     "mqa-hidden96": (StepShape(8, 1, 16, 32, 1e-5, 0.25), 96, 64, TINY, 2),
     "tiles-across-heads": (StepShape(4, 2, 16, 32, 1e-5, 0.25), 64, 96, replace(TINY, tn=32), 2),
     "8b": (*EIGHT_B, StepTiles(), 2),
-    # stage ds's widest rows: the MMA GEMVs' 128-column tiles, K split 4 / 8 / 1 / 8, 32 partitions
-    "8b-tn128": (*EIGHT_B, StepTiles(tn=128, mma=True, splits=(4, 8, 1, 8), parts=32), 2),
+    # 128-column tiles (one query head's columns a qkv tile), K split 4 / 8 / 1 / 8, 32 partitions
+    "8b-tn128": (*EIGHT_B, StepTiles(tn=128, splits=(4, 8, 1, 8), parts=32), 2),
 }
 
 

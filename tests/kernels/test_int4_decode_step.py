@@ -112,45 +112,12 @@ def test_other_head_layouts(
     assert rel_err(out, want) < 1e-4
 
 
-def test_mma_gemvs_equal_the_cuda_core_ones(gen: torch.Generator) -> None:
-    """``StepTiles(mma=True)``: the GEMVs on the tensor cores (``kernels.int4_decode_mma``), two bf16 layers of group
-    64 (the MMA needs bk >= 64), split K ranges in qkv and down. Within the interpreter's bf16 rounding of the
-    reference, and within 1 % of the CUDA-core GEMVs on the same step (the same products, summed in another order)."""
-    shape = StepShape(heads=4, kv_heads=2, head_dim=16, group_size=64, eps=1e-5, scale=16**-0.5)
-    layers = make_layers(2, 128, shape, 128, 6, 16, torch.bfloat16, gen)
-    caches = [layer.kv_cache.clone() for layer in layers]
-    ref_layers = [StepLayer(**{**vars(lr), "kv_cache": lr.kv_cache.clone()}) for lr in layers]
-    block_table = torch.randperm(6, generator=gen)[:4].to(torch.int32).to(DEVICE)
-    cs, seq = rope_cache(128, 16), torch.tensor([37], dtype=torch.int32, device=DEVICE)
-    hidden = torch.randn(128, generator=gen).to(torch.bfloat16).to(DEVICE)
-    tiles = StepTiles(tn=16, bk=64, num_stages=1, parts=3, bt=16, splits=(2, 1, 1, 2))
-    outs = []
-    for mma in (False, True):
-        for layer, cache in zip(layers, caches, strict=True):
-            layer.kv_cache.copy_(cache)
-        out = hidden.clone()
-        Int4DecodeStep(layers, shape, replace(tiles, mma=mma))(out, seq, block_table, cs)
-        outs.append(out)
-    want = int4_decode_step_ref(ref_layers, shape, hidden.clone(), 37, block_table, cs)
-    assert rel_err(outs[1], want) < 5e-2
-    assert rel_err(outs[1], outs[0]) < 1e-2
-    for got, ref in zip(layers, ref_layers, strict=True):
-        assert rel_err(got.kv_cache, ref.kv_cache) < 5e-2
-    with pytest.raises(ValueError, match="MMA"):
-        Int4DecodeStep([StepLayer(**{**vars(lr), "in_norm": lr.in_norm.float()}) for lr in layers], shape,
-                       replace(tiles, mma=True))  # fmt: skip
-
-
 def test_fit_tiles() -> None:
     """The engine's tiles for a model: bk inside the group, each split at most its projection's K tiles."""
     small = StepShape(heads=4, kv_heads=2, head_dim=16, group_size=32, eps=1e-5, scale=0.25)
     assert fit_tiles(small, 64, 96) == StepTiles(bk=32, splits=(2, 2, 1, 3))
     big = StepShape(heads=32, kv_heads=8, head_dim=128, group_size=128, eps=1e-5, scale=0.25)
     assert fit_tiles(big, 4096, 14336) == StepTiles()
-    mma = StepTiles(tn=128, mma=True)
-    assert fit_tiles(big, 4096, 14336, mma) == mma
-    assert not fit_tiles(big, 4096, 14336, mma, sixteen_bit=False).mma  # fp32: the CUDA-core GEMVs
-    assert not fit_tiles(small, 64, 96, mma).mma  # bk 32 < the MMA's 64
 
 
 def test_refuses_tiles_that_do_not_divide() -> None:
@@ -203,7 +170,6 @@ compiled = triton.compile(ASTSource(kernel, signature, c, aligned), target=GPUTa
     + PTXAS_REPORT
     + r"""
 print("LDGSTS" * sass.count("LDGSTS"))
-print("HGMMA" * sass.count("HGMMA"))
 print("GLOBALTIMER" * compiled.asm["ptx"].count("%globaltimer"))
 print("COPY16" * sum("cp.async" in line and "0x10" in line for line in compiled.asm["ptx"].splitlines()))
 import re
@@ -212,31 +178,28 @@ spans = [(int(m.group(1), 16), a) for a, op in code if (m := re.search(r"BRA 0x(
 inner = [(lo, hi) for lo, hi in spans if not any(lo <= lo2 and hi2 <= hi and (lo2, hi2) != (lo, hi) for lo2, hi2 in spans)]
 print("INNERSPILL" * sum(1 for a, op in code if ("LDL" in op or "STL" in op) and any(lo <= a <= hi for lo, hi in inner)))
 print("INNERLOOPS" * len(inner))
-# attention's key loop: the inner loop of mma.sync (HMMA; the GEMVs' MMAs are warpgroup ones), its length
+# attention's key loop: the inner loop of mma.sync (HMMA), its length
 print("ATTNLOOP", *[sum(lo <= a <= hi for a, _ in code) for lo, hi in inner
                     if any(lo <= a <= hi and op.split()[0].startswith("HMMA") for a, op in code)])
 """
 )
 
 
-@pytest.mark.parametrize(("trace", "mma"), [(False, False), (True, False), (False, True)], ids=["", "trace", "mma"])
-def test_compiles_for_sm90(trace: bool, mma: bool) -> None:
-    """The 8B shape's constexprs at the default tiles: no spills inside the inner loops (the GEMV's, attention's: with
-    the MMA GEMV, Triton 3.7 spills 68 bytes of values kept across a task, and 3.6, the device's, 24, reloaded once
-    a task), and both loops' loads pipelined through 16-byte cp.async (the spin-waits, atomics and pointer table
-    compile as the interpreter ran them); with TRACE (inline PTX, which the interpreter cannot run) the clock reads
-    are in the code. ``mma``: the GEMVs on the tensor cores at 128 columns (warpgroup MMAs in the code), still two
-    programs an SM's worth of registers."""
-    tiles = StepTiles(tn=128, mma=True) if mma else StepTiles()
+@pytest.mark.parametrize("trace", [False, True], ids=["", "trace"])
+def test_compiles_for_sm90(trace: bool) -> None:
+    """The 8B shape's constexprs at the default tiles: no spills (none inside the inner loops, the GEMV's and
+    attention's, nor outside them), and both loops' loads pipelined through 16-byte cp.async (the spin-waits, atomics
+    and pointer table compile as the interpreter ran them); with TRACE (inline PTX, which the interpreter cannot run)
+    the clock reads are in the code. Two programs an SM's worth of registers."""
+    tiles = StepTiles()
     constexprs = {"GROUP": 128, "HP": 4096, "D": 128, "QG": 4, "BS": 16, "BT": tiles.bt, "PP": tiles.parts,
-                  "BK": tiles.bk, "TN": tiles.tn, "NUM_STAGES": tiles.num_stages, "TRACE": trace, "MMA": mma,
+                  "BK": tiles.bk, "TN": tiles.tn, "NUM_STAGES": tiles.num_stages, "TRACE": trace,
                   "COMPILED": True}  # fmt: skip
     report = run_without_interpreter(_COMPILE_SM90, json.dumps(constexprs))
     assert "INNERLOOPS" in report and "INNERSPILL" not in report, report
-    assert mma or "0 bytes spill stores" in report, report
+    assert "0 bytes spill stores" in report, report
     assert "LDGSTS" in report, report
     assert report.count("GLOBALTIMER") == 4 * trace, report  # four clock reads a task
-    assert ("HGMMA" in report) == mma, report
     # attention's products on the tensor cores: 233 SASS instructions a 16-key tile (Triton 3.7), against 2,058 on
     # the CUDA cores (348 shuffles, 14 barriers) before Session 30
     attn_loop = [int(n) for n in report.split("ATTNLOOP")[1].split("\n")[0].split()]
@@ -245,15 +208,15 @@ def test_compiles_for_sm90(trace: bool, mma: bool) -> None:
     # 16-byte copies a thread: the weights' (2 a stage, 8 in the PTX) and the keys' and values' (4 a stage, 8 in the
     # PTX: the tl.dot loop's pipeline), all addressed from kernel arguments, not loaded pointers (on the H200 at
     # 4c712e6 the words' were 4 bytes wide, and K and V were 32 scalar 2-byte loads a thread a tile, outside the
-    # pipeline, until 98e2ab8). The MMA GEMV reads the words as 16-bit halves in k's permuted order, 4 bytes a copy
-    assert report.count("COPY16") >= (8 if mma else 8 + 8), report
+    # pipeline, until 98e2ab8)
+    assert report.count("COPY16") >= 8 + 8, report
 
 
 def test_the_spill_check_finds_spills_in_the_loops() -> None:
     """The check above, under a register cap of 64 a thread (at 96 ptxas still keeps the inner loops free): spills
     inside the inner loops, and it sees them."""
     constexprs = {"GROUP": 128, "HP": 4096, "D": 128, "QG": 4, "BS": 16, "BT": 16, "PP": 16, "BK": 128, "TN": 64,
-                  "NUM_STAGES": 4, "TRACE": False, "MMA": False, "COMPILED": True}  # fmt: skip
+                  "NUM_STAGES": 4, "TRACE": False, "COMPILED": True}  # fmt: skip
     report = run_without_interpreter(_COMPILE_SM90, json.dumps(constexprs), "64")
     assert "INNERSPILL" in report, report
 
@@ -269,14 +232,12 @@ def test_bench_checks_an_engine_model_on_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(
-    "tiles", [StepTiles(fine_deps=False), StepTiles(), StepTiles(tn=128, mma=True)], ids=["phases", "fine", "mma"]
-)
+@pytest.mark.parametrize("tiles", [StepTiles(fine_deps=False), StepTiles()], ids=["phases", "fine"])
 @pytest.mark.parametrize("seq_len", [1, 300, 2049])
 def test_8b_shapes_on_the_gpu(seq_len: int, tiles: StepTiles, gen: torch.Generator) -> None:
-    """Two layers of the 8B shape in bf16 (32 query heads on 8 KV heads, group 128) at the default tiles, the phase
-    waits and the MMA GEMVs: within bf16's tolerance of the reference; twice, from a CUDA graph (the counters reset
-    by the kernel); then traced."""
+    """Two layers of the 8B shape in bf16 (32 query heads on 8 KV heads, group 128) at the default tiles and the
+    phase waits: within bf16's tolerance of the reference; twice, from a CUDA graph (the counters reset by the
+    kernel); then traced."""
     shape = StepShape(heads=32, kv_heads=8, head_dim=128, group_size=128, eps=1e-5, scale=128**-0.5)
     layers = make_layers(2, 4096, shape, 14336, 160, 16, torch.bfloat16, gen)
     ref_layers = [StepLayer(**{**vars(lr), "kv_cache": lr.kv_cache.clone()}) for lr in layers]

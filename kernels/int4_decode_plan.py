@@ -62,8 +62,9 @@ class StepTiles:
     # on the H200 (docs/benchmarks.md, Session 27)
     fine_deps: bool = True
     # warps a program, and a register cap a thread (0: none; ptxas's count, 214 at 4 warps with Triton 3.7, leaves
-    # room for two programs an SM): 8 warps or a cap of 128 with 4 programs an SM give an SM 16 warps to issue from
-    # instead of 8 (not yet timed)
+    # room for two programs an SM). More warps an SM lost on an H100 (Session 32, 128 tokens, the defaults 3.33 ms):
+    # 8 warps capped at 128 registers 4.24, 4 programs of 128 registers 4.29, 3 of 160 3.78, one program of 8 warps
+    # 5.74. So more warps to issue from did not pay; the caps spill (92-108 bytes, outside the inner loops)
     num_warps: int = 4
     maxnreg: int = 0
 

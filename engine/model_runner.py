@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +106,16 @@ def pick_backend(config: EngineConfig, device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
+def release_dropped_engines(device: torch.device) -> None:
+    """Collect before this engine loads and measures: an engine dropped earlier in this process (an ``LLM`` without
+    ``shutdown()``) keeps its weights and KV cache until the collector finds its cycles, and on CUDA the memory
+    profile would count them against this one ("no memory left for the KV cache", the likely cause of four GPU tests
+    failing that way on an H100 in Session 32; not yet re-run there). vLLM's memory profile collects first too."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 class ModelRunner:
     """One per rank: loads the weights of its shard, allocates its KV cache, executes steps."""
 
@@ -118,6 +129,7 @@ class ModelRunner:
         model_max_len(config, self.hf_config)  # a length the model cannot take fails before its weights load
         self.dtype = resolve_dtype(config.model.dtype, self.hf_config, self.device)
         torch.manual_seed(config.model.seed)
+        release_dropped_engines(self.device)
         self.model = load_model(
             files,
             self.hf_config,

@@ -17,6 +17,8 @@ import psutil
 import pytest
 
 from engine import LLM
+from engine.args import EngineArgs
+from engine.engine import Engine
 from tests.helpers import build_tiny_model
 
 SCRIPT = textwrap.dedent(
@@ -103,5 +105,29 @@ def test_llm_freezes_its_heap_and_thaws_it_when_dropped(tmp_path: Path) -> None:
         assert gc.get_freeze_count() == 0
         gc.collect()
         assert engine() is None
+    finally:
+        gc.unfreeze()
+
+
+def test_a_new_engine_loads_after_a_dropped_one_is_collected(tmp_path: Path) -> None:
+    """A dropped ``LLM``'s engine held by a reference cycle waits for the collector with its weights and KV cache
+    (thawed when it went); the next engine collects before it loads and profiles
+    (``engine.model_runner.release_dropped_engines``), so on CUDA its memory profile does not count the old engine's
+    tensors. Built here as ``LLM`` builds it, without the collection ``LLM`` runs after (``freeze_heap``)."""
+    folder = build_tiny_model(tmp_path / "model", "llama", seed=6)
+    gc.unfreeze()
+    try:
+        dropped = LLM(str(folder), device="cpu", num_gpu_blocks_override=16)
+        dropped.engine.cycle = [dropped.engine]  # type: ignore[attr-defined]  # held by a cycle, as one may be on CUDA
+        old = weakref.ref(dropped.engine)
+        del dropped
+        assert old() is not None  # shut down and thawed, waiting for the collector
+        gc.disable()  # no automatic collection while the next engine builds: only its own may free the old one
+        try:
+            new = Engine(EngineArgs(model=str(folder), device="cpu", num_gpu_blocks_override=16).create_engine_config())
+            assert old() is None, "the old engine was still there when the new one loaded"
+            new.shutdown()
+        finally:
+            gc.enable()
     finally:
         gc.unfreeze()

@@ -31,9 +31,9 @@ The arithmetic is the engine's: the GEMV's factored int4 tile (``kernels.int4_ge
 ``kernels.activation.silu_mul``, the residual adds in x's dtype. The norms round elsewhere: the stream times the
 norm's weight rounds to x's dtype, and ``1 / rms`` scales the fp32 sums (the engine rounds the stream times
 ``1 / rms``, then that times the weight). On the H200
-(docs/benchmarks.md, Sessions 27-31) it is correct and ~4.5x its floor (3.90 ms for 32 layers at 128 tokens,
-Session 31), slower than the layer-by-layer step (~2.3 ms with the LM head), so the engine leaves it off: its GEMV
-phases reach 0.3-1.5 TB/s and its programs wait ~44 % of the time. Session 28 read the tiles as bound by
+(docs/benchmarks.md, Sessions 27-32) it is correct and ~3.7x its floor (3.19 ms for 32 layers at 128 tokens,
+Session 32), slower than the layer-by-layer step (~2.3 ms with the LM head), so the engine leaves it off: its GEMV
+tasks stream ~7 GB/s a program and its programs wait ~18 % of the time. Session 28 read the tiles as bound by
 instruction issue (~5.5 SASS instructions a weight), but the GEMVs on the tensor cores (~2.7 instructions a weight)
 made the step 1.9x slower on the H200 (8.01 against 4.16 ms, Session 31) and were removed. An L2 prefetch
 of the next task's words when it is claimed lost (Session 27) and was removed. Attention's products are ``tl.dot``s

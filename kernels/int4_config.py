@@ -13,10 +13,6 @@ Kernel = Literal["dot", "gemv", "mma", "wgmma"]
 SplitReduce = Literal["counter", "atomic"]
 KERNELS: tuple[Kernel, ...] = ("dot", "gemv", "mma", "wgmma")
 SPLIT_REDUCES: tuple[SplitReduce, ...] = ("counter", "atomic")
-# the wgmma GEMM's K loop (kernels.int4_gemm_wgmma): load, store, MMA and wait per tile; the loads a tile ahead; the
-# MMA left running while the next tile's x is stored and its weights dequantized
-WgmmaLoop = Literal["plain", "prefetch", "async"]
-LOOPS: tuple[WgmmaLoop, ...] = ("plain", "prefetch", "async")
 
 
 @dataclass(frozen=True)
@@ -45,14 +41,10 @@ class Int4GemmConfig:
     subnormal: bool | None = None
     # gemv, mma: launched with programmatic dependent launch where the device has it (None: GEMV_PDL)
     pdl: bool | None = None
-    # wgmma: how its K loop overlaps loads and MMAs, one of LOOPS (None: WGMMA_LOOP)
-    loop: WgmmaLoop | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in (None, *KERNELS):
             raise ValueError(f"kernel must be one of {KERNELS} or None, got {self.kernel!r}")
-        if self.loop not in (None, *LOOPS):
-            raise ValueError(f"loop must be one of {LOOPS} or None, got {self.loop!r}")
         if self.split_reduce not in (None, *SPLIT_REDUCES):
             raise ValueError(f"split_reduce must be one of {SPLIT_REDUCES} or None, got {self.split_reduce!r}")
         for name, block in (("block_m", self.block_m), ("block_n", self.block_n), ("block_k", self.block_k)):
@@ -87,4 +79,3 @@ class Int4Launch:
     factored: bool
     subnormal: bool = False  # factored gemv only
     pdl: bool = False  # gemv and mma only
-    loop: WgmmaLoop = "plain"  # wgmma only

@@ -156,13 +156,13 @@ def int4_gemm(
         int4_gemm_wgmma(
             x, qweight, scales, zeros, group_size, out,
             block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k,
-            loop=cfg.loop, num_warps=cfg.num_warps,
+            num_warps=cfg.num_warps,
         )  # fmt: skip
     elif cfg.kernel in ("mma", "wgmma"):  # no Gluon or no Hopper here (the CPU interpreter): what runs without it
         fallback: Kernel = "gemv" if m <= GEMV_MAX_M else "dot"
         user = replace(
             config or Int4GemmConfig(), kernel=fallback, block_m=None, block_n=None, block_k=None, num_warps=None,
-            factored=None, loop=None,
+            factored=None,
         )  # fmt: skip
         return int4_gemm(x, qweight, scales, zeros, group_size, g_idx, user)
     elif cfg.kernel == "gemv":

@@ -9,7 +9,9 @@ k order once per K tile for all the program's warps. One warpgroup a program (64
 ``BLOCK_N`` a multiple of 64), split-K reduced in the launch by fp32 atomics, as the MMA kernel's.
 
 Not pipelined: each K tile loads, stores x, fences and waits for its MMA; the SM overlaps programs instead (the
-grid is filled to a few programs per SM). Gluon does not run under the CPU interpreter: there ``kernels.int4_gemm``
+grid is filled to a few programs per SM). Two pipelined K loops (each tile's loads a tile ahead; the MMA left
+running while the next tile's x is stored and its weights dequantized) lost to this one in every sweep row on the
+H200 (Session 33: 1.21-1.30x its time at 64 rows, 1.27-1.36x at 128) and were removed. Gluon does not run under the CPU interpreter: there ``kernels.int4_gemm``
 falls back, and the CPU tests compile this kernel for sm_90.
 """
 
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels.int4_config import LOOPS, WgmmaLoop
 from kernels.int4_gemv_mma import BASE, PERMUTE_SPAN, words_layout
 from kernels.int4_split import zeroed_scratch
 
@@ -27,7 +28,6 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         warpgroup_mma,
-        warpgroup_mma_wait,
     )
 
     from kernels.int4_gemv_mma import _packed_pair, _weight_operand, store_split
@@ -39,11 +39,10 @@ except ImportError:  # pragma: no cover - no Triton, or one without Gluon
 WARPGROUP_ROWS = 64  # output features of one warpgroup MMA tile (4 warps x 16)
 
 
-def check_tile(block_m: int, block_n: int, block_k: int, group_size: int, num_warps: int, loop: str) -> None:
-    """Raises unless the tile fits the MMA (:func:`int4_gemm_wgmma`'s docstring) and ``loop`` is one of LOOPS."""
-    if num_warps not in (4, 8) or block_n % (WARPGROUP_ROWS * num_warps // 4) or loop not in LOOPS:
-        raise ValueError(f"wgmma tile of {block_n} columns, {num_warps} warps, loop {loop!r}: 4 or 8 warps, 64 "
-                         f"columns a warpgroup, a loop of {LOOPS}")  # fmt: skip
+def check_tile(block_m: int, block_n: int, block_k: int, group_size: int, num_warps: int) -> None:
+    """Raises unless the tile fits the MMA (:func:`int4_gemm_wgmma`'s docstring)."""
+    if num_warps not in (4, 8) or block_n % (WARPGROUP_ROWS * num_warps // 4):
+        raise ValueError(f"wgmma tile of {block_n} columns, {num_warps} warps: 4 or 8 warps, 64 columns a warpgroup")
     if group_size % block_k or block_k % PERMUTE_SPAN or block_m % 8 or block_m > 256:
         raise ValueError(f"wgmma tile {block_m} x {block_n} x {block_k} does not fit the MMA or the group {group_size}")
 
@@ -77,31 +76,20 @@ if gluon is not None:
         return gl.reshape(t, (BM, BLOCK_K))
 
     @gluon.jit
-    def _weight_loads(tile, k0, GROUP_SIZE: gl.constexpr, BLOCK_K: gl.constexpr, EVEN_N: gl.constexpr):
-        """The K tile at ``k0``'s scales and zeros ``[BN]`` and packed words ``[P, 4, BN]``; zeros from ``k_end`` on
-        (a load ahead past the last tile reads nothing)."""
+    def _tile_loads(tile, k0, GROUP_SIZE: gl.constexpr, BLOCK_K: gl.constexpr, EVEN_N: gl.constexpr,
+                    x_layout: gl.constexpr):  # fmt: skip
+        """The K tile at ``k0``'s scales and zeros ``[BN]``, packed words ``[P, 4, BN]`` and x's tile ``[BM, BLOCK_K]``
+        in MMA k order (zeros from ``k_end`` on)."""
         x_ptr, qw_ptr, s_ptr, z_ptr, stride_xm, stride_qk, stride_sg, stride_zg, offs_xm, offs_wn, word_rows, w_cols, \
             M, N, k_end = tile  # fmt: skip
-        live = k0 < k_end
+        live = k0 < k_end  # true for every tile of the loop; kept so the loop compiles as the sweep measured it
         g = k0 // GROUP_SIZE
         mask_wn = (offs_wn < N) & live
         s = gl.load(s_ptr + g * stride_sg + offs_wn, mask=mask_wn, other=0.0)
         z = gl.load(z_ptr + g * stride_zg + offs_wn, mask=mask_wn, other=0)
         mask_w = ((w_cols < N) | EVEN_N) & live
         words = gl.load(qw_ptr + (k0 // 8 + word_rows) * stride_qk + w_cols, mask=mask_w, other=0)
-        return s, z, words
-
-    @gluon.jit
-    def _tile_loads(tile, k0, GROUP_SIZE: gl.constexpr, BLOCK_K: gl.constexpr, EVEN_N: gl.constexpr,
-                    x_layout: gl.constexpr):  # fmt: skip
-        """:func:`_weight_loads` and x's tile ``[BM, BLOCK_K]`` at ``k0`` in MMA k order (zeros from ``k_end``)."""
-        s, z, words = _weight_loads(tile, k0, GROUP_SIZE, BLOCK_K, EVEN_N)
-        return s, z, words, _tile_x(tile, k0, BLOCK_K, x_layout)
-
-    @gluon.jit
-    def _tile_x(tile, k0, BLOCK_K: gl.constexpr, x_layout: gl.constexpr):
-        x_ptr, stride_xm, offs_xm, M, k_end = tile[0], tile[4], tile[8], tile[12], tile[14]
-        return _x_tile(x_ptr, stride_xm, offs_xm, M, k0, k_end, BLOCK_K, x_layout)
+        return s, z, words, _x_tile(x_ptr, stride_xm, offs_xm, M, k0, k_end, BLOCK_K, x_layout)
 
     @gluon.jit
     def _a_operand(s, z, words, base_bits, base, a_layout: gl.constexpr, IS_BF16: gl.constexpr):
@@ -121,48 +109,17 @@ if gluon is not None:
         return warpgroup_mma(a, x_smem.permute((1, 0)), acc)
 
     @gluon.jit
-    def _async_k_loop(acc, tile, k_start, k_end, base_bits, base, GROUP_SIZE: gl.constexpr, BLOCK_K: gl.constexpr,
-                      EVEN_N: gl.constexpr, IS_BF16: gl.constexpr, a_layout: gl.constexpr, x_layout: gl.constexpr,
-                      x_shared: gl.constexpr):  # fmt: skip
-        """LOOP "async": tile i's MMA is issued asynchronously and runs while tile i + 1's x is stored to the other
-        of two shared buffers and its weights are dequantized, then is waited for in the same iteration (an MMA
-        in flight across the loop's back edge makes ptxas serialize them: Session 19). The weights are loaded two
-        tiles ahead (they stream from HBM), x one tile ahead (it stays in the L2)."""
-        BM: gl.constexpr = tile[8].shape[0]
-        x_bufs = gl.allocate_shared_memory(tile[0].dtype.element_ty, [2, BM, BLOCK_K], x_shared)
-        s, z, words = _weight_loads(tile, k_start, GROUP_SIZE, BLOCK_K, EVEN_N)
-        s1, z1, words1 = _weight_loads(tile, k_start + BLOCK_K, GROUP_SIZE, BLOCK_K, EVEN_N)
-        x_bufs.index(0).store(_tile_x(tile, k_start, BLOCK_K, x_layout))
-        a = _a_operand(s, z, words, base_bits, base, a_layout, IS_BF16)
-        s2, z2, words2 = _weight_loads(tile, k_start + 2 * BLOCK_K, GROUP_SIZE, BLOCK_K, EVEN_N)
-        xt = _tile_x(tile, k_start + BLOCK_K, BLOCK_K, x_layout)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            i = (k0 - k_start) // BLOCK_K
-            fence_async_shared()
-            _cta_barrier()  # tile i's x stored by every warp; tile i - 1's MMA retired in every warpgroup
-            acc = warpgroup_mma(a, x_bufs.index(i % 2).permute((1, 0)), acc, is_async=True)
-            x_bufs.index((i + 1) % 2).store(xt)
-            a_next = _a_operand(s1, z1, words1, base_bits, base, a_layout, IS_BF16)
-            s1, z1, words1 = s2, z2, words2
-            s2, z2, words2 = _weight_loads(tile, k0 + 3 * BLOCK_K, GROUP_SIZE, BLOCK_K, EVEN_N)
-            xt = _tile_x(tile, k0 + 2 * BLOCK_K, BLOCK_K, x_layout)
-            acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))  # a is read until its MMA retires
-            a = a_next
-        return acc
-
-    @gluon.jit
     def _int4_gemm_wgmma_kernel(
         x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
         M, N, K, K_PER_SPLIT, base_bits, base,
         stride_xm, stride_qk, stride_sg, stride_zg, stride_om,
         GROUP_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
         SPLIT: gl.constexpr, EVEN_N: gl.constexpr, IS_BF16: gl.constexpr, W_LAYOUT: gl.constexpr,
-        LOOP: gl.constexpr, num_warps: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
         """W_LAYOUT: ``kernels.int4_gemv_mma.words_layout``. Program (pid_m, pid_n, pid_k): rows ``pid_m *
         BLOCK_M ..`` of x, output features ``pid_n * BLOCK_N ..`` (64 a warpgroup, ``num_warps // 4`` of them
-        sharing x's tile), one K range. LOOP (:data:`LOOPS`): "plain", "prefetch" (each K tile's global loads
-        issued one tile ahead, into registers) or "async" (:func:`_async_k_loop`)."""
+        sharing x's tile), one K range."""
         P: gl.constexpr = BLOCK_K // 32
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
@@ -187,21 +144,10 @@ if gluon is not None:
         acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, layout=mma)
         tile = (x_ptr, qw_ptr, s_ptr, z_ptr, stride_xm, stride_qk, stride_sg, stride_zg, offs_xm, offs_wn, word_rows,
                 w_cols, M, N, k_end)  # fmt: skip
-        if LOOP == "async":
-            acc = _async_k_loop(acc, tile, k_start, k_end, base_bits, base, GROUP_SIZE, BLOCK_K, EVEN_N, IS_BF16,
-                                a_layout, x_layout, x_shared)  # fmt: skip
-        elif LOOP == "prefetch":  # the next tile's loads in flight during this tile's store, dequantization and MMA
-            x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_M, BLOCK_K], x_shared)
-            s, z, words, xt = _tile_loads(tile, k_start, GROUP_SIZE, BLOCK_K, EVEN_N, x_layout)
-            for k0 in range(k_start, k_end, BLOCK_K):
-                s_n, z_n, words_n, xt_n = _tile_loads(tile, k0 + BLOCK_K, GROUP_SIZE, BLOCK_K, EVEN_N, x_layout)
-                acc = _tile_mma(acc, x_smem, s, z, words, xt, base_bits, base, a_layout, IS_BF16)
-                s, z, words, xt = s_n, z_n, words_n, xt_n
-        else:
-            x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_M, BLOCK_K], x_shared)
-            for k0 in range(k_start, k_end, BLOCK_K):
-                s, z, words, xt = _tile_loads(tile, k0, GROUP_SIZE, BLOCK_K, EVEN_N, x_layout)
-                acc = _tile_mma(acc, x_smem, s, z, words, xt, base_bits, base, a_layout, IS_BF16)
+        x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_M, BLOCK_K], x_shared)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            s, z, words, xt = _tile_loads(tile, k0, GROUP_SIZE, BLOCK_K, EVEN_N, x_layout)
+            acc = _tile_mma(acc, x_smem, s, z, words, xt, base_bits, base, a_layout, IS_BF16)
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
         store_split(acc, offs_n, offs_m, N, M, out_ptr, stride_om, ws_ptr, cnt_ptr, SPLIT)
@@ -219,17 +165,16 @@ def int4_gemm_wgmma(
     block_n: int,
     block_k: int,
     split_k: int,
-    loop: WgmmaLoop = "plain",
     num_warps: int = 4,
 ) -> None:
     """Launches on inputs ``kernels.int4_gemm.int4_gemm`` has checked (:func:`wgmma_available`): ``block_m`` a
     multiple of 8 up to 256 (the MMA's N), ``block_n`` of 64 a warpgroup (``num_warps`` 4 or 8), ``block_k`` (a
-    multiple of 32) dividing the group; ``loop``: how the K loop overlaps loads and MMAs (the kernel's LOOP)."""
+    multiple of 32) dividing the group."""
     m, k = x.shape
     n = qweight.shape[1]
     if gluon is None:
         raise RuntimeError("the wgmma int4 GEMM needs a Triton with Gluon")
-    check_tile(block_m, block_n, block_k, group_size, num_warps, loop)
+    check_tile(block_m, block_n, block_k, group_size, num_warps)
     base, bits = BASE[x.dtype]
     k_per_split = -(-k // (split_k * block_k)) * block_k
     split = -(-k // k_per_split)
@@ -242,5 +187,5 @@ def int4_gemm_wgmma(
         x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
         EVEN_N=n % block_n == 0, IS_BF16=x.dtype == torch.bfloat16,
-        W_LAYOUT=words_layout(block_k // PERMUTE_SPAN, block_n, num_warps), LOOP=loop, num_warps=num_warps,
+        W_LAYOUT=words_layout(block_k // PERMUTE_SPAN, block_n, num_warps), num_warps=num_warps,
     )  # fmt: skip

@@ -12,7 +12,7 @@ from functools import lru_cache
 import torch
 
 from kernels._triton import next_pow2
-from kernels.int4_config import Int4GemmConfig, Int4Launch, Kernel, SplitReduce, WgmmaLoop
+from kernels.int4_config import Int4GemmConfig, Int4Launch, Kernel, SplitReduce
 from kernels.int4_dequant import PACK
 from kernels.int4_gemm_wgmma import check_tile
 from kernels.int4_gemv_mma import PERMUTE_SPAN
@@ -165,9 +165,8 @@ def _pick_mma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4G
 # against dequantization + cuBLAS's 288.1, which won at 256 and 512. PAGEDSERVE_INT4_WGMMA=0 turns it off.
 WGMMA_M = (17, 128) if os.environ.get("PAGEDSERVE_INT4_WGMMA", "1") != "0" else (1 << 30, 1 << 30)
 WGMMA_TILE = (64, 64, 128, 2)  # (block_m cap, block_n, block_k, programs per SM): 141 registers on sm_90, no spills
-# its K loop (kernels.int4_config.LOOPS) and warps (8: two warpgroups sharing x's tile, block_n 128): "prefetch" (242
-# registers), "async" and 8 warps are not yet measured
-WGMMA_LOOP: WgmmaLoop = "plain"
+# one warpgroup a program: two sharing x's tile (8 warps, block_n 128) took 1.14-1.72x its time at 64-512 rows (H200,
+# Session 33, sweep row "wgmma w8"); the pipelined K loops that lost in the same sweep are removed
 WGMMA_WARPS = 4
 
 
@@ -178,13 +177,13 @@ def _pick_wgmma(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int
     cap, tile_bn, tile_bk, pps = WGMMA_TILE
     bm = user.block_m or min(max(8, next_pow2(m)), cap)
     bn, bk = user.block_n or tile_bn, user.block_k or min(tile_bk, group_size & -group_size)
-    warps, loop = user.num_warps or WGMMA_WARPS, user.loop or WGMMA_LOOP
-    check_tile(bm, bn, bk, group_size, warps, loop)
+    warps = user.num_warps or WGMMA_WARPS
+    check_tile(bm, bn, bk, group_size, warps)
     target = (user.programs_per_sm or pps) * num_sms
     split = user.split_k or _fill_split(-(-n // bn) * -(-m // bm), -(-k // bk), target, 32)
     return Int4Launch(
         "wgmma", bm, bn, bk, split, "atomic" if split > 1 else "counter", warps, 1, unpack_in_registers=False,
-        factored=False, loop=loop,
+        factored=False,
     )  # fmt: skip
 
 

@@ -79,10 +79,10 @@
 #                     sweep's mma and wgmma rows (WG_M, default 16 32 64 128 256 512), then the int4 model at batches
 #                     WG_BATCHES (default 1 16 24 32 64 128) and `mixed`, the defaults beside variant mma8 (both
 #                     Session 25 defaults off) and bf16, in one process
-#   stage wa (~8 min): int4 at 129-512 rows (Session 26): the wgmma GEMM's GPU tests (its async loop and two-warpgroup
+#   stage wa (~8 min): int4 at 129-512 rows (Session 26): the wgmma GEMM's GPU tests (its two-warpgroup
 #                     programs among them), the sweep's wgmma rows at WA_M (default 64 128 256 512), then the int4
 #                     model at batches WA_BATCHES (default 128 256 512) and `mixed`, the defaults beside variants
-#                     wg512 and wg512async (the wgmma GEMM to 512 rows instead of dequantization + cuBLAS) and bf16
+#                     wg512 (the wgmma GEMM to 512 rows instead of dequantization + cuBLAS; lost in Session 33) and bf16
 #   stage ds (~4 min): the one-launch int4 decode step (kernels.int4_decode_step; correct, 4.5x its floor, Session 31): its
 #                     GPU tests, then loadtest.decode_step_bench on the engine's 8B int4 model (its reference check,
 #                     then its time for 32 layers against their floor, the LM head, the engine's batch-1 TPOT) at the
@@ -164,7 +164,7 @@ elif [ "$stage" = wa ]; then
   INT4_SWEEP_ONLY="wgmma" python -m loadtest.int4_bench --only gemm --m ${WA_M:-64 128 256 512} \
     --out "$out/int4_gemm.json" 2>&1 | grep "time/best\|layer sum\|engine path\|wrong" || echo "int4 GEMM sweep FAILED"
   # shellcheck disable=SC2086  # WA_BATCHES is a list
-  python -m loadtest.int4_bench --only model --batches ${WA_BATCHES:-128 256 512} --gemv-variants wg512 wg512async \
+  python -m loadtest.int4_bench --only model --batches ${WA_BATCHES:-128 256 512} --gemv-variants wg512 \
     --mixed --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-4000
 elif [ "$stage" = ds ]; then
   timeout 240 python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_decode_step.py -m gpu \

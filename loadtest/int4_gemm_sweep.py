@@ -43,7 +43,6 @@ class Variant:
     m_range: tuple[int, int] = (1, 1 << 30)
 
 
-WG8 = {"kernel": "wgmma", "loop": "async", "block_n": 128, "num_warps": 8}
 SUB = {"kernel": "gemv", "subnormal": True}
 # the defaults (kernels.int4_plan.pick_config) and the alternatives that came close in the H200 run at 7f8955d
 # or were the defaults before it; where one is the default's launch at an M it is timed once, as an alias.
@@ -94,15 +93,9 @@ VARIANTS = [
     Variant("wgmma bk64", {"kernel": "wgmma", "block_k": 64}, (16, 512)),
     Variant("wgmma bn128", {"kernel": "wgmma", "block_n": 128}, (16, 512)),
     Variant("wgmma pps4", {"kernel": "wgmma", "programs_per_sm": 4}, (16, 512)),
-    Variant("wgmma prefetch", {"kernel": "wgmma", "loop": "prefetch"}, (16, 512)),
-    Variant("wgmma prefetch bm32", {"kernel": "wgmma", "loop": "prefetch", "block_m": 32}, (33, 512)),
-    # the async K loop (the MMA running while the next tile is stored and dequantized) and two warpgroups a program
-    # sharing x's tile (half the x traffic a weight): for 129-512 rows, where dequantization + cuBLAS wins now
-    Variant("wgmma async", {"kernel": "wgmma", "loop": "async"}, (16, 512)),
+    # two warpgroups a program sharing x's tile (half the x traffic a weight). The pipelined K loops ("prefetch",
+    # "async") lost in every row at 64-512 (H200, Session 33) and were removed with their rows
     Variant("wgmma w8", {"kernel": "wgmma", "block_n": 128, "num_warps": 8}, (16, 512)),
-    Variant("wgmma async w8", {"kernel": "wgmma", "loop": "async", "block_n": 128, "num_warps": 8}, (16, 512)),
-    Variant("wgmma async w8 bm128 bk64", WG8 | {"block_m": 128, "block_k": 64}, (33, 512)),
-    Variant("wgmma async w8 pps1", WG8 | {"programs_per_sm": 1}, (16, 512)),
     Variant("dot", {"kernel": "dot"}),
     Variant("dot counter", {"kernel": "dot", "split_reduce": "counter"}, (8, 256)),
     Variant("dot atomic", {"kernel": "dot", "split_reduce": "atomic"}, (8, 256)),

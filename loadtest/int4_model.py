@@ -115,16 +115,10 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     "nomma": {"kernels.int4_plan:MMA_M": (1 << 30, 1 << 30)},  # the GEMV and tl.dot at M = 2-8, as before 6b4189b
     # the MMA kernel to 8 rows, tl.dot to 64, dequantization + cuBLAS above: the defaults before 2026-12-04 night
     "mma8": {"kernels.int4_plan:MMA_M": (2, 8), "kernels.int4_plan:WGMMA_M": (1 << 30, 1 << 30)},
-    # the wgmma GEMM to 512 rows (no dequantization + cuBLAS below 513), with its default tile (not yet measured),
-    # then with the async K loop and two warpgroups a program (Session 28: 1.43x / 1.76x the defaults' TPOT at
-    # batches 256 / 512)
+    # the wgmma GEMM to 512 rows (no dequantization + cuBLAS below 513), its default tile. H200, Session 33: TPOT
+    # 15.85 / 29.70 ms against the defaults' 13.86 / 20.86 at batches 256 / 512, `mixed` 17.12 against 15.39 s. (With
+    # the async K loop and two warpgroups, Session 28's "wg512async", 1.43x / 1.76x; that loop is removed.)
     "wg512": {"kernels.int4_plan:WGMMA_M": (17, 512)},
-    "wg512async": {
-        "kernels.int4_plan:WGMMA_M": (17, 512),
-        "kernels.int4_plan:WGMMA_LOOP": "async",
-        "kernels.int4_plan:WGMMA_WARPS": 8,
-        "kernels.int4_plan:WGMMA_TILE": (64, 128, 128, 2),
-    },
     # every layer of a batch-1 decode step in one launch (engine.models.decode_step; Sessions 26-28: off, slower)
     "step": {"engine.models.decode_step:DECODE_STEP": True},
     # the same, each task waiting for the whole phase before it (kernels.int4_decode_plan's fine waits off)

@@ -52,15 +52,15 @@ def test_pick_config() -> None:
         pick_config(64, 4096, 4096, 128, 132, Int4GemmConfig(kernel="wgmma", split_reduce="counter"))
     with pytest.raises(ValueError, match="tile"):
         pick_config(64, 4096, 4096, 128, 132, Int4GemmConfig(kernel="wgmma", block_n=32))
-    two = pick_config(300, 4096, 4096, 128, 132, Int4GemmConfig(kernel="wgmma", loop="async", num_warps=8, block_n=128))
-    assert (two.num_warps, two.block_n, two.loop) == (8, 128, "async")
-    assert pick_config(300, 4096, 4096, 128, 132, WGMMA).loop == "plain"  # WGMMA_LOOP
+    two = pick_config(300, 4096, 4096, 128, 132, Int4GemmConfig(kernel="wgmma", num_warps=8, block_n=128))
+    assert (two.num_warps, two.block_n) == (8, 128)
+    assert pick_config(300, 4096, 4096, 128, 132, WGMMA).num_warps == 4  # WGMMA_WARPS
     with pytest.raises(ValueError, match="64 columns a warpgroup"):
         pick_config(64, 4096, 4096, 128, 132, Int4GemmConfig(kernel="wgmma", num_warps=8))  # 64 columns, 2 groups
     with pytest.raises(ValueError, match="4 or 8 warps"):
         pick_config(64, 4096, 4096, 128, 132, Int4GemmConfig(kernel="wgmma", num_warps=2))
-    with pytest.raises(ValueError, match="loop must be"):
-        Int4GemmConfig(kernel="wgmma", loop="pipelined")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="loop"):  # the pipelined K loops lost (Session 33) and were removed
+        Int4GemmConfig(kernel="wgmma", loop="async")  # type: ignore[call-arg]
 
 
 def test_int4_gemm_without_hopper_runs_tl_dot(gen: torch.Generator) -> None:
@@ -75,26 +75,23 @@ def test_int4_gemm_without_hopper_runs_tl_dot(gen: torch.Generator) -> None:
 
 @pytest.mark.skipif(gluon is None, reason="needs a Triton with Gluon")
 @pytest.mark.parametrize(
-    ("is_bf16", "block_m", "block_n", "block_k", "group", "split", "loop", "warps"),
+    ("is_bf16", "block_m", "block_n", "block_k", "group", "split", "warps"),
     [
-        (True, 64, 64, 128, 128, 4, "plain", 4),  # the default tile
-        (False, 32, 128, 128, 128, 1, "plain", 4),
-        (True, 16, 64, 32, 32, 2, "prefetch", 4),
-        (True, 64, 64, 128, 128, 2, "prefetch", 4),
-        (True, 64, 64, 128, 128, 2, "async", 4),
-        (True, 64, 128, 128, 128, 2, "async", 8),  # two warpgroups sharing x's tile
-        (False, 128, 128, 64, 128, 1, "async", 8),
-        (True, 64, 128, 128, 128, 2, "plain", 8),
+        (True, 64, 64, 128, 128, 4, 4),  # the default tile
+        (False, 32, 128, 128, 128, 1, 4),
+        (True, 16, 64, 32, 32, 2, 4),
+        (False, 128, 128, 64, 128, 1, 8),
+        (True, 64, 128, 128, 128, 2, 8),  # two warpgroups sharing x's tile
     ],
 )
 def test_compiles_for_sm90_with_the_weights_in_registers(
-    is_bf16: bool, block_m: int, block_n: int, block_k: int, group: int, split: int, loop: str, warps: int
+    is_bf16: bool, block_m: int, block_n: int, block_k: int, group: int, split: int, warps: int
 ) -> None:
     """``assert_trivial`` fails the compile if the dequantized codes need data movement to reach the MMA's A operand;
     one warpgroup MMA per 16 k's and 64 output features of each warpgroup's part of the tile; no spills, and the
-    MMAs not serialized by ptxas (C7514: the async loop waits for each MMA in its own iteration for that)."""
+    MMAs not serialized by ptxas (C7514)."""
     constexprs = {"GROUP_SIZE": group, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split,
-                  "EVEN_N": True, "IS_BF16": is_bf16, "LOOP": loop, "num_warps": warps}  # fmt: skip
+                  "EVEN_N": True, "IS_BF16": is_bf16, "num_warps": warps}  # fmt: skip
     report = gluon_sm90("kernels.int4_gemm_wgmma", "_int4_gemm_wgmma_kernel", constexprs)
     assert "0 bytes spill stores" in report, report
     assert "C7514" not in report, report
@@ -107,12 +104,12 @@ def test_compiles_for_sm90_with_the_weights_in_registers(
     ("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)], ids=["qkv", "o", "gate_up", "down"]
 )
 @pytest.mark.parametrize(
-    "cfg", [WGMMA, Int4GemmConfig(kernel="wgmma", loop="async", block_n=128, num_warps=8)], ids=["default", "async8"]
+    "cfg", [WGMMA, Int4GemmConfig(kernel="wgmma", block_n=128, num_warps=8)], ids=["default", "w8"]
 )
 def test_8b_shapes_on_the_gpu(n: int, k: int, cfg: Int4GemmConfig, gen: torch.Generator) -> None:
     """16-512 rows (row tiles, partial last ones), twice each (the in-kernel reduction's races show only here):
     within bf16's tolerance of the reference, and of the exact product of the dequantized weights (only the fp32
-    sums' order differs from it). The default launch, and the async loop with two warpgroups."""
+    sums' order differs from it). The default launch, and two warpgroups a program."""
     qweight, scales, zeros = packed_int4(k, n, 128, torch.bfloat16, gen)
     w = dequantized_int4(qweight, scales, zeros, 128).double()
     for m in (16, 40, 64, 100, 256, 512):
@@ -134,19 +131,17 @@ def test_8b_shapes_on_the_gpu(n: int, k: int, cfg: Int4GemmConfig, gen: torch.Ge
         (torch.bfloat16, 130, 4096, 4096, WGMMA),  # channel-wise
         (torch.float16, 96, 4096, 128, Int4GemmConfig(kernel="wgmma", block_m=128, block_n=128, block_k=128)),
         (torch.bfloat16, 8, 4096, 128, WGMMA),
-        (torch.bfloat16, 100, 1000, 64, Int4GemmConfig(kernel="wgmma", loop="prefetch")),  # a tile past K: no reads
-        (torch.float16, 40, 4096, 4096, Int4GemmConfig(kernel="wgmma", loop="prefetch", split_k=3)),
-        (torch.bfloat16, 100, 1000, 64, Int4GemmConfig(kernel="wgmma", loop="async")),  # loads 2 tiles past K
-        (torch.float16, 40, 4096, 4096, Int4GemmConfig(kernel="wgmma", loop="async", split_k=3)),
-        (torch.bfloat16, 200, 4096, 32, Int4GemmConfig(kernel="wgmma", loop="async", split_k=1)),  # one K tile
-        (torch.bfloat16, 37, 1000, 32, Int4GemmConfig(kernel="wgmma", loop="async", block_n=128, num_warps=8)),
+        (torch.bfloat16, 100, 1000, 64, WGMMA),
+        (torch.float16, 40, 4096, 4096, Int4GemmConfig(kernel="wgmma", split_k=3)),
+        (torch.bfloat16, 200, 4096, 32, Int4GemmConfig(kernel="wgmma", split_k=1)),  # one K tile a program
+        (torch.bfloat16, 37, 1000, 32, Int4GemmConfig(kernel="wgmma", block_n=128, num_warps=8)),
         (
             torch.float16,
             300,
             4096,
             128,
-            Int4GemmConfig(kernel="wgmma", loop="async", block_m=128, block_k=64, block_n=128, num_warps=8),
-        ),  # fmt: skip
+            Int4GemmConfig(kernel="wgmma", block_m=128, block_k=64, block_n=128, num_warps=8),
+        ),
         (torch.bfloat16, 130, 4096, 128, Int4GemmConfig(kernel="wgmma", block_n=128, num_warps=8)),
     ],
 )

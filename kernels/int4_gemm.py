@@ -185,13 +185,7 @@ def int4_gemm_gated(
     is the GEMV its programs compute the activation of the x they load (so the ``[M, K]`` activation is never
     written); another kernel (tl.dot) gets the activation from its own launch first."""
     require_triton("int4_gemm_gated")
-    check_float("x2", x2)
-    if qweight.dim() != 2:
-        raise ValueError(f"qweight must be int32 [K // {PACK}, N], got {tuple(qweight.shape)}")
-    k = qweight.shape[-2] * PACK
-    if x2.dim() != 2 or x2.shape[1] != 2 * k:
-        raise ValueError(f"x2 must be [M, 2K] = [M, {2 * k}] (gate | up) for qweight's K={k}, got {tuple(x2.shape)}")
-    gate = x2[:, :k]  # [M, K]: what the checks and the launch choice see
+    gate = _gate(x2, qweight)  # [M, K]: what the checks and the launch choice see
     _check_inputs(gate, qweight, scales, zeros, group_size, g_idx)
     m, n = x2.shape[0], scales.shape[1]
     cfg = _pick(gate, qweight, scales, group_size, g_idx, config) if m and n else None
@@ -218,10 +212,7 @@ def int4_gemv_sums(
     with it, and no reduction pass of its own (``kernels.int4_split``'s ``sums`` mode): for a batch-1 projection
     that only an RMSNorm reads. M must take the GEMV (at most GEMV_MAX_M rows); no g_idx."""
     require_triton("int4_gemv_sums")
-    k = qweight.shape[0] * PACK if qweight.dim() == 2 else 0
-    if gated and (x.dim() != 2 or x.shape[1] != 2 * k):
-        raise ValueError(f"x must be [M, 2K] = [M, {2 * k}] (gate | up) for qweight's K={k}, got {tuple(x.shape)}")
-    x1 = x[:, :k] if gated else x
+    x1 = _gate(x, qweight) if gated else x
     _check_inputs(x1, qweight, scales, zeros, group_size, None)
     m, n = x.shape[0], scales.shape[1]
     if m > GEMV_MAX_M:
@@ -238,6 +229,17 @@ def int4_gemv_sums(
         factored=cfg.factored, num_warps=cfg.num_warps, num_stages=cfg.num_stages, subnormal=cfg.subnormal,
         gated=gated, pdl=cfg.pdl,
     )  # fmt: skip
+
+
+def _gate(x2: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    """The gate half ``[M, K]`` of a gated GEMM's ``x2 = gate | up`` ``[M, 2K]``, K from ``qweight``'s shape."""
+    check_float("x2", x2)
+    if qweight.dim() != 2:
+        raise ValueError(f"qweight must be int32 [K // {PACK}, N], got {tuple(qweight.shape)}")
+    k = qweight.shape[-2] * PACK
+    if x2.dim() != 2 or x2.shape[1] != 2 * k:
+        raise ValueError(f"x2 must be [M, 2K] = [M, {2 * k}] (gate | up) for qweight's K={k}, got {tuple(x2.shape)}")
+    return x2[:, :k]
 
 
 def _pick(

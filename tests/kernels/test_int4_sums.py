@@ -13,19 +13,14 @@ import torch
 from kernels.int4_config import Int4GemmConfig
 from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemv_sums
 from kernels.norm import rms_norm, rms_norm_ref
-from tests.kernels.helpers import DEVICE, capture_graph, int4_weights, rel_err, tolerance, ttgir_sm90
-
-
-def _weights(k: int, n: int, dtype: torch.dtype, gen: torch.Generator):  # type: ignore[no-untyped-def]
-    _, qweight, scales, zeros, _ = int4_weights(k, n, 32, False, dtype, gen)
-    return qweight.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
+from tests.kernels.helpers import DEVICE, capture_graph, packed_int4, rel_err, tolerance, ttgir_sm90
 
 
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize(("m", "split_k"), [(1, None), (1, 1), (3, None)])
 def test_sums_then_norm_equal_gemv_then_norm(m: int, split_k: int | None, gated: bool, gen: torch.Generator) -> None:
     k, n, dtype = 128, 96, torch.float32
-    qweight, scales, zeros = _weights(k, n, dtype, gen)
+    qweight, scales, zeros = packed_int4(k, n, 32, dtype, gen)
     x = torch.randn(m, 2 * k if gated else k, generator=gen).to(DEVICE)
     residual = torch.randn(m, n, generator=gen).to(DEVICE)
     weight = (1 + 0.1 * torch.randn(n, generator=gen)).to(DEVICE)
@@ -58,13 +53,13 @@ def test_norm_rounds_the_sums_to_the_residual_dtype(gen: torch.Generator) -> Non
 
 
 def test_sums_inputs_are_checked(gen: torch.Generator) -> None:
-    qweight, scales, zeros = _weights(128, 64, torch.float32, gen)
+    qweight, scales, zeros = packed_int4(128, 64, 32, torch.float32, gen)
     x = torch.randn(1, 128, generator=gen).to(DEVICE)
     with pytest.raises(ValueError, match="contiguous fp32"):
         int4_gemv_sums(x, qweight, scales, zeros, 32, torch.zeros(1, 64, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(ValueError, match="at most"):
         int4_gemv_sums(x.expand(64, 128), qweight, scales, zeros, 32, torch.zeros(64, 64, device=DEVICE))
-    with pytest.raises(ValueError, match="gate | up"):
+    with pytest.raises(ValueError, match="gate \\| up"):
         int4_gemv_sums(x, qweight, scales, zeros, 32, torch.zeros(1, 64, device=DEVICE), gated=True)
     with pytest.raises(ValueError, match="residual"):
         rms_norm(torch.zeros(1, 64, device=DEVICE), torch.ones(64, device=DEVICE), 1e-6, sums=True)
@@ -77,8 +72,7 @@ def test_8b_pairs_replayed_from_a_cuda_graph(n: int, k: int, gated: bool, gen: t
     """o_proj -> post-attention norm and gated down_proj -> input norm at batch 1 (bf16, group 128), as one graph
     replayed with new inputs: every replay equals the GEMV + norm path (the accumulator starts each at zero)."""
     dtype = torch.bfloat16
-    _, qweight, scales, zeros, _ = int4_weights(k, n, 128, False, dtype, gen)
-    qweight, scales, zeros = qweight.cuda(), scales.cuda(), zeros.cuda()
+    qweight, scales, zeros = packed_int4(k, n, 128, dtype, gen)
     x = torch.zeros(1, 2 * k if gated else k, dtype=dtype, device="cuda")
     residual = torch.zeros(1, n, dtype=dtype, device="cuda")
     weight = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype).cuda()

@@ -185,7 +185,13 @@ def int4_gemm_gated(
     is the GEMV its programs compute the activation of the x they load (so the ``[M, K]`` activation is never
     written); another kernel (tl.dot) gets the activation from its own launch first."""
     require_triton("int4_gemm_gated")
-    gate = _gate(x2, qweight)  # [M, K]: what the checks and the launch choice see
+    check_float("x2", x2)
+    if qweight.dim() != 2:
+        raise ValueError(f"qweight must be int32 [K // {PACK}, N], got {tuple(qweight.shape)}")
+    k = qweight.shape[-2] * PACK
+    if x2.dim() != 2 or x2.shape[1] != 2 * k:
+        raise ValueError(f"x2 must be [M, 2K] = [M, {2 * k}] (gate | up) for qweight's K={k}, got {tuple(x2.shape)}")
+    gate = x2[:, :k]  # [M, K]: what the checks and the launch choice see
     _check_inputs(gate, qweight, scales, zeros, group_size, g_idx)
     m, n = x2.shape[0], scales.shape[1]
     cfg = _pick(gate, qweight, scales, group_size, g_idx, config) if m and n else None
@@ -197,49 +203,6 @@ def int4_gemm_gated(
     if cfg is not None:
         _launch_gemv(x2, qweight, scales, zeros, group_size, g_idx, out, cfg, gated=True)
     return out
-
-
-def int4_gemv_sums(
-    x: torch.Tensor,  # [M, K], or [M, 2K] (gate | up) when gated
-    qweight: torch.Tensor,  # [K // 8, N] int32
-    scales: torch.Tensor,  # [num_groups, N]
-    zeros: torch.Tensor,  # [num_groups, N] uint8
-    group_size: int,
-    sums: torch.Tensor,  # [M, N] fp32, zero: its reader zeroes it again (kernels.norm.rms_norm's sums)
-    gated: bool = False,
-) -> None:
-    """The GEMV's product (of ``silu_and_mul(x)`` when ``gated``) added into ``sums`` in fp32, its split-K partials
-    with it, and no reduction pass of its own (``kernels.int4_split``'s ``sums`` mode): for a batch-1 projection
-    that only an RMSNorm reads. M must take the GEMV (at most GEMV_MAX_M rows); no g_idx."""
-    require_triton("int4_gemv_sums")
-    x1 = _gate(x, qweight) if gated else x
-    _check_inputs(x1, qweight, scales, zeros, group_size, None)
-    m, n = x.shape[0], scales.shape[1]
-    if m > GEMV_MAX_M:
-        raise ValueError(f"int4_gemv_sums takes at most {GEMV_MAX_M} rows (the GEMV's), got {m}")
-    if sums.shape != (m, n) or sums.dtype != torch.float32 or not sums.is_contiguous() or sums.device != x.device:
-        raise ValueError(f"sums must be a contiguous fp32 [{m}, {n}] on {x.device}, got {sums.dtype} "
-                         f"{tuple(sums.shape)} on {sums.device}")  # fmt: skip
-    if m == 0 or n == 0:
-        return
-    cfg = _pick(x1, qweight, scales, group_size, None, Int4GemmConfig(kernel="gemv"))
-    int4_gemv_launch(
-        x, qweight, scales, zeros, group_size, None, sums,
-        block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, split_reduce="sums",
-        factored=cfg.factored, num_warps=cfg.num_warps, num_stages=cfg.num_stages, subnormal=cfg.subnormal,
-        gated=gated, pdl=cfg.pdl,
-    )  # fmt: skip
-
-
-def _gate(x2: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
-    """The gate half ``[M, K]`` of a gated GEMM's ``x2 = gate | up`` ``[M, 2K]``, K from ``qweight``'s shape."""
-    check_float("x2", x2)
-    if qweight.dim() != 2:
-        raise ValueError(f"qweight must be int32 [K // {PACK}, N], got {tuple(qweight.shape)}")
-    k = qweight.shape[-2] * PACK
-    if x2.dim() != 2 or x2.shape[1] != 2 * k:
-        raise ValueError(f"x2 must be [M, 2K] = [M, {2 * k}] (gate | up) for qweight's K={k}, got {tuple(x2.shape)}")
-    return x2[:, :k]
 
 
 def _pick(

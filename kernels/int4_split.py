@@ -10,9 +10,6 @@ Split-K (``SPLIT_MODE``) when N alone does not give every SM enough programs, re
 - ``atomic``: fp32 atomic adds into a zeroed ``[M, N]`` accumulator; the last to arrive writes the output
   and zeroes the accumulator again; no ``[split, M, N]`` traffic, but the summation order (so the last bits
   of the result) varies from run to run.
-- ``sums``: fp32 atomic adds into the output itself, an fp32 ``[M, N]`` the caller keeps zeroed; no counter and no
-  last program: the kernel that reads the sums rounds them and zeroes them again (``kernels.norm``'s ``sums``).
-  A batch-1 GEMV's split-K tail is then the adds alone (``kernels.int4_gemm.int4_gemv_sums``).
 
 The counters (and the atomic accumulator) are left at zero by every launch, so one zeroed buffer per device
 serves every GEMM, eager or replayed from a CUDA graph; kernels that use them must not overlap on two
@@ -27,7 +24,7 @@ import torch
 
 from kernels._triton import tl, triton
 
-SPLIT_MODES = {"none": 0, "counter": 1, "atomic": 2, "sums": 3}
+SPLIT_MODES = {"none": 0, "counter": 1, "atomic": 2}
 SPLIT_CHUNK_ELEMS = 4096  # fp32 partials the last program of a tile loads at once: [chunk, BM, BN]
 
 
@@ -63,8 +60,6 @@ def finish_tile(
     mn = offs_m[:, None] * N + offs_n[None, :]  # [BM, BN] offsets in a contiguous fp32 [M, N] plane
     if SPLIT_MODE == 0:  # none
         _store(acc, out_ptr, offs_m, offs_n, mask, stride_om)
-    elif SPLIT_MODE == 3:  # sums: the fp32 output is the accumulator, its reader zeroes it
-        tl.atomic_add(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc, mask=mask, sem="relaxed")
     else:
         if SPLIT_MODE == 1:  # counter
             tl.store(ws_ptr + pid_k * M * N + mn, acc, mask=mask)
@@ -118,10 +113,6 @@ class SplitTarget:
 
 def split_target(reduce: str, split: int, num_tiles: int, tile_elems: int, out: torch.Tensor) -> SplitTarget:
     m, n = out.shape
-    if reduce == "sums":  # into out (fp32, zeroed by its reader); one split too: out is an accumulator
-        if out.dtype != torch.float32:
-            raise ValueError(f"split_reduce 'sums' adds into an fp32 output, got {out.dtype}")
-        return SplitTarget(SPLIT_MODES["sums"], out, out, 1)
     if split == 1:
         return SplitTarget(SPLIT_MODES["none"], out, out, 1)
     counters = zeroed_scratch(out.device, torch.int32, num_tiles)

@@ -41,10 +41,7 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
     stride_x, stride_r, stride_o, stride_ro,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TRIGGER: tl.constexpr, PDL: tl.constexpr,
-    SUMS: tl.constexpr,
 ):  # fmt: skip
-    """SUMS: x is a GEMV's fp32 sums (``kernels.int4_gemm.int4_gemv_sums``), rounded here to the residual's dtype as
-    the GEMV would have written them, and zeroed for its next launch (each thread zeroes what it loaded)."""
     if TRIGGER:  # a PDL-launched next kernel (the int4 GEMV) may start loading its weights (kernels.pdl)
         launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -56,9 +53,6 @@ def _rms_norm_kernel(
     if PDL:  # the weight is nobody's output; x and the residual are the kernel before's
         wait_prior_grids()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if SUMS:
-        tl.store(x_ptr + row * stride_x + cols, tl.zeros_like(x), mask=mask)
-        x = x.to(residual_out_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         # round the sum to the input dtype before the norm, as the reference (and HF) does
         x = x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -75,10 +69,8 @@ def rms_norm(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]
-    sums: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`rms_norm_ref` (one fused pass: residual add, norm, weight). ``sums``: x is an fp32
-    accumulator (``kernels.int4_gemm.int4_gemv_sums``), taken as ``x.to(residual.dtype)`` and left zeroed."""
+    """Triton version of :func:`rms_norm_ref` (one fused pass: residual add, norm, weight)."""
     require_triton("rms_norm")
     check_float("x", x)
     check_float("weight", weight)
@@ -90,10 +82,8 @@ def rms_norm(
     if hidden > _MAX_HIDDEN:
         raise ValueError(f"hidden {hidden} exceeds the kernel's limit {_MAX_HIDDEN}")
     tensors = {"x": x, "weight": weight}
-    if sums and (residual is None or x.dtype != torch.float32 or not x.is_contiguous()):
-        raise ValueError("sums: x must be a contiguous fp32 accumulator, with a residual to add it to")
     if residual is not None:
-        if residual.shape != x.shape or (residual.dtype != x.dtype and not sums):
+        if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError(
                 f"residual must match x ({tuple(x.shape)}, {x.dtype}), got {tuple(residual.shape)}, {residual.dtype}"
             )
@@ -103,10 +93,9 @@ def rms_norm(
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    x_dtype = residual.dtype if sums and residual is not None else x.dtype
-    out_dtype = torch.promote_types(weight.dtype, x_dtype)  # as ``weight * h.to(dtype)`` in the reference
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)  # as ``weight * h.to(dtype)`` in the reference
     out = torch.empty((num_tokens, hidden), dtype=out_dtype, device=x.device)
-    residual_out = torch.empty_like(residual) if residual is not None else out
+    residual_out = torch.empty_like(x) if residual is not None else out
     if num_tokens > 0:
         res_in = residual if residual is not None else x
         hopper = pdl_supported(x)
@@ -115,7 +104,6 @@ def rms_norm(
             x, res_in, weight, out, residual_out, eps,
             x.stride(0), res_in.stride(0), out.stride(0), residual_out.stride(0),
             HIDDEN=hidden, BLOCK=next_pow2(hidden), HAS_RESIDUAL=residual is not None, TRIGGER=hopper,
-            PDL=pdl, SUMS=sums, num_warps=min(16, max(1, next_pow2(hidden) // 256)),
-            **({"launch_pdl": True} if pdl else {}),
+            PDL=pdl, num_warps=min(16, max(1, next_pow2(hidden) // 256)), **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
     return out if residual is None else (out, residual_out)

@@ -121,8 +121,6 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     "wg512": {"kernels.int4_plan:WGMMA_M": (17, 512)},
     # every layer of a batch-1 decode step in one launch (engine.models.decode_step; Sessions 26-28: off, slower)
     "step": {"engine.models.decode_step:DECODE_STEP": True},
-    # o_proj's and down_proj's split-K sums left to the norm after each at one row (Session 33: not yet timed)
-    "sums": {"engine.models.llama:GEMV_SUMS": True},
     # the same, each task waiting for the whole phase before it (kernels.int4_decode_plan's fine waits off)
     "stepphases": {
         "engine.models.decode_step:DECODE_STEP": True,

@@ -46,16 +46,6 @@ class GatedQuantMethod(QuantMethod, Protocol):
     ) -> torch.Tensor: ...
 
 
-@runtime_checkable
-class SumsQuantMethod(QuantMethod, Protocol):
-    """A ``QuantMethod`` that can add its (gated) product into a zeroed fp32 accumulator that the RMSNorm after it
-    rounds, adds and zeroes (``kernels.int4_gemm.int4_gemv_sums``)."""
-
-    def apply_sums(
-        self, layer: Any, x: torch.Tensor, sums: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] | None
-    ) -> None: ...
-
-
 def _new_param(*shape: int) -> nn.Parameter:
     # Uninitialised: filled by load_weights, or by the dummy loader. Dtype/device come from the
     # build context (torch default dtype and device set by build_model).
@@ -248,7 +238,6 @@ class RowParallelLinear(_ParallelLinear):
         self.gated_quant = quant if isinstance(quant, GatedQuantMethod) else None
         # a residual add after the all-reduce and the bias cannot ride on this rank's GEMV
         self.fusable = parallel.world_size == 1 and not bias
-        self.sums_quant = quant if self.fusable and isinstance(quant, SumsQuantMethod) else None
 
     def slice_for(self, shard_id: Any) -> LinearSlice:
         size = self.input_size_per_rank
@@ -274,15 +263,6 @@ class RowParallelLinear(_ParallelLinear):
             assert self.weight is not None
             y = self.parallel.all_reduce(dense_linear_gated(x2, self.weight))
         return y if self.bias is None else y + self.bias
-
-    def forward_sums(
-        self, x: torch.Tensor, sums: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] | None = None
-    ) -> None:
-        """``forward(x)`` (``forward_gated(x, act)`` with ``act``) added into the zeroed fp32 ``sums``, which the
-        RMSNorm after reads with ``sums=True``: one rank, no bias, a method with ``apply_sums`` (``sums_quant``)."""
-        if self.sums_quant is None:
-            raise ValueError("forward_sums needs one rank, no bias and weights whose method has apply_sums")
-        self.sums_quant.apply_sums(self, x, sums, act)
 
     def forward_residual(
         self,

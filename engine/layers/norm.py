@@ -24,9 +24,7 @@ def _triton_rms_norm() -> Callable[..., Any] | None:
 
 class RMSNorm(nn.Module):
     """``forward(x)`` -> norm(x); ``forward(x, residual)`` -> (norm(x + residual), x + residual).
-    Leading dimensions are flattened, so per-head norms (Qwen3 q/k norm) work on ``[T, heads, D]``.
-    ``forward(sums, residual, sums=True)``: x is a projection's fp32 accumulator
-    (``RowParallelLinear.forward_sums``), taken as ``sums.to(residual.dtype)`` and left zeroed."""
+    Leading dimensions are flattened, so per-head norms (Qwen3 q/k norm) work on ``[T, heads, D]``."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -34,20 +32,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, sums: bool = False
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])  # [N, D]
         res2d = None if residual is None else residual.reshape(-1, shape[-1])
         fn = _triton_rms_norm() if x.is_cuda else None
-        if sums and fn is not None:
-            out = fn(x2d, self.weight, self.eps, res2d, sums=True)
-        elif sums:
-            assert residual is not None, "the sums are added to a residual"
-            out = rms_norm_ref(x2d.to(residual.dtype), self.weight, self.eps, res2d)
-            x.zero_()
-        else:
-            out = (fn or rms_norm_ref)(x2d, self.weight, self.eps, res2d)
+        out = (fn or rms_norm_ref)(x2d, self.weight, self.eps, res2d)
         if residual is None:
             assert isinstance(out, torch.Tensor)
             return out.reshape(shape)

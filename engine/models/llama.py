@@ -49,12 +49,6 @@ FUSED_NORM_MAX_M = 1
 FUSED_NORM_DEVICES = ("cuda",)
 FUSED_NORM = os.environ.get("PAGEDSERVE_FUSED_NORM") != "0"  # dense weights only
 FUSED_NORM_DTYPES = (torch.float16, torch.bfloat16)  # the dense GEMV's
-# One-row steps with 4-bit weights: o_proj and down_proj add their split-K sums into one fp32 row that the RMSNorm
-# after each rounds, adds and zeroes (RowParallelLinear.forward_sums), instead of reducing them in their own launch.
-# Off until timed on the GPU (docs/benchmarks.md, "Changed since the last GPU run"); PAGEDSERVE_INT4_SUMS=1 turns it
-# on. GEMV_SUMS_DEVICES: tests add "cpu" (the same seam on the torch references).
-GEMV_SUMS = os.environ.get("PAGEDSERVE_INT4_SUMS") == "1"
-GEMV_SUMS_DEVICES = ("cuda",)
 
 # HF checkpoint name fragment -> (our fused module name fragment, shard id)
 _STACKED_PARAMS = (
@@ -162,22 +156,16 @@ class LlamaDecoderLayer(nn.Module):
         layer's input norm, or the model's final one) rides on the GEMVs around it (``kernels.fused_norm``):
         down_proj adds the residual and sums squares, the next qkv_proj normalizes."""
         attn, mlp = self.self_attn, self.mlp
-        x, residual, norm, sums = stream
+        x, residual, norm = stream
         if norm is not None:  # x is the stream after the residual add, whose norm the projection applies
             residual, qkv = x, attn.qkv_proj.forward_normed(norm)
         else:
             if residual is None:  # the first layer: the embedding is the residual
                 residual, x = x, self.input_layernorm(x)
             else:
-                x, residual = self.input_layernorm(x, residual, sums=sums is not None)
+                x, residual = self.input_layernorm(x, residual)
             qkv = attn.qkv_proj(x)
         out = attn.attend(positions, qkv, meta)
-        if sums is not None:  # the next two norms read o_proj's and down_proj's fp32 sums (GEMV_SUMS)
-            assert residual is not None
-            attn.o_proj.forward_sums(out, sums)
-            x, residual = self.post_attention_layernorm(sums, residual, sums=True)
-            mlp.down_proj.forward_sums(mlp.gate_up_proj(x), sums, mlp.act_fn)
-            return Stream(sums, residual, None, sums)
         x, residual = self.post_attention_layernorm(attn.o_proj(out), residual)
         gate_up = mlp.gate_up_proj(x)
         if not fuse_norm:
@@ -203,7 +191,6 @@ class LlamaModel(nn.Module):
         self.fuse_norm = FUSED_NORM and quant is None  # 4-bit weights never carry the norm
         self.cuda_fuse_norm: bool | None = None  # decided at the first CUDA step that may fuse
         self.decode_step = DecodeStepPath(self)  # batch-1 4-bit decode steps in one launch, when switched on
-        self.sums: torch.Tensor | None = None  # GEMV_SUMS's fp32 row, made at the first step that takes it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
@@ -211,12 +198,12 @@ class LlamaModel(nn.Module):
             out = self.norm(self.decode_step.run(hidden, meta))
             assert isinstance(out, torch.Tensor)
             return out
+        stream = Stream(hidden, None, None)
         fuse_norm = self._fuses_norm(hidden)
-        stream = Stream(hidden, None, None, None if fuse_norm else self._sums_row(hidden))
         for layer, next_norm in zip(self.layers, self.next_norms, strict=True):
             stream = layer(positions, stream, meta, fuse_norm, next_norm)
-        x, residual, norm, sums = stream
-        out = self.norm(x) if norm is not None or residual is None else self.norm(x, residual, sums is not None)[0]
+        x, residual, norm = stream
+        out = self.norm(x) if norm is not None or residual is None else self.norm(x, residual)[0]
         assert isinstance(out, torch.Tensor)
         return out
 
@@ -235,22 +222,6 @@ class LlamaModel(nn.Module):
             self.cuda_fuse_norm = all(self._carry_norms(layer, m) for layer in self.layers)
         return self.cuda_fuse_norm
 
-    def _sums_row(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The zeroed fp32 ``[1, hidden]`` that this one-row step's o_proj and down_proj add into (``GEMV_SUMS``), or
-        None. Made outside any CUDA graph capture: the engine warms each graph up first."""
-        if not GEMV_SUMS or hidden.shape[0] != 1 or hidden.device.type not in GEMV_SUMS_DEVICES:
-            return None
-        if not all(self._adds_sums(layer) for layer in self.layers):
-            return None
-        if self.sums is None or self.sums.device != hidden.device:
-            self.sums = torch.zeros(1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-        return self.sums
-
-    @staticmethod
-    def _adds_sums(layer: nn.Module) -> bool:
-        assert isinstance(layer, LlamaDecoderLayer)
-        return layer.self_attn.o_proj.sums_quant is not None and layer.mlp.down_proj.sums_quant is not None
-
     @staticmethod
     def _carry_norms(layer: nn.Module, m: int) -> bool:
         """Whether ``layer``'s down_proj and qkv_proj run GEMVs that carry the norm between them at ``m`` rows
@@ -268,8 +239,6 @@ class Stream(NamedTuple):
     x: torch.Tensor
     residual: torch.Tensor | None
     norm: NormIn | None
-    # GEMV_SUMS: the fp32 row the projections add into; x is that row when the last layer wrote it
-    sums: torch.Tensor | None = None
 
 
 class LlamaForCausalLM(nn.Module):

@@ -21,7 +21,7 @@ from kernels import gemv as dense_gemv
 from kernels import int4_plan
 from kernels._triton import HAS_TRITON
 from kernels.int4_dequant import DEQUANT_MIN_M, PACK, DequantScratch, int4_dequant_linear
-from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_ref, int4_gemv_sums
+from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_ref
 from kernels.int4_gemm_wgmma import wgmma_available
 
 SYMMETRIC_ZERO = 8  # the zero code of symmetric 4-bit weights (signed values stored with an offset of 8)
@@ -138,21 +138,6 @@ class Int4LinearMethod:
         if dense_gemv.GEMV_GATED and x2.shape[0] < DEQUANT_MIN_M:  # read per call: tests switch it
             return int4_gemm_gated(x2, layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.g_idx)
         return self.apply_triton(layer, act(x2))
-
-    def apply_sums(
-        self, layer: Any, x: torch.Tensor, sums: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] | None
-    ) -> None:
-        """``apply`` (``apply_gated`` with ``act``) added into the zeroed fp32 ``sums`` that an RMSNorm rounds, adds
-        and zeroes: on CUDA the GEMV's split-K adds with no reduction pass (``kernels.int4_gemm.int4_gemv_sums``,
-        at most GEMV_MAX_M rows, no g_idx); elsewhere the product in x's dtype, added (so the norm's rounding of
-        the sums gives that product back exactly)."""
-        if x.is_cuda and HAS_TRITON and layer.g_idx is None:
-            gated = act is not None and dense_gemv.GEMV_GATED  # read per call: tests switch it
-            xin = act(x) if act is not None and not gated else x
-            int4_gemv_sums(xin, layer.qweight, layer.scales, layer.zeros, layer.group_size, sums, gated=gated)
-            return
-        y = self.apply(layer, x) if act is None else self.apply_gated(layer, x, act)
-        sums.add_(y.float())
 
     @staticmethod
     @torch.no_grad()

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.layers import linear
@@ -162,54 +161,6 @@ def test_one_launch_decode_step_keeps_the_greedy_tokens(tmp_path: Path, monkeypa
         unfit, _ = build_quantized_model(tmp_path / name, fmt, family, seed=8, **options)
         llm = LLM(str(unfit), device="cpu", max_num_seqs=1, max_model_len=64)
         assert llm.engine.executor.runner.model.model.decode_step.reason is not None  # type: ignore[attr-defined]
-
-
-def test_split_k_sums_left_to_the_norms_keep_the_greedy_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One-row steps with ``GEMV_SUMS`` (o_proj and down_proj add into an fp32 row that the norm after each rounds,
-    adds and zeroes; its seam opened on CPU, the torch references): the greedy tokens of the path without it, the
-    path ran at both projections of every layer of every one-row step, and the row is zero between steps."""
-    fmt, family, options = FORMATS["ct-asym-g32"]
-    folder, _ = build_quantized_model(tmp_path, fmt, family, seed=8, **options)
-    prompts = [{"prompt_token_ids": p} for p in make_prompts(seed=9, n=2)]
-    calls: list[str] = []
-    monkeypatch.setattr(
-        linear.RowParallelLinear, "forward_sums", _counted(linear.RowParallelLinear.forward_sums, "sums", calls)
-    )
-    monkeypatch.setattr(llama, "GEMV_SUMS", True)
-    tokens = {}
-    for devices in ((), ("cpu",)):
-        monkeypatch.setattr(llama, "GEMV_SUMS_DEVICES", devices)
-        calls.clear()
-        llm = LLM(str(folder), device="cpu", max_num_seqs=1, max_model_len=64)
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-        tokens[devices] = [o.outputs[0].token_ids for o in outs]
-        model = llm.engine.executor.runner.model.model  # type: ignore[attr-defined]
-        layers = len(model.layers)
-        if devices:
-            assert len(calls) >= 2 * layers * 6 and len(calls) % (2 * layers) == 0  # 3 decode steps a prompt
-            assert model.sums is not None and not model.sums.any()
-        else:
-            assert calls == [] and model.sums is None
-    assert tokens[()] == tokens[("cpu",)]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_split_k_sums_on_the_gpu_keep_the_greedy_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``GEMV_SUMS`` on a GPU (``kernels.int4_gemm.int4_gemv_sums`` and the norm's ``sums``, in the decode graphs),
-    fp32: the greedy tokens of the default path, with the path taken."""
-    fmt, family, options = FORMATS["ct-asym-g32"]
-    folder, _ = build_quantized_model(tmp_path, fmt, family, seed=8, **options)
-    prompts = [{"prompt_token_ids": p} for p in make_prompts(seed=9, n=2)]
-    tokens = {}
-    for on in (False, True):
-        monkeypatch.setattr(llama, "GEMV_SUMS", on)
-        llm = LLM(str(folder), device="cuda", dtype="float32", max_num_seqs=1, max_model_len=64)
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-        tokens[on] = [o.outputs[0].token_ids for o in outs]
-        assert (llm.engine.executor.runner.model.model.sums is not None) == on  # type: ignore[attr-defined]
-        llm.shutdown()
-    assert tokens[True] == tokens[False]
 
 
 def _counted(fn: Any, name: Any, calls: list[Any]) -> Any:

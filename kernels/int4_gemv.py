@@ -216,7 +216,7 @@ def _int4_gemv_kernel(
     GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, FACTORED: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
     SUBNORMAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-    PDL: tl.constexpr, TRIGGER: tl.constexpr, W_EVICT: tl.constexpr, PRELOAD: tl.constexpr,
+    PDL: tl.constexpr, TRIGGER: tl.constexpr, W_EVICT: tl.constexpr, PRELOAD: tl.constexpr, DIAG: tl.constexpr,
 ):  # fmt: skip
     """PDL (launched with ``launch_pdl``, ``kernels.pdl``): the program waits for the kernel before, first of all;
     TRIGGER: a PDL-launched next kernel may start once every program's K loop is done."""
@@ -262,17 +262,24 @@ def _int4_gemv_kernel(
         rows = k0 // 8 + offs_i  # [R] word rows
         words = _load_words(qw_ptr + rows[:, None] * stride_qk + col,
                             (rows * 8 < k_end)[:, None] & mask_n[None, :], EVEN, W_EVICT)  # [R, BN] int32  # fmt: skip
-        acc += _tile_sum(
-            words, k0, k_end, x_ptr, s_ptr, z_ptr, g_ptr, offs_m, offs_n, offs_i, M, N,
-            stride_xm, stride_xk, stride_sg, stride_zg, up_offset, one_bits,
-            GROUP_SIZE, HAS_G_IDX, FACTORED, ONE_GROUP_PER_TILE, SUBNORMAL, BLOCK_M, ROWS, EVEN, GATED,
-        )  # fmt: skip
+        if DIAG % 2 == 1:  # the words only: no x, no arithmetic but a sum of them
+            acc += tl.sum(words, axis=0).to(tl.float32)[None, :]
+        else:
+            acc += _tile_sum(
+                words, k0, k_end, x_ptr, s_ptr, z_ptr, g_ptr, offs_m, offs_n, offs_i, M, N,
+                stride_xm, stride_xk, stride_sg, stride_zg, up_offset, one_bits,
+                GROUP_SIZE, HAS_G_IDX, FACTORED, ONE_GROUP_PER_TILE, SUBNORMAL, BLOCK_M, ROWS, EVEN, GATED,
+            )  # fmt: skip
     if TRIGGER:
         launch_dependents()
-    finish_tile(
-        acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k, tl.num_programs(1), SPLIT_MODE,
-        SPLIT_CHUNK,
-    )  # fmt: skip
+    if DIAG >= 2:  # no reduction: every split stores its partial over the others (a wrong sum, the tail's cost)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(offs_m < M)[:, None] & mask_n[None, :])  # fmt: skip
+    else:
+        finish_tile(
+            acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k, tl.num_programs(1),
+            SPLIT_MODE, SPLIT_CHUNK,
+        )  # fmt: skip
 
 
 def int4_gemv_launch(
@@ -296,6 +303,7 @@ def int4_gemv_launch(
     pdl: bool = False,
     evict_words: str = "",
     preload: int = 0,
+    diag: int = 0,
 ) -> None:
     """Launches the GEMV on inputs ``kernels.int4_gemm.int4_gemm`` (``int4_gemm_gated``) has checked;
     ``factored`` needs each ``block_k`` tile inside one group (no g_idx, ``group_size % block_k == 0``) and
@@ -323,5 +331,5 @@ def int4_gemv_launch(
         GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None, FACTORED=factored and one_group,
         ONE_GROUP_PER_TILE=one_group, SUBNORMAL=subnormal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk, EVEN=n % block_n == 0 and k % block_k == 0, GATED=gated,
-        PDL=pdl, TRIGGER=hopper, W_EVICT=evict_words, PRELOAD=preload, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, TRIGGER=hopper, W_EVICT=evict_words, PRELOAD=preload, DIAG=diag, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip

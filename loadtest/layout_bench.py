@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -32,13 +33,15 @@ SHAPES = {
     "down": (4096, 14336, True),
 }
 GROUP = 128
-VARIANTS = {
-    "rows": (False, "", 0),
-    "pre1": (False, "", 1),
-    "pre2": (False, "", 2),
-    "blocked": (True, "", 0),
-    "blocked_pre2": (True, "", 2),
-    "evict_pre2": (False, "evict_first", 2),
+# name -> (diag, launch overrides); "w1_sS": one warp, 8 columns a thread, subnormal codes, split S
+VARIANTS: dict[str, tuple[int, dict[str, Any]]] = {
+    "default": (0, {}),
+    "words_no_tail": (3, {}),
+    "w1_s32": (0, {"num_warps": 1, "subnormal": True, "split_k": 32}),
+    "w1_s64": (0, {"num_warps": 1, "subnormal": True, "split_k": 64}),
+    "w1_s128": (0, {"num_warps": 1, "subnormal": True, "split_k": 128}),
+    "w4_sub": (0, {"subnormal": True}),
+    "w2_s64": (0, {"num_warps": 2, "subnormal": True, "split_k": 64}),
 }
 
 
@@ -64,27 +67,26 @@ def bench_shape(name: str, reps: int, gen: torch.Generator) -> dict[str, Any]:
     cfg = _pick(x[:, :k], ws[0]["qweight"], ws[0]["scales"], GROUP, None, None)
     ref_fn = int4_gemm_gated_ref if gated else int4_gemm_ref
     ref = ref_fn(x, **ws[0], group_size=GROUP)
-    for w in ws:
-        w["blocked"] = _blocked(w["qweight"], cfg.block_n)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
 
-    def call(w: dict[str, torch.Tensor], blocked: bool, evict: str, preload: int) -> None:
+    def call(w: dict[str, torch.Tensor], diag: int, over: dict[str, Any]) -> None:
+        c = replace(cfg, **over)
         int4_gemv_launch(
-            x, w["blocked"] if blocked else w["qweight"], w["scales"], w["zeros"], GROUP, None, out,
-            block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, split_reduce=cfg.split_reduce,
-            factored=cfg.factored, num_warps=cfg.num_warps, num_stages=cfg.num_stages, subnormal=cfg.subnormal,
-            gated=gated, pdl=cfg.pdl, evict_words=evict, preload=preload,
+            x, w["qweight"], w["scales"], w["zeros"], GROUP, None, out,
+            block_n=c.block_n, block_k=c.block_k, split_k=c.split_k, split_reduce=c.split_reduce,
+            factored=c.factored, num_warps=c.num_warps, num_stages=c.num_stages, subnormal=c.subnormal,
+            gated=gated, pdl=c.pdl, diag=diag,
         )  # fmt: skip
 
     row: dict[str, Any] = {"layer": name, "n": n, "k": k, "block_n": cfg.block_n, "split": cfg.split_k, "err": {}}
-    for v, (blocked, evict, pre) in VARIANTS.items():
+    for v, args in VARIANTS.items():
         out.fill_(float("nan"))
-        call(ws[0], blocked, evict, pre)
+        call(ws[0], *args)
         torch.cuda.synchronize()
         row["err"][v] = rel_err(out, ref)
     for rnd in range(2):
-        for v, (blocked, evict, pre) in VARIANTS.items():
-            calls = [partial(call, w, blocked, evict, pre) for w in ws]
+        for v, args in VARIANTS.items():
+            calls = [partial(call, w, *args) for w in ws]
             row[f"{v}_us_{rnd}"] = round(1e6 * time_graph(calls, reps), 2)
     row["copy_us"] = round(1e6 * same_traffic_copy_s(int4_bytes(1, n, k), reps), 2)
     return row

@@ -46,14 +46,6 @@ def _load(ptrs, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _load_words(ptrs, mask, EVEN: tl.constexpr, EVICT: tl.constexpr):
-    """:func:`_load` with the L2 eviction policy ``EVICT`` ("" for none)."""
-    if EVEN:
-        return tl.load(ptrs, eviction_policy=EVICT)
-    return tl.load(ptrs, mask=mask, other=0, eviction_policy=EVICT)
-
-
-@triton.jit
 def _load_x(ptrs, mask, up_offset, GATED: tl.constexpr):
     """x at ``ptrs``, zeros outside ``mask``. GATED: ``silu(gate) * up`` (``kernels.activation.silu_mul``) of the
     gate at ``ptrs`` and the up ``up_offset`` elements on; zeros outside ``mask`` still (silu(0) * 0)."""
@@ -185,38 +177,15 @@ def _exact_tile(
     return tl.sum(t, axis=1)
 
 
-@triton.jit
-def _tile_sum(
-    words, k0, k_end, x_ptr, s_ptr, z_ptr, g_ptr, offs_m, offs_n, offs_i, M, N,
-    stride_xm, stride_xk, stride_sg, stride_zg, up_offset, one_bits,
-    GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, FACTORED: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
-    SUBNORMAL: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-):  # fmt: skip
-    """One K tile's ``[BM, BN]`` products of the loaded ``words`` (from input feature ``k0``) with x."""
-    if FACTORED:
-        xk = k0 + 8 * offs_i[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
-        mask_x = (offs_m < M)[:, None, None] & ((xk < k_end)[None, :, :] | EVEN)  # rows past M: always
-        x_ptrs = x_ptr + offs_m[:, None, None] * stride_xm + xk[None, :, :] * stride_xk  # [BM, R, 8]
-        x = _load_x(x_ptrs, mask_x, up_offset, GATED)
-        return _factored_tile(
-            words, x.to(tl.float32), s_ptr, z_ptr, k0 // GROUP_SIZE, stride_sg, stride_zg, offs_n, N, one_bits, BLOCK_M,
-            ROWS, EVEN, SUBNORMAL,
-        )  # fmt: skip
-    return _exact_tile(
-        words, x_ptr, s_ptr, z_ptr, g_ptr, k0, k_end, offs_m, offs_n, M, N,
-        stride_xm, stride_xk, stride_sg, stride_zg, up_offset, GROUP_SIZE, HAS_G_IDX, ONE_GROUP_PER_TILE, GATED,
-    )  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["M"])  # one compile for every M of a block_m (M = 1 would be its own)
 def _int4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, K_PER_SPLIT, one_bits,
-    stride_xm, stride_xk, stride_qt, stride_qk, stride_sg, stride_zg, stride_om,
+    stride_xm, stride_xk, stride_qk, stride_sg, stride_zg, stride_om,
     GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, FACTORED: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
     SUBNORMAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-    PDL: tl.constexpr, TRIGGER: tl.constexpr, W_EVICT: tl.constexpr, PRELOAD: tl.constexpr, DIAG: tl.constexpr,
+    PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):  # fmt: skip
     """PDL (launched with ``launch_pdl``, ``kernels.pdl``): the program waits for the kernel before, first of all;
     TRIGGER: a PDL-launched next kernel may start once every program's K loop is done."""
@@ -230,56 +199,35 @@ def _int4_gemv_kernel(
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     up_offset = K * stride_xk  # GATED: x is x2 [M, 2K], the up half K columns after the gate
-    col = pid_n * stride_qt + tl.arange(0, BLOCK_N)[None, :]  # a word row's columns of this tile
-    rows0 = k_start // 8 + offs_i
-    if PRELOAD >= 1:  # the first tiles' words (weights: nothing the kernel before writes) before the wait
-        words0 = _load_words(qw_ptr + rows0[:, None] * stride_qk + col,
-                             (rows0 * 8 < k_end)[:, None] & mask_n[None, :], EVEN, W_EVICT)  # fmt: skip
-    if PRELOAD >= 2:  # the second may lie past the range: always masked
-        words1 = _load_words(qw_ptr + (rows0 + ROWS)[:, None] * stride_qk + col,
-                             ((rows0 + ROWS) * 8 < k_end)[:, None] & mask_n[None, :], False, W_EVICT)  # fmt: skip
     if PDL:
         wait_prior_grids()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_loop = k_start
-    if PRELOAD >= 1:
-        acc += _tile_sum(
-            words0, k_start, k_end, x_ptr, s_ptr, z_ptr, g_ptr, offs_m, offs_n, offs_i, M, N,
-            stride_xm, stride_xk, stride_sg, stride_zg, up_offset, one_bits,
-            GROUP_SIZE, HAS_G_IDX, FACTORED, ONE_GROUP_PER_TILE, SUBNORMAL, BLOCK_M, ROWS, EVEN, GATED,
-        )  # fmt: skip
-        k_loop += BLOCK_K
-    if PRELOAD >= 2:
-        if k_loop < k_end:
-            acc += _tile_sum(
-                words1, k_loop, k_end, x_ptr, s_ptr, z_ptr, g_ptr, offs_m, offs_n, offs_i, M, N,
-                stride_xm, stride_xk, stride_sg, stride_zg, up_offset, one_bits,
-                GROUP_SIZE, HAS_G_IDX, FACTORED, ONE_GROUP_PER_TILE, SUBNORMAL, BLOCK_M, ROWS, EVEN, GATED,
-            )  # fmt: skip
-        k_loop += BLOCK_K
     # a dot-free loop is software-pipelined only when the loop itself carries num_stages
-    for k0 in tl.range(k_loop, k_end, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         rows = k0 // 8 + offs_i  # [R] word rows
-        words = _load_words(qw_ptr + rows[:, None] * stride_qk + col,
-                            (rows * 8 < k_end)[:, None] & mask_n[None, :], EVEN, W_EVICT)  # [R, BN] int32  # fmt: skip
-        if DIAG % 2 == 1:  # the words only: no x, no arithmetic but a sum of them
-            acc += tl.sum(words, axis=0).to(tl.float32)[None, :]
+        w_ptrs = qw_ptr + rows[:, None] * stride_qk + offs_n[None, :]
+        words = _load(w_ptrs, (rows * 8 < k_end)[:, None] & mask_n[None, :], EVEN)  # [R, BN] int32
+        if FACTORED:
+            xk = k0 + 8 * offs_i[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
+            mask_x = (offs_m < M)[:, None, None] & ((xk < k_end)[None, :, :] | EVEN)  # rows past M: always
+            x_ptrs = x_ptr + offs_m[:, None, None] * stride_xm + xk[None, :, :] * stride_xk  # [BM, R, 8]
+            x = _load_x(x_ptrs, mask_x, up_offset, GATED)
+            g = k0 // GROUP_SIZE
+            acc += _factored_tile(
+                words, x.to(tl.float32), s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, one_bits, BLOCK_M, ROWS, EVEN,
+                SUBNORMAL,
+            )  # fmt: skip
         else:
-            acc += _tile_sum(
-                words, k0, k_end, x_ptr, s_ptr, z_ptr, g_ptr, offs_m, offs_n, offs_i, M, N,
-                stride_xm, stride_xk, stride_sg, stride_zg, up_offset, one_bits,
-                GROUP_SIZE, HAS_G_IDX, FACTORED, ONE_GROUP_PER_TILE, SUBNORMAL, BLOCK_M, ROWS, EVEN, GATED,
+            acc += _exact_tile(
+                words, x_ptr, s_ptr, z_ptr, g_ptr, k0, k_end, offs_m, offs_n, M, N,
+                stride_xm, stride_xk, stride_sg, stride_zg, up_offset, GROUP_SIZE, HAS_G_IDX, ONE_GROUP_PER_TILE, GATED,
             )  # fmt: skip
     if TRIGGER:
         launch_dependents()
-    if DIAG >= 2:  # no reduction: every split stores its partial over the others (a wrong sum, the tail's cost)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(offs_m < M)[:, None] & mask_n[None, :])  # fmt: skip
-    else:
-        finish_tile(
-            acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k, tl.num_programs(1),
-            SPLIT_MODE, SPLIT_CHUNK,
-        )  # fmt: skip
+    finish_tile(
+        acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, pid_n, pid_k, tl.num_programs(1), SPLIT_MODE,
+        SPLIT_CHUNK,
+    )  # fmt: skip
 
 
 def int4_gemv_launch(
@@ -301,21 +249,13 @@ def int4_gemv_launch(
     subnormal: bool = False,
     gated: bool = False,
     pdl: bool = False,
-    evict_words: str = "",
-    preload: int = 0,
-    diag: int = 0,
 ) -> None:
     """Launches the GEMV on inputs ``kernels.int4_gemm.int4_gemm`` (``int4_gemm_gated``) has checked;
     ``factored`` needs each ``block_k`` tile inside one group (no g_idx, ``group_size % block_k == 0``) and
     falls back to exact. ``gated``: the GEMV of ``silu_and_mul(x)``, K is half of x's columns. ``pdl``: launched
     with programmatic dependent launch where the device has it (``kernels.pdl``)."""
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
-    n = scales.shape[1]
-    if qweight.dim() == 3:  # blocked: [N / block_n, K // 8, block_n], each column tile's words contiguous
-        assert qweight.shape[2] == block_n and qweight.stride(2) == 1
-        stride_qt, stride_qk = qweight.stride(0), qweight.stride(1)
-    else:
-        stride_qt, stride_qk = block_n, qweight.stride(0)
+    n = qweight.shape[1]
     block_m = next_pow2(m)
     k_per_split = -(-k // (split_k * block_k)) * block_k  # whole tiles per split
     split = -(-k // k_per_split)
@@ -327,9 +267,9 @@ def int4_gemv_launch(
     _int4_gemv_kernel[(num_tiles, split)](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, target.workspace, target.counters,
         m, n, k, k_per_split, 0x3F800000,
-        x.stride(0), x.stride(1), stride_qt, stride_qk, scales.stride(0), zeros.stride(0), out.stride(0),
+        x.stride(0), x.stride(1), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None, FACTORED=factored and one_group,
         ONE_GROUP_PER_TILE=one_group, SUBNORMAL=subnormal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk, EVEN=n % block_n == 0 and k % block_k == 0, GATED=gated,
-        PDL=pdl, TRIGGER=hopper, W_EVICT=evict_words, PRELOAD=preload, DIAG=diag, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, TRIGGER=hopper, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip

@@ -3,9 +3,11 @@ timer that also runs on CPU (the interpreter's smoke runs), and the relative err
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -65,3 +67,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if torch.isnan(out).any():
         return float("nan")
     return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def report_rows(report: dict[str, Any], rows: Iterable[dict[str, Any]], out: str | None) -> None:
+    """Prints ``report`` and then each row as JSON as it comes (a long run shows its progress), collects the rows in
+    ``report["rows"]`` and writes the whole report to ``out`` (a path) if given."""
+    print(json.dumps(report), flush=True)
+    report["rows"] = []
+    for row in rows:
+        report["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)

@@ -10,7 +10,6 @@ against the same launch with x in fp32 (no conversion a value; twice its bytes),
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from functools import partial
@@ -22,7 +21,7 @@ from kernels.int4_gemm import _pick, int4_gemm_gated_ref, int4_gemm_ref
 from kernels.int4_gemv import int4_gemv_launch
 from loadtest.int4_bench import same_traffic_copy_s
 from loadtest.int4_gemm_sweep import int4_bytes
-from loadtest.kernel_bench_common import ROTATE_BYTES, rel_err, time_graph
+from loadtest.kernel_bench_common import ROTATE_BYTES, rel_err, report_rows, time_graph
 
 SHAPES = {
     "qkv": (6144, 4096, False),
@@ -94,13 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         print("layout_bench needs a GPU", file=sys.stderr)
         return 2
     gen = torch.Generator().manual_seed(0)
-    rows = []
-    for name in SHAPES:
-        rows.append(bench_shape(name, args.reps, gen))
-        print(json.dumps(rows[-1]), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    report = {"device": torch.cuda.get_device_name()}
+    report_rows(report, (bench_shape(name, args.reps, gen) for name in SHAPES), args.out)
     return 0
 
 

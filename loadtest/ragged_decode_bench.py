@@ -12,14 +12,22 @@ Reports GB/s of K+V read against the device copy bandwidth measured in the same 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from functools import partial
 from typing import Any
 
 import torch
 
-from loadtest.kernel_bench_common import BLOCK_SIZE, DTYPE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, rel_err, time_graph
+from loadtest.kernel_bench_common import (
+    BLOCK_SIZE,
+    DTYPE,
+    HEAD_DIM,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    rel_err,
+    report_rows,
+    time_graph,
+)
 
 TABLE_LEN = 4096
 LENGTHS = (32, 1536)
@@ -83,15 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.shapes import measure_copy_bandwidth
 
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_tb_s": round(measure_copy_bandwidth(), 3)}
-    print(json.dumps(report), flush=True)
     gen = torch.Generator().manual_seed(0)
-    report["rows"] = []
-    for batch in args.batches:
-        report["rows"].append(bench_batch(batch, args.reps, gen))
-        print(json.dumps(report["rows"][-1]), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    report_rows(report, (bench_batch(batch, args.reps, gen) for batch in args.batches), args.out)
     return 0
 
 

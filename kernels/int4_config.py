@@ -41,6 +41,8 @@ class Int4GemmConfig:
     subnormal: bool | None = None
     # gemv, mma: launched with programmatic dependent launch where the device has it (None: GEMV_PDL)
     pdl: bool | None = None
+    # gemv (factored, not gated): bf16 x loaded as int32 pairs where its strides allow (None: GEMV_X_WORDS)
+    x_words: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in (None, *KERNELS):
@@ -79,3 +81,4 @@ class Int4Launch:
     factored: bool
     subnormal: bool = False  # factored gemv only
     pdl: bool = False  # gemv and mma only
+    x_words: bool = False  # factored gemv only

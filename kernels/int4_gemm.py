@@ -235,7 +235,7 @@ def _launch_gemv(
         x, qweight, scales, zeros, group_size, g_idx, out,
         block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, split_reduce=cfg.split_reduce,
         factored=cfg.factored, num_warps=cfg.num_warps, num_stages=cfg.num_stages, subnormal=cfg.subnormal,
-        gated=gated, pdl=cfg.pdl,
+        gated=gated, pdl=cfg.pdl, x_words=cfg.x_words,
     )  # fmt: skip
 
 

@@ -56,6 +56,25 @@ def _load_x(ptrs, mask, up_offset, GATED: tl.constexpr):
 
 
 @triton.jit
+def _bf16_pairs(ptrs, mask):
+    """The bf16 pairs at int32 ``ptrs [BM, R, 4]`` as fp32 ``[BM, R, 8]`` (element 2i the low half of word i):
+    a shift or an and a value, no conversion."""
+    w = tl.load(ptrs, mask=mask, other=0)
+    lo = (w << 16).to(tl.float32, bitcast=True)
+    hi = (w & -65536).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (w.shape[0], w.shape[1], 8))
+
+
+@triton.jit
+def _load_x_words(x_ptr, k0, offs_m, offs_i, M, stride_xm):
+    """The factored tile's x (bf16, unit stride along K, 4-byte aligned rows, whole tiles) loaded as int32 pairs:
+    fp32 ``[BM, R, 8]`` of the tile at ``k0``."""
+    words = k0 // 2 + 4 * offs_i[:, None] + tl.arange(0, 4)[None, :]  # [R, 4]
+    ptrs = x_ptr.to(tl.pointer_type(tl.int32)) + offs_m[:, None, None] * (stride_xm // 2) + words[None, :, :]
+    return _bf16_pairs(ptrs, (offs_m < M)[:, None, None])
+
+
+@triton.jit
 def nibble(words, J: tl.constexpr, one_bits):
     """Nibble ``J`` of every word as the fp32 ``1 + code / 16``: the code moved to bits 19..22 (the top of
     the mantissa) and or-ed with ``one_bits`` (1.0's bits), instead of an int->float conversion. The bits
@@ -185,7 +204,7 @@ def _int4_gemv_kernel(
     GROUP_SIZE: tl.constexpr, HAS_G_IDX: tl.constexpr, FACTORED: tl.constexpr, ONE_GROUP_PER_TILE: tl.constexpr,
     SUBNORMAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     SPLIT_MODE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-    PDL: tl.constexpr, TRIGGER: tl.constexpr,
+    PDL: tl.constexpr, TRIGGER: tl.constexpr, X_WORDS: tl.constexpr,
 ):  # fmt: skip
     """PDL (launched with ``launch_pdl``, ``kernels.pdl``): the program waits for the kernel before, first of all;
     TRIGGER: a PDL-launched next kernel may start once every program's K loop is done."""
@@ -207,7 +226,14 @@ def _int4_gemv_kernel(
         rows = k0 // 8 + offs_i  # [R] word rows
         w_ptrs = qw_ptr + rows[:, None] * stride_qk + offs_n[None, :]
         words = _load(w_ptrs, (rows * 8 < k_end)[:, None] & mask_n[None, :], EVEN)  # [R, BN] int32
-        if FACTORED:
+        if FACTORED and X_WORDS:
+            x = _load_x_words(x_ptr, k0, offs_m, offs_i, M, stride_xm)
+            g = k0 // GROUP_SIZE
+            acc += _factored_tile(
+                words, x, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, one_bits, BLOCK_M, ROWS, EVEN,
+                SUBNORMAL,
+            )  # fmt: skip
+        elif FACTORED:
             xk = k0 + 8 * offs_i[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
             mask_x = (offs_m < M)[:, None, None] & ((xk < k_end)[None, :, :] | EVEN)  # rows past M: always
             x_ptrs = x_ptr + offs_m[:, None, None] * stride_xm + xk[None, :, :] * stride_xk  # [BM, R, 8]
@@ -249,11 +275,14 @@ def int4_gemv_launch(
     subnormal: bool = False,
     gated: bool = False,
     pdl: bool = False,
+    x_words: bool = False,
 ) -> None:
     """Launches the GEMV on inputs ``kernels.int4_gemm.int4_gemm`` (``int4_gemm_gated``) has checked;
     ``factored`` needs each ``block_k`` tile inside one group (no g_idx, ``group_size % block_k == 0``) and
     falls back to exact. ``gated``: the GEMV of ``silu_and_mul(x)``, K is half of x's columns. ``pdl``: launched
-    with programmatic dependent launch where the device has it (``kernels.pdl``)."""
+    with programmatic dependent launch where the device has it (``kernels.pdl``). ``x_words``: a factored, not gated
+    GEMV of bf16 x loads it as int32 pairs where x allows (``_words_fit``); elsewhere the ``x_words`` request does
+    nothing."""
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = qweight.shape[1]
     block_m = next_pow2(m)
@@ -264,12 +293,21 @@ def int4_gemv_launch(
     one_group = g_idx is None and group_size % block_k == 0
     hopper = pdl_supported(x)
     pdl = pdl and hopper
+    factored = factored and one_group
+    x_words = x_words and factored and not gated and _words_fit(x, k, block_k)
     _int4_gemv_kernel[(num_tiles, split)](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, target.workspace, target.counters,
         m, n, k, k_per_split, 0x3F800000,
         x.stride(0), x.stride(1), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
-        GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None, FACTORED=factored and one_group,
+        GROUP_SIZE=group_size, HAS_G_IDX=g_idx is not None, FACTORED=factored,
         ONE_GROUP_PER_TILE=one_group, SUBNORMAL=subnormal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         SPLIT_MODE=target.mode, SPLIT_CHUNK=target.chunk, EVEN=n % block_n == 0 and k % block_k == 0, GATED=gated,
-        PDL=pdl, TRIGGER=hopper, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, TRIGGER=hopper, X_WORDS=x_words, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
+
+
+def _words_fit(x: torch.Tensor, k: int, block_k: int) -> bool:
+    """Whether x can be loaded as int32 pairs of bf16: unit stride along K, rows starting on 4-byte boundaries,
+    whole K tiles (no mask along K)."""
+    rows_aligned = x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
+    return x.dtype == torch.bfloat16 and (x.shape[1] <= 1 or x.stride(1) == 1) and rows_aligned and k % block_k == 0

@@ -23,6 +23,12 @@ GEMV_MAX_M = 4  # the default kernel is the GEMV up to this many rows (pick_conf
 # M = 1, sweep row "gemv sub" against "gemv": qkv 9.5 vs 8.9 us, o 7.6 vs 7.3, down 16.5 vs 16.5, gate_up 28.0
 # vs 28.7; the int4 model 2.720 vs 2.712 ms. PAGEDSERVE_INT4_SUBNORMAL=1 turns it on (for a same-run A/B).
 GEMV_SUBNORMAL = os.environ.get("PAGEDSERVE_INT4_SUBNORMAL", "0") == "1"
+# The factored GEMV loads bf16 x as int32 pairs and makes each value fp32 with one shift or and (kernels.int4_gemv.
+# _load_x_words) instead of bf16 loads and conversions. sm_90 SASS of the M = 1 K loop (Triton 3.7, 2026-12-05): the
+# default 4-warp tile 584 instructions against 816 (4.6 against 6.4 a weight), the one-warp wide tile 1,630 against
+# 1,775 and 161 registers against 250; the gated down projection's loads are already cheap (4.5 a weight) and keep
+# theirs. Untimed: PAGEDSERVE_INT4_X_WORDS=1 turns it on (int4_bench's variant "xwords").
+GEMV_X_WORDS = os.environ.get("PAGEDSERVE_INT4_X_WORDS", "0") == "1"
 # tl.dot split-K up to 64 rows: at least this much up to 16 rows (one 16-row tile), even where the column tiles alone
 # fill the SMs (gate_up's 224 at 128 columns: split 2, 32 K tiles a program), and exactly this much from 17 to 64.
 # H200, Session 14 (int4_bench rows "fused" and "dot split8", the 8B shapes, same run): gate_up 75.0 -> 64.0 us at
@@ -218,7 +224,7 @@ def _pick_gemv(
     return Int4Launch(
         "gemv", block_m, bn, bk, split, _reduce(user, m, split), user.num_warps or warps, user.num_stages or 2,
         unpack_in_registers=False, factored=factored, subnormal=subnormal,
-        pdl=GEMV_PDL if user.pdl is None else user.pdl,
+        pdl=GEMV_PDL if user.pdl is None else user.pdl, x_words=GEMV_X_WORDS if user.x_words is None else user.x_words,
     )  # fmt: skip
 
 

@@ -108,6 +108,7 @@ def add_floors(results: dict[str, Any], copy_tb_s: float | None) -> None:
 # engine's life, so its CUDA graphs capture them; the same process and copy bandwidth as the default's run.
 GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     "sub": {"kernels.int4_plan:GEMV_SUBNORMAL": True},  # subnormal codes on every layer
+    "xwords": {"kernels.int4_plan:GEMV_X_WORDS": True},  # bf16 x loaded as int32 pairs (qkv, o, gate_up at M = 1)
     "narrow": {"kernels.int4_plan:GEMV_WIDE_N": 1 << 30},  # no wide-layer tile: the default before 2026-12-03
     "ungated": {"kernels.gemv:GEMV_GATED": False},  # the activation, then the down projection's GEMV
     # kernels.int4_gemv_mma at M = 1 too (its norm, activation and residual as their own launches: it fuses none)

@@ -1,8 +1,9 @@
-"""Whether the batch-1 int4 GEMV gets faster with its activations already in fp32, or with other K tiles or stages.
+"""Whether the batch-1 int4 GEMV gets faster with its activations in fp32 or as int32 pairs, other K tiles or stages.
 
 Times, on the GPU, the engine's M = 1 launch (``kernels.int4_plan``'s default, PDL as the engine launches it) at the
 8B shapes (down gated, as the engine runs it), many calls in one CUDA graph cycling weight copies past the L2,
-against the same launch with x in fp32 (no conversion a value; twice its bytes), 3 stages, and K tiles of 128 and
+against the same launch with x in fp32 (no conversion a value; twice its bytes), x loaded as int32 pairs of
+bf16 (``x_words``: not on the gated down projection, which keeps its loads), 3 stages, and K tiles of 128 and
 32; alternating, beside a copy of the same bytes. Each variant is checked against the reference first.
 ``python -m loadtest.layout_bench [--out F]``.
 """
@@ -34,6 +35,7 @@ GROUP = 128
 VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
     "default": (False, {}),
     "x_fp32": (True, {}),
+    "x_words": (False, {"x_words": True}),
     "stages3": (False, {"num_stages": 3}),
     "bk128": (False, {"block_k": 128}),
     "bk32": (False, {"block_k": 32}),
@@ -67,7 +69,7 @@ def bench_shape(name: str, reps: int, gen: torch.Generator) -> dict[str, Any]:
             x32 if fp32 else x, w["qweight"], w["scales"], w["zeros"], GROUP, None, out,
             block_n=c.block_n, block_k=c.block_k, split_k=c.split_k, split_reduce=c.split_reduce,
             factored=c.factored, num_warps=c.num_warps, num_stages=c.num_stages, subnormal=c.subnormal,
-            gated=gated, pdl=c.pdl,
+            gated=gated, pdl=c.pdl, x_words=c.x_words,
         )  # fmt: skip
 
     row: dict[str, Any] = {"layer": name, "n": n, "k": k, "block_n": cfg.block_n, "split": cfg.split_k, "err": {}}

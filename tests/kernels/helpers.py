@@ -99,7 +99,7 @@ from kernels.gemv import _gemv_kernel
 kernel = {"gemv": _int4_gemv_kernel, "dot": _int4_gemm_kernel, "dense": _gemv_kernel}[sys.argv[1]]
 names = kernel.arg_names
 fused_norm_off = {"NORMED": False, "PARTS": 1, "ADD_RESIDUAL": False, "PDL": False,
-                  "TRIGGER": False}  # the dense GEMV's fused_norm switches, no PDL
+                  "TRIGGER": False, "X_WORDS": False}  # the dense GEMV's fused_norm switches, no PDL, bf16 x loads
 constexprs = {**{a: v for a, v in fused_norm_off.items() if a in names}, **json.loads(sys.argv[2])}
 pointers = {"qw_ptr": "*i32", "g_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
             "ssi_ptr": "*fp32", "sso_ptr": "*fp32"}

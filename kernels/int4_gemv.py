@@ -226,22 +226,17 @@ def _int4_gemv_kernel(
         rows = k0 // 8 + offs_i  # [R] word rows
         w_ptrs = qw_ptr + rows[:, None] * stride_qk + offs_n[None, :]
         words = _load(w_ptrs, (rows * 8 < k_end)[:, None] & mask_n[None, :], EVEN)  # [R, BN] int32
-        if FACTORED and X_WORDS:
-            x = _load_x_words(x_ptr, k0, offs_m, offs_i, M, stride_xm)
+        if FACTORED:
+            if X_WORDS:
+                x = _load_x_words(x_ptr, k0, offs_m, offs_i, M, stride_xm)
+            else:
+                xk = k0 + 8 * offs_i[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
+                mask_x = (offs_m < M)[:, None, None] & ((xk < k_end)[None, :, :] | EVEN)  # rows past M: always
+                x_ptrs = x_ptr + offs_m[:, None, None] * stride_xm + xk[None, :, :] * stride_xk  # [BM, R, 8]
+                x = _load_x(x_ptrs, mask_x, up_offset, GATED).to(tl.float32)
             g = k0 // GROUP_SIZE
             acc += _factored_tile(
-                words, x, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, one_bits, BLOCK_M, ROWS, EVEN,
-                SUBNORMAL,
-            )  # fmt: skip
-        elif FACTORED:
-            xk = k0 + 8 * offs_i[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
-            mask_x = (offs_m < M)[:, None, None] & ((xk < k_end)[None, :, :] | EVEN)  # rows past M: always
-            x_ptrs = x_ptr + offs_m[:, None, None] * stride_xm + xk[None, :, :] * stride_xk  # [BM, R, 8]
-            x = _load_x(x_ptrs, mask_x, up_offset, GATED)
-            g = k0 // GROUP_SIZE
-            acc += _factored_tile(
-                words, x.to(tl.float32), s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, one_bits, BLOCK_M, ROWS, EVEN,
-                SUBNORMAL,
+                words, x, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, one_bits, BLOCK_M, ROWS, EVEN, SUBNORMAL,
             )  # fmt: skip
         else:
             acc += _exact_tile(

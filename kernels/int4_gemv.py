@@ -305,4 +305,4 @@ def _words_fit(x: torch.Tensor, k: int, block_k: int) -> bool:
     """Whether x can be loaded as int32 pairs of bf16: unit stride along K, rows starting on 4-byte boundaries,
     whole K tiles (no mask along K)."""
     rows_aligned = x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
-    return x.dtype == torch.bfloat16 and (x.shape[1] <= 1 or x.stride(1) == 1) and rows_aligned and k % block_k == 0
+    return x.dtype == torch.bfloat16 and x.stride(1) == 1 and rows_aligned and k % block_k == 0

@@ -21,7 +21,7 @@ import torch
 from kernels.int4_gemm import _pick, int4_gemm_gated_ref, int4_gemm_ref
 from kernels.int4_gemv import int4_gemv_launch
 from loadtest.int4_bench import same_traffic_copy_s
-from loadtest.int4_gemm_sweep import int4_bytes
+from loadtest.int4_gemm_sweep import GROUP_SIZE, int4_bytes, random_int4
 from loadtest.kernel_bench_common import ROTATE_BYTES, rel_err, report_rows, time_graph
 
 SHAPES = {
@@ -30,7 +30,7 @@ SHAPES = {
     "gate_up": (28672, 4096, False),
     "down": (4096, 14336, True),
 }
-GROUP = 128
+GROUP = GROUP_SIZE
 # name -> (x in fp32, launch overrides)
 VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
     "default": (False, {}),
@@ -42,20 +42,11 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
 }
 
 
-def _weights(n: int, k: int, copies: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
-    out = []
-    for _ in range(copies):
-        qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, generator=gen).cuda()
-        scales = (0.002 + 0.01 * torch.rand(k // GROUP, n, generator=gen)).to(torch.bfloat16).cuda()
-        zeros = torch.randint(0, 16, (k // GROUP, n), dtype=torch.uint8, generator=gen).cuda()
-        out.append({"qweight": qweight, "scales": scales, "zeros": zeros})
-    return out
-
-
 def bench_shape(name: str, reps: int, gen: torch.Generator) -> dict[str, Any]:
     n, k, gated = SHAPES[name]
     x = torch.randn(1, 2 * k if gated else k, generator=gen).to(torch.bfloat16).cuda()
-    ws = _weights(n, k, max(2, min(32, ROTATE_BYTES // int4_bytes(1, n, k))), gen)
+    copies = max(2, min(32, ROTATE_BYTES // int4_bytes(1, n, k)))
+    ws = [random_int4(n, k, torch.bfloat16, x.device, seed=i) for i in range(copies)]
     cfg = _pick(x[:, :k], ws[0]["qweight"], ws[0]["scales"], GROUP, None, None)
     ref_fn = int4_gemm_gated_ref if gated else int4_gemm_ref
     ref = ref_fn(x, **ws[0], group_size=GROUP)

@@ -43,6 +43,9 @@ class Int4GemmConfig:
     pdl: bool | None = None
     # gemv (factored, not gated): bf16 x loaded as int32 pairs where its strides allow (None: GEMV_X_WORDS)
     x_words: bool | None = None
+    # gemv (factored, whole K tiles): stream-K (kernels.int4_gemv_stream), programs_per_sm x SMs programs sharing
+    # the layer's units evenly instead of a split-K grid (None: GEMV_STREAM)
+    stream: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in (None, *KERNELS):
@@ -82,3 +85,4 @@ class Int4Launch:
     subnormal: bool = False  # factored gemv only
     pdl: bool = False  # gemv and mma only
     x_words: bool = False  # factored gemv only
+    stream_programs: int = 0  # factored gemv: the stream-K grid (kernels.int4_gemv_stream); 0: the split-K grid

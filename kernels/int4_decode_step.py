@@ -138,7 +138,7 @@ def _narrow_loads(x_ptr, s_ptr, z_ptr, k0, k_hi, offs_n, mask_n, N, GROUP: tl.co
 
 @triton.jit
 def _tile_sum(words, x, s, z, one_bits):
-    """``kernels.int4_gemv._factored_tile``'s terms with its scales and zeros given: ``s (sum_j c_j x_j - z sum_j
+    """``kernels.int4_gemv.factored_tile``'s terms with its scales and zeros given: ``s (sum_j c_j x_j - z sum_j
     x_j)`` per word row ``[R, TN]`` fp32 of words ``[R, TN]``, x fp32 ``[R, 8]``, scales and zeros ``[TN]``; summed
     over the rows once a task (:func:`_gemv`), not per tile: the rows span warps, and each sum across them costs
     barriers."""

@@ -22,6 +22,7 @@ from kernels.int4_dequant import MAGIC_BITS, PACK, check_int4_weights, codes_til
 from kernels.int4_gemm_wgmma import int4_gemm_wgmma, wgmma_available
 from kernels.int4_gemv import int4_gemv_launch
 from kernels.int4_gemv_mma import gemv_mma_available, int4_gemv_mma
+from kernels.int4_gemv_stream import int4_gemv_stream_launch
 from kernels.int4_plan import GEMV_MAX_M, num_sms, pick_config
 from kernels.int4_split import finish_tile, split_target
 
@@ -231,6 +232,13 @@ def _launch_gemv(
     cfg: Int4Launch,
     gated: bool,
 ) -> None:
+    if cfg.stream_programs:
+        int4_gemv_stream_launch(
+            x, qweight, scales, zeros, group_size, out,
+            block_n=cfg.block_n, block_k=cfg.block_k, programs=cfg.stream_programs, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, subnormal=cfg.subnormal, gated=gated, pdl=cfg.pdl, x_words=cfg.x_words,
+        )  # fmt: skip
+        return
     int4_gemv_launch(
         x, qweight, scales, zeros, group_size, g_idx, out,
         block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, split_reduce=cfg.split_reduce,

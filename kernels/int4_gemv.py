@@ -75,6 +75,29 @@ def _load_x_words(x_ptr, k0, offs_m, offs_i, M, stride_xm):
 
 
 @triton.jit
+def tile_words(qw_ptr, k0, k_end, offs_i, offs_n, mask_n, stride_qk, EVEN: tl.constexpr):
+    """The packed words ``[R, BN]`` int32 of the K tile at ``k0`` (word row ``i`` holds ``k0 + 8 i .. + 7``)."""
+    rows = k0 // 8 + offs_i  # [R] word rows
+    w_ptrs = qw_ptr + rows[:, None] * stride_qk + offs_n[None, :]
+    return _load(w_ptrs, (rows * 8 < k_end)[:, None] & mask_n[None, :], EVEN)
+
+
+@triton.jit
+def tile_x(
+    x_ptr, k0, k_end, offs_m, offs_i, M, stride_xm, stride_xk, up_offset,
+    EVEN: tl.constexpr, GATED: tl.constexpr, X_WORDS: tl.constexpr,
+):  # fmt: skip
+    """The factored tile's x at ``k0`` as fp32 ``[BM, R, 8]``: as int32 pairs (``X_WORDS``, :func:`_load_x_words`)
+    or value by value (``GATED``: the activation of gate and up, :func:`_load_x`); zeros past M and ``k_end``."""
+    if X_WORDS:
+        return _load_x_words(x_ptr, k0, offs_m, offs_i, M, stride_xm)
+    xk = k0 + 8 * offs_i[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
+    mask_x = (offs_m < M)[:, None, None] & ((xk < k_end)[None, :, :] | EVEN)  # rows past M: always
+    x_ptrs = x_ptr + offs_m[:, None, None] * stride_xm + xk[None, :, :] * stride_xk  # [BM, R, 8]
+    return _load_x(x_ptrs, mask_x, up_offset, GATED).to(tl.float32)
+
+
+@triton.jit
 def nibble(words, J: tl.constexpr, one_bits):
     """Nibble ``J`` of every word as the fp32 ``1 + code / 16``: the code moved to bits 19..22 (the top of
     the mantissa) and or-ed with ``one_bits`` (1.0's bits), instead of an int->float conversion. The bits
@@ -87,7 +110,7 @@ def nibble(words, J: tl.constexpr, one_bits):
 def subnormal(words, P: tl.constexpr):
     """The nibble at bits ``P..P+3`` (``P <= 16``) of every word, masked in place, read as the fp32 subnormal
     ``code * 2**(P - 149)``: one and per weight, no shift (its activation is scaled by ``2**(64 - P)`` instead,
-    once per activation, :func:`_factored_tile`). Needs the GPU to keep fp32 subnormals, which Triton's
+    once per activation, :func:`factored_tile`). Needs the GPU to keep fp32 subnormals, which Triton's
     multiply-adds do (no ftz); exact, unlike ``nibble``'s ``1 + code / 16``, whose ``1`` cancels later."""
     return (words & (0xF << P)).to(tl.float32, bitcast=True)
 
@@ -106,7 +129,7 @@ def _split8(x, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _factored_tile(
+def factored_tile(
     words, x, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, one_bits,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr, SUBNORMAL: tl.constexpr,
 ):  # fmt: skip
@@ -141,7 +164,7 @@ def _subnormal_tile(
     words, x, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_factored_tile` with :func:`subnormal` codes: ~1.1 integer instructions per weight (an and,
+    """:func:`factored_tile` with :func:`subnormal` codes: ~1.1 integer instructions per weight (an and,
     and a shift per word for three of them) against ``nibble``'s two."""
     j = tl.arange(0, 8)
     p = tl.where(j < 5, 4 * j, 4 * j - 12)  # [8] bit of nibble j in words (j < 5) or in words >> 12
@@ -223,19 +246,11 @@ def _int4_gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # a dot-free loop is software-pipelined only when the loop itself carries num_stages
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
-        rows = k0 // 8 + offs_i  # [R] word rows
-        w_ptrs = qw_ptr + rows[:, None] * stride_qk + offs_n[None, :]
-        words = _load(w_ptrs, (rows * 8 < k_end)[:, None] & mask_n[None, :], EVEN)  # [R, BN] int32
+        words = tile_words(qw_ptr, k0, k_end, offs_i, offs_n, mask_n, stride_qk, EVEN)
         if FACTORED:
-            if X_WORDS:
-                x = _load_x_words(x_ptr, k0, offs_m, offs_i, M, stride_xm)
-            else:
-                xk = k0 + 8 * offs_i[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
-                mask_x = (offs_m < M)[:, None, None] & ((xk < k_end)[None, :, :] | EVEN)  # rows past M: always
-                x_ptrs = x_ptr + offs_m[:, None, None] * stride_xm + xk[None, :, :] * stride_xk  # [BM, R, 8]
-                x = _load_x(x_ptrs, mask_x, up_offset, GATED).to(tl.float32)
+            x = tile_x(x_ptr, k0, k_end, offs_m, offs_i, M, stride_xm, stride_xk, up_offset, EVEN, GATED, X_WORDS)
             g = k0 // GROUP_SIZE
-            acc += _factored_tile(
+            acc += factored_tile(
                 words, x, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, one_bits, BLOCK_M, ROWS, EVEN, SUBNORMAL,
             )  # fmt: skip
         else:

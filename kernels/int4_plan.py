@@ -29,6 +29,11 @@ GEMV_SUBNORMAL = os.environ.get("PAGEDSERVE_INT4_SUBNORMAL", "0") == "1"
 # 1,775 and 161 registers against 250; the gated down projection's loads are already cheap (4.5 a weight) and keep
 # theirs. Untimed: PAGEDSERVE_INT4_X_WORDS=1 turns it on (int4_bench's variant "xwords").
 GEMV_X_WORDS = os.environ.get("PAGEDSERVE_INT4_X_WORDS", "0") == "1"
+# The factored GEMV as stream-K (kernels.int4_gemv_stream: programs_per_sm x SMs programs, each an even run of the
+# layer's (column tile, K tile) units in one pipeline) instead of a split-K grid, whose programs at M = 1 on the 8B
+# shapes do 1-2 K tiles each (4 on down) in more than one wave. Untimed (2026-12-05, no device):
+# PAGEDSERVE_INT4_STREAM=1 turns it on (int4_bench's variant "stream"; layout_bench's rows "stream*").
+GEMV_STREAM = os.environ.get("PAGEDSERVE_INT4_STREAM", "0") == "1"
 # tl.dot split-K up to 64 rows: at least this much up to 16 rows (one 16-row tile), even where the column tiles alone
 # fill the SMs (gate_up's 224 at 128 columns: split 2, 32 K tiles a program), and exactly this much from 17 to 64.
 # H200, Session 14 (int4_bench rows "fused" and "dot split8", the 8B shapes, same run): gate_up 75.0 -> 64.0 us at
@@ -221,10 +226,12 @@ def _pick_gemv(
     split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), target, 32)
     factored = (user.factored is None or user.factored) and not has_g_idx and group_size % bk == 0
     subnormal = factored and ((GEMV_SUBNORMAL or wide) if user.subnormal is None else user.subnormal)
+    stream = factored and k % bk == 0 and (GEMV_STREAM if user.stream is None else user.stream)
     return Int4Launch(
         "gemv", block_m, bn, bk, split, _reduce(user, m, split), user.num_warps or warps, user.num_stages or 2,
         unpack_in_registers=False, factored=factored, subnormal=subnormal,
         pdl=GEMV_PDL if user.pdl is None else user.pdl, x_words=GEMV_X_WORDS if user.x_words is None else user.x_words,
+        stream_programs=target if stream else 0,
     )  # fmt: skip
 
 

@@ -1,11 +1,13 @@
-"""Whether the batch-1 int4 GEMV gets faster with its activations in fp32 or as int32 pairs, other K tiles or stages.
+"""Whether the batch-1 int4 GEMV gets faster with its activations in fp32 or as int32 pairs, other K tiles or stages,
+or as stream-K.
 
 Times, on the GPU, the engine's M = 1 launch (``kernels.int4_plan``'s default, PDL as the engine launches it) at the
 8B shapes (down gated, as the engine runs it), many calls in one CUDA graph cycling weight copies past the L2,
 against the same launch with x in fp32 (no conversion a value; twice its bytes), x loaded as int32 pairs of
-bf16 (``x_words``: not on the gated down projection, which keeps its loads), 3 stages, and K tiles of 128 and
-32; alternating, beside a copy of the same bytes. Each variant is checked against the reference first.
-``python -m loadtest.layout_bench [--out F]``.
+bf16 (``x_words``: not on the gated down projection, which keeps its loads), 3 stages, K tiles of 128 and
+32, and the stream-K grid (``kernels.int4_gemv_stream``) at 2, 4 and 8 programs an SM (the wide tile: 8, 16, 24)
+with and without the pairs; alternating, beside a copy of the same bytes. Each variant is checked against the
+reference first. ``python -m loadtest.layout_bench [--out F]``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from typing import Any
 
 import torch
 
-from kernels.int4_gemm import _pick, int4_gemm_gated_ref, int4_gemm_ref
-from kernels.int4_gemv import int4_gemv_launch
+from kernels.int4_gemm import _launch_gemv, _pick, int4_gemm_gated_ref, int4_gemm_ref
+from kernels.int4_plan import GEMV_PROGRAMS_PER_SM, GEMV_WIDE_TILE, num_sms
 from loadtest.int4_bench import same_traffic_copy_s
 from loadtest.int4_gemm_sweep import GROUP_SIZE, int4_bytes, random_int4
 from loadtest.kernel_bench_common import ROTATE_BYTES, rel_err, report_rows, time_graph
@@ -31,14 +33,20 @@ SHAPES = {
     "down": (4096, 14336, True),
 }
 GROUP = GROUP_SIZE
-# name -> (x in fp32, launch overrides)
-VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
-    "default": (False, {}),
-    "x_fp32": (True, {}),
-    "x_words": (False, {"x_words": True}),
-    "stages3": (False, {"num_stages": 3}),
-    "bk128": (False, {"block_k": 128}),
-    "bk32": (False, {"block_k": 32}),
+# name -> (x in fp32, launch overrides, stream-K programs an SM as a multiple of the tile's own: 0 for the split grid)
+VARIANTS: dict[str, tuple[bool, dict[str, Any], float]] = {
+    "default": (False, {}, 0),
+    "x_fp32": (True, {}, 0),
+    "x_words": (False, {"x_words": True}, 0),
+    "stages3": (False, {"num_stages": 3}, 0),
+    "bk128": (False, {"block_k": 128}, 0),
+    "bk32": (False, {"block_k": 32}, 0),
+    "stream": (False, {}, 1),
+    "stream_half": (False, {}, 0.5),
+    "stream_2x": (False, {}, 2),
+    "stream_xw": (False, {"x_words": True}, 1),
+    "stream_xw_half": (False, {"x_words": True}, 0.5),
+    "stream_xw_1.5x": (False, {"x_words": True}, 1.5),
 }
 
 
@@ -54,14 +62,11 @@ def bench_shape(name: str, reps: int, gen: torch.Generator) -> dict[str, Any]:
 
     x32 = x.float()
 
-    def call(w: dict[str, torch.Tensor], fp32: bool, over: dict[str, Any]) -> None:
-        c = replace(cfg, **over)
-        int4_gemv_launch(
-            x32 if fp32 else x, w["qweight"], w["scales"], w["zeros"], GROUP, None, out,
-            block_n=c.block_n, block_k=c.block_k, split_k=c.split_k, split_reduce=c.split_reduce,
-            factored=c.factored, num_warps=c.num_warps, num_stages=c.num_stages, subnormal=c.subnormal,
-            gated=gated, pdl=c.pdl, x_words=c.x_words,
-        )  # fmt: skip
+    tile_programs = (GEMV_WIDE_TILE[2] if cfg.num_warps == 1 else GEMV_PROGRAMS_PER_SM) * num_sms(x.device.index or 0)
+
+    def call(w: dict[str, torch.Tensor], fp32: bool, over: dict[str, Any], stream: float) -> None:
+        c = replace(cfg, **over, stream_programs=int(stream * tile_programs))
+        _launch_gemv(x32 if fp32 else x, w["qweight"], w["scales"], w["zeros"], GROUP, None, out, c, gated)
 
     row: dict[str, Any] = {"layer": name, "n": n, "k": k, "block_n": cfg.block_n, "split": cfg.split_k, "err": {}}
     for v, args in VARIANTS.items():

@@ -85,7 +85,7 @@ def int4_weights(
 
 
 # Compiles a split-K kernel for sm_90 (no GPU needed) with the launcher's specialization of 16-aligned
-# pointers and sizes, and prints its TTGIR: argv = kernel ("gemv" | "dot" | "dense" | "mlp"), constexprs (JSON),
+# pointers and sizes, and prints its TTGIR: argv = kernel ("gemv" | "dot" | "stream" | "dense"), constexprs (JSON),
 # num_warps.
 _COMPILE_SM90 = """
 import json, sys
@@ -94,9 +94,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.int4_gemm import _int4_gemm_kernel
 from kernels.int4_gemv import _int4_gemv_kernel
+from kernels.int4_gemv_stream import _int4_gemv_stream_kernel
 from kernels.gemv import _gemv_kernel
 
-kernel = {"gemv": _int4_gemv_kernel, "dot": _int4_gemm_kernel, "dense": _gemv_kernel}[sys.argv[1]]
+kernels = {"gemv": _int4_gemv_kernel, "dot": _int4_gemm_kernel, "dense": _gemv_kernel, "stream": _int4_gemv_stream_kernel}
+kernel = kernels[sys.argv[1]]
 names = kernel.arg_names
 fused_norm_off = {"NORMED": False, "PARTS": 1, "ADD_RESIDUAL": False, "PDL": False,
                   "TRIGGER": False, "X_WORDS": False}  # the dense GEMV's fused_norm switches, no PDL, bf16 x loads
@@ -115,7 +117,7 @@ print(compiled.asm["ttgir"])
 
 
 def ttgir_sm90(kernel: str, constexprs: dict[str, object], num_warps: int) -> str:
-    """The TTGIR of ``kernel`` ("gemv" | "dot", the int4 GEMMs; "dense", ``kernels.gemv``) compiled for sm_90;
+    """The TTGIR of ``kernel`` ("gemv" | "dot" | "stream", the int4 GEMMs; "dense", ``kernels.gemv``) compiled for sm_90;
     the dense GEMV's ``kernels.fused_norm`` switches and PDL default to off."""
     return run_without_interpreter(_COMPILE_SM90, kernel, json.dumps(constexprs), str(num_warps))
 

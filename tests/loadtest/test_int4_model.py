@@ -1,11 +1,14 @@
 """``loadtest.int4_model``'s variants: each names module constants that exist, and the device stage that runs them
-(``loadtest/gpu_session.sh``, stage dm) names only variants that exist: a typo there would cost a device call."""
+(``loadtest/gpu_session.sh``, stages dm and xs) names only variants that exist: a typo there would cost a device
+call."""
 
 from __future__ import annotations
 
 import importlib
 import re
 from pathlib import Path
+
+import pytest
 
 from loadtest.int4_model import GEMV_VARIANTS
 
@@ -18,9 +21,10 @@ def test_every_variant_sets_constants_that_exist() -> None:
             assert isinstance(value, type(current)) or isinstance(current, type(value)), (name, key)
 
 
-def test_stage_dm_runs_known_variants() -> None:
+@pytest.mark.parametrize("knob", ["DM_VARIANTS", "XS_VARIANTS"])
+def test_stages_run_known_variants(knob: str) -> None:
     script = (Path(__file__).parents[2] / "loadtest" / "gpu_session.sh").read_text()
-    match = re.search(r"DM_VARIANTS:-([^}]*)\}", script)
+    match = re.search(knob + r":-([^}]*)\}", script)
     assert match is not None
     names = match.group(1).split()
     assert names and set(names) <= set(GEMV_VARIANTS), names

@@ -1,0 +1,133 @@
+"""The stream-K int4 GEMV (``kernels.int4_gemv_stream``, ``Int4GemmConfig.stream``): under the interpreter on CPU it
+equals the reference and the split launch for grids from one program to more programs than units (runs that start
+and end inside column tiles, tiles whose programs number one to several), gated and not, x loaded by value and as
+int32 pairs, and leaves the shared accumulator and counters at zero; the plan takes it only where the tiles are
+factored; the sm_90 compile keeps its K loop pipelined. On a GPU: the 8B shapes at M = 1 against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.int4_config import Int4GemmConfig
+from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_gated_ref, int4_gemm_ref
+from kernels.int4_gemv_stream import int4_gemv_stream_launch
+from kernels.int4_plan import pick_config
+from kernels.int4_split import zeroed_scratch
+from tests.kernels.helpers import DEVICE, int4_weights, rel_err, tolerance, ttgir_sm90
+
+
+def _weights(k: int, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, qweight, scales, zeros, _ = int4_weights(k, n, 128, False, torch.bfloat16, gen)
+    return qweight.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
+
+
+def _scratch_is_zero() -> bool:
+    device = torch.device(DEVICE)
+    return not zeroed_scratch(device, torch.int32, 1).any() and not zeroed_scratch(device, torch.float32, 1).any()
+
+
+# (n, k, block_n, programs, m, gated, x_words): N = 320 leaves a partial column tile; K = 512 makes 8 K tiles a
+# column tile, so 3 and 7 programs start and end runs inside tiles, 1 takes everything, 40 is more than the units
+CASES = [
+    (320, 512, 128, 1, 1, False, False),
+    (320, 512, 128, 3, 1, False, True),
+    (320, 512, 128, 7, 3, False, True),
+    (320, 512, 128, 40, 1, False, False),
+    (256, 256, 64, 5, 1, True, False),
+    (256, 256, 64, 5, 2, True, True),  # gated: x_words does not apply, the loads stay
+]
+
+
+@pytest.mark.parametrize(("n", "k", "block_n", "programs", "m", "gated", "x_words"), CASES)
+def test_stream_equals_the_reference_and_the_split_launch(
+    n: int, k: int, block_n: int, programs: int, m: int, gated: bool, x_words: bool, gen: torch.Generator
+) -> None:
+    qweight, scales, zeros = _weights(k, n, gen)
+    x = torch.randn(m, 2 * k if gated else k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    out = torch.full((m, n), float("nan"), dtype=x.dtype, device=x.device)
+    int4_gemv_stream_launch(
+        x, qweight, scales, zeros, 128, out, block_n=block_n, block_k=64, programs=programs, num_warps=4,
+        num_stages=2, gated=gated, x_words=x_words,
+    )  # fmt: skip
+    split = Int4GemmConfig(kernel="gemv", block_n=block_n, block_k=64, split_k=2, stream=False)
+    if gated:
+        ref, other = (
+            int4_gemm_gated_ref(x, qweight, scales, zeros, 128),
+            int4_gemm_gated(x, qweight, scales, zeros, 128, config=split),
+        )
+    else:
+        ref, other = (
+            int4_gemm_ref(x, qweight, scales, zeros, 128),
+            int4_gemm(x, qweight, scales, zeros, 128, config=split),
+        )
+    assert not out.isnan().any()  # every column tile's last program wrote it
+    assert rel_err(out, ref) < 2 * tolerance(x.dtype)
+    assert rel_err(out, other) < 1e-3  # the same tile sums; only the split-K order (bf16 rounding) may differ
+    assert _scratch_is_zero()  # each tile's counter saw exactly its programs
+
+
+def test_the_plan_streams_factored_tiles_only() -> None:
+    on = Int4GemmConfig(stream=True)
+    launch = pick_config(1, 4096, 4096, 128, 132, on, False)
+    assert launch.kernel == "gemv" and launch.stream_programs == 4 * 132  # the default tile's programs per SM
+    assert pick_config(1, 28672, 4096, 128, 132, on, False).stream_programs == 16 * 132  # the wide tile's
+    assert (
+        pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(stream=True, programs_per_sm=2), False).stream_programs
+        == 264
+    )
+    assert pick_config(1, 4096, 4096, 128, 132, on, True).stream_programs == 0  # g_idx: exact tiles, split launch
+    assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(stream=True, factored=False), False).stream_programs == 0
+    assert pick_config(1, 4096, 4064, 128, 132, on, False).stream_programs == 0  # a partial K tile
+    assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(), False).stream_programs == 0  # off by default
+
+
+def test_int4_gemm_routes_the_stream_config(gen: torch.Generator) -> None:
+    qweight, scales, zeros = _weights(256, 256, gen)
+    x = torch.randn(1, 256, generator=gen).to(torch.bfloat16).to(DEVICE)
+    cfg = Int4GemmConfig(kernel="gemv", block_n=64, block_k=64, stream=True, programs_per_sm=1)
+    out = int4_gemm(x, qweight, scales, zeros, 128, config=cfg)
+    assert rel_err(out, int4_gemm_ref(x, qweight, scales, zeros, 128)) < tolerance(x.dtype)
+    assert _scratch_is_zero()
+
+
+def test_stream_refuses_k_tiles_across_groups(gen: torch.Generator) -> None:
+    qweight, scales, zeros = _weights(256, 64, gen)
+    out = torch.empty(1, 64, dtype=torch.bfloat16, device=DEVICE)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="multiples of block_k"):
+        int4_gemv_stream_launch(
+            x, qweight, scales, zeros, 128, out, block_n=64, block_k=256, programs=4, num_warps=4, num_stages=2
+        )
+
+
+def test_sm90_compile_pipelines_the_stream_loop() -> None:
+    constexprs: dict[str, object] = {
+        "GROUP_SIZE": 128, "SUBNORMAL": False, "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 2,
+        "EVEN": True, "GATED": False, "PDL": True, "TRIGGER": True, "X_WORDS": True,
+    }  # fmt: skip
+    ttgir = ttgir_sm90("stream", constexprs, 4)
+    assert "scf.while" in ttgir  # the run's column tiles
+    assert "async_copy_global_to_local" in ttgir  # the words (and the x pairs) through cp.async
+    assert "tensor<1x8x4x!tt.ptr<i32>" in ttgir  # x as int32 pairs
+    assert "griddepcontrol" in ttgir
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("n", "k", "gated"), [(6144, 4096, False), (4096, 4096, False), (28672, 4096, False), (4096, 14336, True)]
+)
+@pytest.mark.parametrize("x_words", [False, True])
+def test_stream_at_the_8b_shapes(n: int, k: int, gated: bool, x_words: bool, gen: torch.Generator) -> None:
+    """The plan's own M = 1 tiles as a stream, qkv, o, gate_up and the gated down, against the reference and the
+    split launch; the shared scratch left at zero."""
+    qweight, scales, zeros = _weights(k, n, gen)
+    x = torch.randn(1, 2 * k if gated else k, generator=gen).to(torch.bfloat16).cuda()
+    fn, ref_fn = (int4_gemm_gated, int4_gemm_gated_ref) if gated else (int4_gemm, int4_gemm_ref)
+    stream = fn(x, qweight, scales, zeros, 128, config=Int4GemmConfig(stream=True, x_words=x_words))
+    split = fn(x, qweight, scales, zeros, 128, config=Int4GemmConfig(stream=False, x_words=x_words))
+    assert rel_err(stream, ref_fn(x, qweight, scales, zeros, 128)) < tolerance(torch.bfloat16)
+    assert rel_err(stream, split) < 1e-3
+    torch.cuda.synchronize()
+    assert _scratch_is_zero()

@@ -5,8 +5,8 @@ Times, on the GPU, the engine's M = 1 launch (``kernels.int4_plan``'s default, P
 8B shapes (down gated, as the engine runs it), many calls in one CUDA graph cycling weight copies past the L2,
 against the same launch with x in fp32 (no conversion a value; twice its bytes), x loaded as int32 pairs of
 bf16 (``x_words``: not on the gated down projection, which keeps its loads), 3 stages, K tiles of 128 and
-32, and the stream-K grid (``kernels.int4_gemv_stream``) at 2, 4 and 8 programs an SM (the wide tile: 8, 16, 24)
-with and without the pairs; alternating, beside a copy of the same bytes. Each variant is checked against the
+32, and the stream-K grid (``kernels.int4_gemv_stream``) at 0.5-2x the tile's programs an SM (4; the wide tile's 16)
+with and without the pairs, and with 512-column tiles of 4 warps; alternating, beside a copy of the same bytes. Each variant is checked against the
 reference first. ``python -m loadtest.layout_bench [--out F]``.
 """
 
@@ -47,6 +47,11 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any], float]] = {
     "stream_xw": (False, {"x_words": True}, 1),
     "stream_xw_half": (False, {"x_words": True}, 0.5),
     "stream_xw_1.5x": (False, {"x_words": True}, 1.5),
+    # 512-column tiles of 4 warps (gate_up too): 4 columns a thread share each x value (sm_90 K loop 3.97 instructions
+    # a weight with pairs against 4.57 at 256 columns; 3.34 with subnormal codes; the gated down 3.96 against 4.47)
+    "stream_xw_bn512": (False, {"x_words": True, "block_n": 512, "num_warps": 4}, 1),
+    "stream_xw_bn512_half": (False, {"x_words": True, "block_n": 512, "num_warps": 4}, 0.5),
+    "stream_xw_sub_bn512": (False, {"x_words": True, "block_n": 512, "num_warps": 4, "subnormal": True}, 1),
 }
 
 
@@ -62,10 +67,12 @@ def bench_shape(name: str, reps: int, gen: torch.Generator) -> dict[str, Any]:
 
     x32 = x.float()
 
-    tile_programs = (GEMV_WIDE_TILE[2] if cfg.num_warps == 1 else GEMV_PROGRAMS_PER_SM) * num_sms(x.device.index or 0)
+    sms = num_sms(x.device.index or 0)
 
     def call(w: dict[str, torch.Tensor], fp32: bool, over: dict[str, Any], stream: float) -> None:
-        c = replace(cfg, **over, stream_programs=int(stream * tile_programs))
+        c = replace(cfg, **over)
+        tile_programs = (GEMV_WIDE_TILE[2] if c.num_warps == 1 else GEMV_PROGRAMS_PER_SM) * sms
+        c = replace(c, stream_programs=int(stream * tile_programs))
         _launch_gemv(x32 if fp32 else x, w["qweight"], w["scales"], w["zeros"], GROUP, None, out, c, gated)
 
     row: dict[str, Any] = {"layer": name, "n": n, "k": k, "block_n": cfg.block_n, "split": cfg.split_k, "err": {}}

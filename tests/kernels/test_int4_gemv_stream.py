@@ -27,30 +27,32 @@ def _scratch_is_zero() -> bool:
     return not zeroed_scratch(device, torch.int32, 1).any() and not zeroed_scratch(device, torch.float32, 1).any()
 
 
-# (n, k, block_n, programs, m, gated, x_words): N = 320 leaves a partial column tile; K = 512 makes 8 K tiles a
-# column tile, so 3 and 7 programs start and end runs inside tiles, 1 takes everything, 40 is more than the units
+# (n, k, block_n, programs, m, gated, x_words, subnormal): N = 320 leaves a partial column tile; K = 512 makes 8 K
+# tiles a column tile, so 3 and 7 programs start and end runs inside tiles, 1 takes everything, 40 is more than the
+# units
 CASES = [
-    (320, 512, 128, 1, 1, False, False),
-    (320, 512, 128, 3, 1, False, True),
-    (320, 512, 128, 7, 3, False, True),
-    (320, 512, 128, 40, 1, False, False),
-    (256, 256, 64, 5, 1, True, False),
-    (256, 256, 64, 5, 2, True, True),  # gated: x_words does not apply, the loads stay
+    (320, 512, 128, 1, 1, False, False, False),
+    (320, 512, 128, 3, 1, False, True, True),
+    (320, 512, 128, 7, 3, False, True, False),
+    (320, 512, 128, 40, 1, False, False, True),
+    (256, 256, 64, 5, 1, True, False, False),
+    (256, 256, 64, 5, 2, True, True, True),  # gated: x_words does not apply, the loads stay
 ]
 
 
-@pytest.mark.parametrize(("n", "k", "block_n", "programs", "m", "gated", "x_words"), CASES)
+@pytest.mark.parametrize(("n", "k", "block_n", "programs", "m", "gated", "x_words", "subnormal"), CASES)
 def test_stream_equals_the_reference_and_the_split_launch(
-    n: int, k: int, block_n: int, programs: int, m: int, gated: bool, x_words: bool, gen: torch.Generator
-) -> None:
+    n: int, k: int, block_n: int, programs: int, m: int, gated: bool, x_words: bool, subnormal: bool,
+    gen: torch.Generator,
+) -> None:  # fmt: skip
     qweight, scales, zeros = _weights(k, n, gen)
     x = torch.randn(m, 2 * k if gated else k, generator=gen).to(torch.bfloat16).to(DEVICE)
     out = torch.full((m, n), float("nan"), dtype=x.dtype, device=x.device)
     int4_gemv_stream_launch(
         x, qweight, scales, zeros, 128, out, block_n=block_n, block_k=64, programs=programs, num_warps=4,
-        num_stages=2, gated=gated, x_words=x_words,
+        num_stages=2, subnormal=subnormal, gated=gated, x_words=x_words,
     )  # fmt: skip
-    split = Int4GemmConfig(kernel="gemv", block_n=block_n, block_k=64, split_k=2, stream=False)
+    split = Int4GemmConfig(kernel="gemv", block_n=block_n, block_k=64, split_k=2, stream=False, subnormal=subnormal)
     if gated:
         ref, other = (
             int4_gemm_gated_ref(x, qweight, scales, zeros, 128),

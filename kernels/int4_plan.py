@@ -34,6 +34,11 @@ GEMV_X_WORDS = os.environ.get("PAGEDSERVE_INT4_X_WORDS", "0") == "1"
 # shapes do 1-2 K tiles each (4 on down) in more than one wave. Untimed (2026-12-05, no device):
 # PAGEDSERVE_INT4_STREAM=1 turns it on (int4_bench's variant "stream"; layout_bench's rows "stream*").
 GEMV_STREAM = os.environ.get("PAGEDSERVE_INT4_STREAM", "0") == "1"
+# Stream launches' tile: this many columns with 4 warps on every layer (the wide one too); 0: the split launch's
+# tiles. A stream grid needs no column tiles for its parallelism, so wider tiles let more columns share each x value
+# (sm_90 K loop with x_words: 3.97 instructions a weight at 512 columns, 4.57 at 256). Untimed (int4_bench variants
+# "stream_bn512", "stream_bn512_sub").
+GEMV_STREAM_BLOCK_N = 0
 # tl.dot split-K up to 64 rows: at least this much up to 16 rows (one 16-row tile), even where the column tiles alone
 # fill the SMs (gate_up's 224 at 128 columns: split 2, 32 K tiles a program), and exactly this much from 17 to 64.
 # H200, Session 14 (int4_bench rows "fused" and "dot split8", the 8B shapes, same run): gate_up 75.0 -> 64.0 us at
@@ -221,6 +226,8 @@ def _pick_gemv(
         bk = min(bk, group_pow2)  # every tile inside one group
     wide = block_m == 1 and n >= GEMV_WIDE_N
     bn_default, warps, pps = GEMV_WIDE_TILE if wide else (256, 4, GEMV_PROGRAMS_PER_SM)
+    if GEMV_STREAM_BLOCK_N and (GEMV_STREAM if user.stream is None else user.stream):
+        bn_default, warps, pps = GEMV_STREAM_BLOCK_N, 4, GEMV_PROGRAMS_PER_SM
     bn = user.block_n or bn_default
     target = (user.programs_per_sm or pps) * num_sms
     split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), target, 32)

@@ -32,7 +32,7 @@
 #                     (plot it here: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png)
 #   stage xs (~4 min): the batch-1 int4 GEMV's x as int32 pairs and its stream-K grid: their GPU tests, then
 #                     loadtest.layout_bench (every variant at the 8B shapes) and the int4 model once per XS_VARIANTS
-#                     (default "xwords stream stream_xwords", loadtest.int4_model.GEMV_VARIANTS)
+#                     (default "xwords stream_xwords stream_bn512 stream_bn512_sub", loadtest.int4_model.GEMV_VARIANTS)
 #   stage n (~7 min): the int4 GEMM's GPU tests (subnormal codes and the gated GEMV at the 8B shapes, graph replays),
 #                     then stage i's M = 1 GEMMs and the int4 model once per N_VARIANTS (loadtest.int4_model)
 #   stage q (~6 min): the int4 dequant and GEMM GPU tests, then the int4 GEMMs at M = Q_M (default 8 16 64 256)
@@ -193,7 +193,7 @@ elif [ "$stage" = xs ]; then
   tail -3 "$out/xs_tests.txt"
   python -m loadtest.layout_bench --out "$out/layout.json" 2>&1 | tail -30
   # shellcheck disable=SC2086  # XS_VARIANTS is a list of names
-  python -m loadtest.int4_bench --only model --gemv-variants ${XS_VARIANTS:-xwords stream stream_xwords} \
+  python -m loadtest.int4_bench --only model --gemv-variants ${XS_VARIANTS:-xwords stream_xwords stream_bn512 stream_bn512_sub} \
     --out "$out/int4-xs.json" 2>&1 | grep -v '^{"layer"' | tail -30
 elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24

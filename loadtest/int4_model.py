@@ -111,6 +111,19 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     "xwords": {"kernels.int4_plan:GEMV_X_WORDS": True},  # bf16 x loaded as int32 pairs (qkv, o, gate_up at M = 1)
     "stream": {"kernels.int4_plan:GEMV_STREAM": True},  # the M = 1 GEMVs as stream-K (kernels.int4_gemv_stream)
     "stream_xwords": {"kernels.int4_plan:GEMV_STREAM": True, "kernels.int4_plan:GEMV_X_WORDS": True},
+    # stream-K with 512-column tiles of 4 warps on every layer (x values shared by 4 columns a thread), then also with
+    # subnormal codes
+    "stream_bn512": {
+        "kernels.int4_plan:GEMV_STREAM": True,
+        "kernels.int4_plan:GEMV_X_WORDS": True,
+        "kernels.int4_plan:GEMV_STREAM_BLOCK_N": 512,
+    },  # fmt: skip
+    "stream_bn512_sub": {
+        "kernels.int4_plan:GEMV_STREAM": True,
+        "kernels.int4_plan:GEMV_X_WORDS": True,
+        "kernels.int4_plan:GEMV_STREAM_BLOCK_N": 512,
+        "kernels.int4_plan:GEMV_SUBNORMAL": True,
+    },  # fmt: skip
     "narrow": {"kernels.int4_plan:GEMV_WIDE_N": 1 << 30},  # no wide-layer tile: the default before 2026-12-03
     "ungated": {"kernels.gemv:GEMV_GATED": False},  # the activation, then the down projection's GEMV
     # kernels.int4_gemv_mma at M = 1 too (its norm, activation and residual as their own launches: it fuses none)

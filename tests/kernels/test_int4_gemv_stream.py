@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import int4_plan
 from kernels.int4_config import Int4GemmConfig
 from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_gated_ref, int4_gemm_ref
 from kernels.int4_gemv_stream import int4_gemv_stream_launch
@@ -82,6 +83,16 @@ def test_the_plan_streams_factored_tiles_only() -> None:
     assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(stream=True, factored=False), False).stream_programs == 0
     assert pick_config(1, 4096, 4064, 128, 132, on, False).stream_programs == 0  # a partial K tile
     assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(), False).stream_programs == 0  # off by default
+
+
+def test_the_stream_tile_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMV_STREAM_BLOCK_N: stream launches take that many columns with 4 warps on every layer, the wide one too;
+    split launches keep their tiles."""
+    monkeypatch.setattr(int4_plan, "GEMV_STREAM_BLOCK_N", 512)
+    for n in (4096, 28672):
+        launch = pick_config(1, n, 4096, 128, 132, Int4GemmConfig(stream=True), False)
+        assert (launch.block_n, launch.num_warps, launch.stream_programs) == (512, 4, 4 * 132)
+    assert pick_config(1, 28672, 4096, 128, 132, Int4GemmConfig(stream=False), False).block_n == 256
 
 
 def test_int4_gemm_routes_the_stream_config(gen: torch.Generator) -> None:

@@ -18,6 +18,7 @@ from engine.models import decode_step, llama
 from engine.quantization import int4_linear
 from engine.quantization.int4_linear import Int4LinearMethod
 from kernels import gemv as dense_gemv
+from kernels import int4_gemm, int4_plan
 from kernels.int4_decode_plan import StepTiles
 from tests.engine.quantized_checkpoints import build_quantized_model
 from tests.engine.test_engine_parity import MAX_TOKENS, hf_greedy, make_prompts, run_engine
@@ -116,6 +117,37 @@ def test_gated_down_projection_keeps_the_greedy_tokens(
         gated_rows.clear()
     assert tokens[True] == tokens[False]
     assert {1, 2} <= set(rows[True]) and rows[False] == []  # (prefill chunks pass through it too)
+
+
+def test_stream_gemv_keeps_the_greedy_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers' CUDA path (the interpreter on CPU, as above) with the stream-K GEMV (``kernels.int4_plan.
+    GEMV_STREAM``, x as int32 pairs, 512-column tiles): the greedy tokens of the split-K GEMV, and the stream launch
+    ran for the plain and the gated (down) projections at decode steps of 1 row and for the plain ones at 2."""
+    fmt, family, options = FORMATS["ct-asym-g32"]
+    folder, _ = build_quantized_model(tmp_path, fmt, family, seed=6, num_hidden_layers=1, **options)
+    monkeypatch.setattr(Int4LinearMethod, "apply", Int4LinearMethod.apply_triton)
+    monkeypatch.setattr(Int4LinearMethod, "apply_gated", Int4LinearMethod.apply_gated_triton)
+    launches: list[tuple[int, bool]] = []
+    stream_launch = int4_gemm.int4_gemv_stream_launch
+
+    def counted(x: Any, *args: Any, **kwargs: Any) -> Any:
+        launches.append((x.shape[0], kwargs["gated"]))
+        return stream_launch(x, *args, **kwargs)
+
+    monkeypatch.setattr(int4_gemm, "int4_gemv_stream_launch", counted)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(seed=7, n=3)]
+    tokens = {}
+    for stream in (False, True):
+        monkeypatch.setattr(int4_plan, "GEMV_STREAM", stream)
+        monkeypatch.setattr(int4_plan, "GEMV_X_WORDS", stream)
+        monkeypatch.setattr(int4_plan, "GEMV_STREAM_BLOCK_N", 512 if stream else 0)
+        llm = LLM(str(folder), device="cpu", max_num_seqs=2, max_model_len=64)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+        tokens[stream] = [o.outputs[0].token_ids for o in outs]
+        assert bool(launches) == stream
+    assert tokens[True] == tokens[False]
+    # 1 row: plain and gated; 2 rows: the MMA kernel's fallback here (gated: the activation first, then the GEMV)
+    assert {(1, False), (1, True), (2, False)} <= set(launches), sorted(set(launches))
 
 
 def test_4bit_weights_never_carry_the_norm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,9 +6,12 @@ factored; the sm_90 compile keeps its K loop pipelined. On a GPU: the 8B shapes 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
+from kernels import int4_gemm as int4_gemm_module
 from kernels import int4_plan
 from kernels.int4_config import Int4GemmConfig
 from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_gated_ref, int4_gemm_ref
@@ -144,3 +147,34 @@ def test_stream_at_the_8b_shapes(n: int, k: int, gated: bool, x_words: bool, gen
     assert rel_err(stream, split) < 1e-3
     torch.cuda.synchronize()
     assert _scratch_is_zero()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_tokens_with_the_stream_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's tiny int4 model (random weights, GPTQ group 128) in fp32 on the GPU, batch-1 decode steps
+    replayed from CUDA graphs: the same greedy tokens with the stream GEMV (and 512-column tiles) as with the split
+    one."""
+    from engine import LLM, SamplingParams
+    from loadtest.int4_model import quantized_shape_folder
+
+    launches: list[bool] = []
+    stream_launch = int4_gemm_module.int4_gemv_stream_launch
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        launches.append(kwargs["gated"])
+        stream_launch(*args, **kwargs)
+
+    monkeypatch.setattr(int4_gemm_module, "int4_gemv_stream_launch", counted)
+    folder = quantized_shape_folder("tiny", 128)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(2)]
+    tokens = {}
+    for stream in (False, True):
+        monkeypatch.setattr(int4_plan, "GEMV_STREAM", stream)
+        monkeypatch.setattr(int4_plan, "GEMV_STREAM_BLOCK_N", 512 if stream else 0)
+        with LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, device="cuda", dtype="float32",
+                 max_num_seqs=1, max_model_len=128, num_gpu_blocks_override=32) as llm:  # fmt: skip
+            params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+            tokens[stream] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens[True] == tokens[False] and len(tokens[True][0]) == 24
+    assert set(launches) == {False, True}  # plain and gated (down) projections went through the stream launch

@@ -226,20 +226,29 @@ def _pick_gemv(
         bk = min(bk, group_pow2)  # every tile inside one group
     wide = block_m == 1 and n >= GEMV_WIDE_N
     bn_default, warps, pps = GEMV_WIDE_TILE if wide else (256, 4, GEMV_PROGRAMS_PER_SM)
-    if GEMV_STREAM_BLOCK_N and (GEMV_STREAM if user.stream is None else user.stream):
+    if GEMV_STREAM_BLOCK_N and _stream(user):
         bn_default, warps, pps = GEMV_STREAM_BLOCK_N, 4, GEMV_PROGRAMS_PER_SM
     bn = user.block_n or bn_default
     target = (user.programs_per_sm or pps) * num_sms
     split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), target, 32)
     factored = (user.factored is None or user.factored) and not has_g_idx and group_size % bk == 0
     subnormal = factored and ((GEMV_SUBNORMAL or wide) if user.subnormal is None else user.subnormal)
-    stream = factored and k % bk == 0 and (GEMV_STREAM if user.stream is None else user.stream)
+    stream = factored and k % bk == 0 and _stream(user)
     return Int4Launch(
         "gemv", block_m, bn, bk, split, _reduce(user, m, split), user.num_warps or warps, user.num_stages or 2,
         unpack_in_registers=False, factored=factored, subnormal=subnormal,
         pdl=GEMV_PDL if user.pdl is None else user.pdl, x_words=GEMV_X_WORDS if user.x_words is None else user.x_words,
         stream_programs=target if stream else 0,
     )  # fmt: skip
+
+
+def _stream(user: Int4GemmConfig) -> bool:
+    """Whether a factored GEMV launch is stream-K: the user's choice, else GEMV_STREAM where the user left the split
+    to the plan (a split_k or the deterministic counter reduction asks for the split grid)."""
+    split_asked = user.split_k is not None or user.split_reduce == "counter"
+    if user.stream and split_asked:
+        raise ValueError("a stream GEMV has no split_k and sums with atomics: leave split_k and split_reduce unset")
+    return GEMV_STREAM and not split_asked if user.stream is None else user.stream
 
 
 def _pick_dot(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:

@@ -30,8 +30,8 @@
 #   stage i (~6 min): int4 at batch 1: the M = 1 GEMMs against a copy moving the same bytes, the int4 and bf16
 #                     models' TPOT against the bytes floor and that practical floor; then the concurrency sweep
 #                     (plot it here: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png)
-#   stage xs (~5 min): the batch-1 int4 GEMV's x as int32 pairs and its stream-K grid: their GPU tests (the engine's
-#                     with both on: PAGEDSERVE_INT4_STREAM=1 PAGEDSERVE_INT4_X_WORDS=1), then
+#   stage xs (~6 min): the batch-1 int4 GEMV's x as int32 pairs and its stream-K grid: their GPU tests, the int4 GEMM's
+#                     and gated GEMV's with both on (PAGEDSERVE_INT4_STREAM=1 PAGEDSERVE_INT4_X_WORDS=1), then
 #                     loadtest.layout_bench (every variant at the 8B shapes) and the int4 model once per XS_VARIANTS
 #                     (default "xwords stream_xwords stream_bn512 stream_bn512_sub", loadtest.int4_model.GEMV_VARIANTS)
 #   stage n (~7 min): the int4 GEMM's GPU tests (subnormal codes and the gated GEMV at the 8B shapes, graph replays),
@@ -193,8 +193,9 @@ elif [ "$stage" = xs ]; then
     > "$out/xs_tests.txt" 2>&1 || echo "XS GPU TESTS FAILED (see xs_tests.txt)"
   tail -3 "$out/xs_tests.txt"
   PAGEDSERVE_INT4_STREAM=1 PAGEDSERVE_INT4_X_WORDS=1 python -m pytest -q -p no:cacheprovider -m gpu \
-    tests/engine/test_quantized_engine.py > "$out/xs_engine_tests.txt" 2>&1 || echo "XS ENGINE TESTS FAILED"
-  tail -3 "$out/xs_engine_tests.txt"
+    tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gated.py > "$out/xs_on_tests.txt" 2>&1 \
+    || echo "INT4 GPU TESTS WITH STREAM AND PAIRS ON FAILED (see xs_on_tests.txt)"
+  tail -3 "$out/xs_on_tests.txt"
   python -m loadtest.layout_bench --out "$out/layout.json" 2>&1 | tail -30
   # shellcheck disable=SC2086  # XS_VARIANTS is a list of names
   python -m loadtest.int4_bench --only model --gemv-variants ${XS_VARIANTS:-xwords stream_xwords stream_bn512 stream_bn512_sub} \

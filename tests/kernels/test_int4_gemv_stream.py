@@ -88,6 +88,19 @@ def test_the_plan_streams_factored_tiles_only() -> None:
     assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(), False).stream_programs == 0  # off by default
 
 
+def test_a_split_asked_for_keeps_the_split_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With GEMV_STREAM on, a config that names split_k or the counter reduction gets the split grid it asked for;
+    asking for both a stream and a split is refused."""
+    monkeypatch.setattr(int4_plan, "GEMV_STREAM", True)
+    assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(), False).stream_programs == 4 * 132
+    for asked in (Int4GemmConfig(split_k=4), Int4GemmConfig(split_reduce="counter")):
+        launch = pick_config(1, 4096, 4096, 128, 132, asked, False)
+        assert launch.stream_programs == 0 and (launch.split_k == 4 or launch.split_reduce == "counter")
+    assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(split_reduce="atomic"), False).stream_programs
+    with pytest.raises(ValueError, match="no split_k"):
+        pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(stream=True, split_k=4), False)
+
+
 def test_the_stream_tile_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     """GEMV_STREAM_BLOCK_N: stream launches take that many columns with 4 warps on every layer, the wide one too;
     split launches keep their tiles."""

@@ -52,6 +52,9 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any], float]] = {
     "stream_xw_bn512": (False, {"x_words": True, "block_n": 512, "num_warps": 4}, 1),
     "stream_xw_bn512_half": (False, {"x_words": True, "block_n": 512, "num_warps": 4}, 0.5),
     "stream_xw_sub_bn512": (False, {"x_words": True, "block_n": 512, "num_warps": 4, "subnormal": True}, 1),
+    # a stream program has several K tiles in one loop: a deeper pipeline may hide more of their loads
+    "stream_xw_s3": (False, {"x_words": True, "num_stages": 3}, 1),
+    "stream_xw_bn512_s3": (False, {"x_words": True, "block_n": 512, "num_warps": 4, "num_stages": 3}, 1),
 }
 
 

@@ -30,10 +30,11 @@
 #   stage i (~6 min): int4 at batch 1: the M = 1 GEMMs against a copy moving the same bytes, the int4 and bf16
 #                     models' TPOT against the bytes floor and that practical floor; then the concurrency sweep
 #                     (plot it here: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png)
-#   stage xs (~6 min): the batch-1 int4 GEMV's x as int32 pairs and its stream-K grid: their GPU tests, the int4 GEMM's
+#   stage xs (~7 min): the batch-1 int4 GEMV's x as int32 pairs and its stream-K grid: their GPU tests, the int4 GEMM's
 #                     and gated GEMV's with both on (PAGEDSERVE_INT4_STREAM=1 PAGEDSERVE_INT4_X_WORDS=1), then
-#                     loadtest.layout_bench (every variant at the 8B shapes) and the int4 model once per XS_VARIANTS
-#                     (default "xwords stream_xwords stream_bn512 stream_bn512_sub", loadtest.int4_model.GEMV_VARIANTS)
+#                     loadtest.layout_bench at the 8B shapes (LAYOUT_VARIANTS, default every row)
+#   stage xm (~6 min): the int4 model once per XS_VARIANTS (default "xwords stream_xwords stream_sub stream_bn512_sub
+#                     stream_sub_bk128", loadtest.int4_model.GEMV_VARIANTS) beside the defaults and bf16
 #   stage n (~7 min): the int4 GEMM's GPU tests (subnormal codes and the gated GEMV at the 8B shapes, graph replays),
 #                     then stage i's M = 1 GEMMs and the int4 model once per N_VARIANTS (loadtest.int4_model)
 #   stage q (~6 min): the int4 dequant and GEMM GPU tests, then the int4 GEMMs at M = Q_M (default 8 16 64 256)
@@ -104,7 +105,7 @@
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
 set -euo pipefail
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, xs, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, sd, sa, v, wg, wa, ds, dm, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, xs, xm, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, sd, sa, v, wg, wa, ds, dm, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -196,10 +197,13 @@ elif [ "$stage" = xs ]; then
     tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gated.py > "$out/xs_on_tests.txt" 2>&1 \
     || echo "INT4 GPU TESTS WITH STREAM AND PAIRS ON FAILED (see xs_on_tests.txt)"
   tail -3 "$out/xs_on_tests.txt"
-  python -m loadtest.layout_bench --out "$out/layout.json" 2>&1 | tail -30
+  # shellcheck disable=SC2086  # LAYOUT_VARIANTS is a list of names (default: every row)
+  python -m loadtest.layout_bench ${LAYOUT_VARIANTS:+--variants $LAYOUT_VARIANTS} --out "$out/layout.json" 2>&1 | tail -30
+elif [ "$stage" = xm ]; then
   # shellcheck disable=SC2086  # XS_VARIANTS is a list of names
-  python -m loadtest.int4_bench --only model --gemv-variants ${XS_VARIANTS:-xwords stream_xwords stream_bn512 stream_bn512_sub} \
-    --out "$out/int4-xs.json" 2>&1 | grep -v '^{"layer"' | tail -30
+  python -m loadtest.int4_bench --only model \
+    --gemv-variants ${XS_VARIANTS:-xwords stream_xwords stream_sub stream_bn512_sub stream_sub_bk128} \
+    --out "$out/int4-xm.json" 2>&1 | grep -v '^{"layer"' | tail -30
 elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24
   python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \

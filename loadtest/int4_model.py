@@ -113,6 +113,18 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     "stream_xwords": {"kernels.int4_plan:GEMV_STREAM": True, "kernels.int4_plan:GEMV_X_WORDS": True},
     # stream-K with 512-column tiles of 4 warps on every layer (x values shared by 4 columns a thread), then also with
     # subnormal codes
+    # stream-K with subnormal codes on every layer (the gated down: 3.36 instructions a weight against 4.52), then also
+    # with K tiles of 128 and bf16 loads (x shared through shared memory: 3.06 at 256 columns)
+    "stream_sub": {
+        "kernels.int4_plan:GEMV_STREAM": True,
+        "kernels.int4_plan:GEMV_X_WORDS": True,
+        "kernels.int4_plan:GEMV_SUBNORMAL": True,
+    },  # fmt: skip
+    "stream_sub_bk128": {
+        "kernels.int4_plan:GEMV_STREAM": True,
+        "kernels.int4_plan:GEMV_SUBNORMAL": True,
+        "kernels.int4_plan:_GEMV_BLOCK_K": {1: 128, 2: 64, 4: 32, 8: 32, 16: 16},
+    },  # fmt: skip
     "stream_bn512": {
         "kernels.int4_plan:GEMV_STREAM": True,
         "kernels.int4_plan:GEMV_X_WORDS": True,

@@ -7,7 +7,7 @@ against the same launch with x in fp32 (no conversion a value; twice its bytes),
 bf16 (``x_words``: not on the gated down projection, which keeps its loads), 3 stages, K tiles of 128 and
 32, and the stream-K grid (``kernels.int4_gemv_stream``) at 0.5-2x the tile's programs an SM (4; the wide tile's 16)
 with and without the pairs, and with 512-column tiles of 4 warps; alternating, beside a copy of the same bytes. Each variant is checked against the
-reference first. ``python -m loadtest.layout_bench [--out F]``.
+reference first. ``python -m loadtest.layout_bench [--variants NAME ...] [--out F]`` (the engine's launch always).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kernels.int4_config import Int4Launch
 from kernels.int4_gemm import _launch_gemv, _pick, int4_gemm_gated_ref, int4_gemm_ref
 from kernels.int4_plan import GEMV_PROGRAMS_PER_SM, GEMV_WIDE_TILE, num_sms
 from loadtest.int4_bench import same_traffic_copy_s
@@ -55,10 +56,28 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any], float]] = {
     # a stream program has several K tiles in one loop: a deeper pipeline may hide more of their loads
     "stream_xw_s3": (False, {"x_words": True, "num_stages": 3}, 1),
     "stream_xw_bn512_s3": (False, {"x_words": True, "block_n": 512, "num_warps": 4, "num_stages": 3}, 1),
+    # subnormal codes (gated down: 3.36 instructions a weight, 79 registers, against 4.52 and 127), and K tiles of 128,
+    # whose x tile Triton shares through shared memory (bf16 loads, subnormal: 3.06, 128 registers; with pairs and
+    # 512 columns: 3.16, 80 registers); python -m loadtest.sass_census
+    "stream_xw_sub": (False, {"x_words": True, "subnormal": True, "num_warps": 4, "block_n": 256}, 1),
+    "stream_sub_bk128": (False, {"subnormal": True, "block_k": 128, "num_warps": 4, "block_n": 256}, 1),
+    "stream_xw_sub_bk128_bn512": (
+        False,
+        {"x_words": True, "subnormal": True, "block_k": 128, "block_n": 512, "num_warps": 4},
+        1,
+    ),  # fmt: skip
 }
 
 
-def bench_shape(name: str, reps: int, gen: torch.Generator) -> dict[str, Any]:
+def variant_launch(cfg: Int4Launch, over: dict[str, Any], stream: float, sms: int) -> Int4Launch:
+    """The engine's launch ``cfg`` with a variant's overrides; a stream variant's grid is ``stream`` times its tile's
+    programs an SM (the wide tile's GEMV_WIDE_TILE, else GEMV_PROGRAMS_PER_SM)."""
+    c = replace(cfg, **over)
+    tile_programs = (GEMV_WIDE_TILE[2] if c.num_warps == 1 else GEMV_PROGRAMS_PER_SM) * sms
+    return replace(c, stream_programs=int(stream * tile_programs))
+
+
+def bench_shape(name: str, reps: int, gen: torch.Generator, variants: list[str]) -> dict[str, Any]:
     n, k, gated = SHAPES[name]
     x = torch.randn(1, 2 * k if gated else k, generator=gen).to(torch.bfloat16).cuda()
     copies = max(2, min(32, ROTATE_BYTES // int4_bytes(1, n, k)))
@@ -73,19 +92,17 @@ def bench_shape(name: str, reps: int, gen: torch.Generator) -> dict[str, Any]:
     sms = num_sms(x.device.index or 0)
 
     def call(w: dict[str, torch.Tensor], fp32: bool, over: dict[str, Any], stream: float) -> None:
-        c = replace(cfg, **over)
-        tile_programs = (GEMV_WIDE_TILE[2] if c.num_warps == 1 else GEMV_PROGRAMS_PER_SM) * sms
-        c = replace(c, stream_programs=int(stream * tile_programs))
+        c = variant_launch(cfg, over, stream, sms)
         _launch_gemv(x32 if fp32 else x, w["qweight"], w["scales"], w["zeros"], GROUP, None, out, c, gated)
 
     row: dict[str, Any] = {"layer": name, "n": n, "k": k, "block_n": cfg.block_n, "split": cfg.split_k, "err": {}}
-    for v, args in VARIANTS.items():
+    for v, args in ((v, VARIANTS[v]) for v in variants):
         out.fill_(float("nan"))
         call(ws[0], *args)
         torch.cuda.synchronize()
         row["err"][v] = rel_err(out, ref)
     for rnd in range(2):
-        for v, args in VARIANTS.items():
+        for v, args in ((v, VARIANTS[v]) for v in variants):
             calls = [partial(call, w, *args) for w in ws]
             row[f"{v}_us_{rnd}"] = round(1e6 * time_graph(calls, reps), 2)
     row["copy_us"] = round(1e6 * same_traffic_copy_s(int4_bytes(1, n, k), reps), 2)
@@ -96,13 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args(argv)
+    variants = ["default", *(v for v in args.variants if v != "default")]  # every row beside the engine's launch
     if not torch.cuda.is_available():
         print("layout_bench needs a GPU", file=sys.stderr)
         return 2
     gen = torch.Generator().manual_seed(0)
     report = {"device": torch.cuda.get_device_name()}
-    report_rows(report, (bench_shape(name, args.reps, gen) for name in SHAPES), args.out)
+    report_rows(report, (bench_shape(name, args.reps, gen, variants) for name in SHAPES), args.out)
     return 0
 
 

@@ -39,6 +39,10 @@ VARIANTS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "stream_xw_bn512": ("stream", 4, {"X_WORDS": True, "BLOCK_N": 512}),
     "stream_xw_sub_bn512": ("stream", 4, {"X_WORDS": True, "BLOCK_N": 512, "SUBNORMAL": True}),
     "stream_gated_bn512": ("stream", 4, {"GATED": True, "BLOCK_N": 512}),
+    "stream_xw_sub": ("stream", 4, {"X_WORDS": True, "SUBNORMAL": True}),
+    "stream_gated_sub": ("stream", 4, {"GATED": True, "SUBNORMAL": True}),
+    "stream_sub_bk128": ("stream", 4, {"SUBNORMAL": True, "BLOCK_K": 128}),  # x shared through shared memory
+    "stream_xw_sub_bk128_bn512": ("stream", 4, {"X_WORDS": True, "SUBNORMAL": True, "BLOCK_K": 128, "BLOCK_N": 512}),
 }
 POINTERS = {"qw_ptr": "*i32", "g_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 UNALIGNED = ("M", "one_bits", "stride_xk")  # the launcher's scalars Triton does not see as multiples of 16

@@ -33,8 +33,8 @@
 #   stage xs (~7 min): the batch-1 int4 GEMV's x as int32 pairs and its stream-K grid: their GPU tests, the int4 GEMM's
 #                     and gated GEMV's with both on (PAGEDSERVE_INT4_STREAM=1 PAGEDSERVE_INT4_X_WORDS=1), then
 #                     loadtest.layout_bench at the 8B shapes (LAYOUT_VARIANTS, default every row)
-#   stage xm (~6 min): the int4 model once per XS_VARIANTS (default "xwords stream_xwords stream_sub stream_bn512_sub
-#                     stream_sub_bk128", loadtest.int4_model.GEMV_VARIANTS) beside the defaults and bf16
+#   stage xm (~7 min): the int4 model once per XS_VARIANTS (default "xwords sub stream_xwords stream_sub
+#                     stream_bn512_sub stream_sub_bk128", loadtest.int4_model.GEMV_VARIANTS) beside the defaults and bf16
 #   stage n (~7 min): the int4 GEMM's GPU tests (subnormal codes and the gated GEMV at the 8B shapes, graph replays),
 #                     then stage i's M = 1 GEMMs and the int4 model once per N_VARIANTS (loadtest.int4_model)
 #   stage q (~6 min): the int4 dequant and GEMM GPU tests, then the int4 GEMMs at M = Q_M (default 8 16 64 256)
@@ -202,7 +202,7 @@ elif [ "$stage" = xs ]; then
 elif [ "$stage" = xm ]; then
   # shellcheck disable=SC2086  # XS_VARIANTS is a list of names
   python -m loadtest.int4_bench --only model \
-    --gemv-variants ${XS_VARIANTS:-xwords stream_xwords stream_sub stream_bn512_sub stream_sub_bk128} \
+    --gemv-variants ${XS_VARIANTS:-xwords sub stream_xwords stream_sub stream_bn512_sub stream_sub_bk128} \
     --out "$out/int4-xm.json" 2>&1 | grep -v '^{"layer"' | tail -30
 elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24

@@ -42,6 +42,10 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any], float]] = {
     "stages3": (False, {"num_stages": 3}, 0),
     "bk128": (False, {"block_k": 128}, 0),
     "bk32": (False, {"block_k": 32}, 0),
+    # the split grid with subnormal codes on every layer (sm_90: the gated down 3.38 instructions a weight and 64
+    # registers against 4.47 and 127; 128-deep tiles 3.07), to tell the tile's part from the stream grid's
+    "sub": (False, {"subnormal": True}, 0),
+    "sub_bk128": (False, {"subnormal": True, "block_k": 128}, 0),
     "stream": (False, {}, 1),
     "stream_half": (False, {}, 0.5),
     "stream_2x": (False, {}, 2),

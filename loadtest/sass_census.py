@@ -33,6 +33,8 @@ VARIANTS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "split_wide": ("split", 1, {"SUBNORMAL": True}),  # the wide tile (gate_up)
     "split_wide_xw": ("split", 1, {"SUBNORMAL": True, "X_WORDS": True}),
     "split_gated": ("split", 4, {"GATED": True}),  # the down projection
+    "split_gated_sub": ("split", 4, {"GATED": True, "SUBNORMAL": True}),
+    "split_sub_bk128": ("split", 4, {"SUBNORMAL": True, "BLOCK_K": 128}),
     "stream_xw": ("stream", 4, {"X_WORDS": True}),
     "stream_wide_xw": ("stream", 1, {"SUBNORMAL": True, "X_WORDS": True}),
     "stream_gated": ("stream", 4, {"GATED": True}),

@@ -37,8 +37,8 @@ GEMV_STREAM = os.environ.get("PAGEDSERVE_INT4_STREAM", "0") == "1"
 # Stream launches' tile: this many columns with 4 warps on every layer (the wide one too); 0: the split launch's
 # tiles. A stream grid needs no column tiles for its parallelism, so wider tiles let more columns share each x value
 # (sm_90 K loop with x_words: 3.97 instructions a weight at 512 columns, 4.57 at 256). Untimed (int4_bench variants
-# "stream_bn512", "stream_bn512_sub").
-GEMV_STREAM_BLOCK_N = 0
+# "stream_bn512", "stream_bn512_sub"); PAGEDSERVE_INT4_STREAM_BLOCK_N sets it.
+GEMV_STREAM_BLOCK_N = int(os.environ.get("PAGEDSERVE_INT4_STREAM_BLOCK_N", "0"))
 # tl.dot split-K up to 64 rows: at least this much up to 16 rows (one 16-row tile), even where the column tiles alone
 # fill the SMs (gate_up's 224 at 128 columns: split 2, 32 K tiles a program), and exactly this much from 17 to 64.
 # H200, Session 14 (int4_bench rows "fused" and "dot split8", the 8B shapes, same run): gate_up 75.0 -> 64.0 us at

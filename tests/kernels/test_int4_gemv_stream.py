@@ -73,7 +73,9 @@ def test_stream_equals_the_reference_and_the_split_launch(
     assert _scratch_is_zero()  # each tile's counter saw exactly its programs
 
 
-def test_the_plan_streams_factored_tiles_only() -> None:
+def test_the_plan_streams_factored_tiles_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, default in (("GEMV_STREAM", False), ("GEMV_STREAM_BLOCK_N", 0)):  # the defaults, whatever the env says
+        monkeypatch.setattr(int4_plan, name, default)
     on = Int4GemmConfig(stream=True)
     launch = pick_config(1, 4096, 4096, 128, 132, on, False)
     assert launch.kernel == "gemv" and launch.stream_programs == 4 * 132  # the default tile's programs per SM

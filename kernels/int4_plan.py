@@ -39,6 +39,9 @@ GEMV_STREAM = os.environ.get("PAGEDSERVE_INT4_STREAM", "0") == "1"
 # (sm_90 K loop with x_words: 3.97 instructions a weight at 512 columns, 4.57 at 256). Untimed (int4_bench variants
 # "stream_bn512", "stream_bn512_sub"); PAGEDSERVE_INT4_STREAM_BLOCK_N sets it.
 GEMV_STREAM_BLOCK_N = int(os.environ.get("PAGEDSERVE_INT4_STREAM_BLOCK_N", "0"))
+# A stream grid is one wave: the one-warp wide tile (250-254 registers on sm_90, 161 with x_words) holds 8 programs an
+# SM by registers (64 K of them), not GEMV_WIDE_TILE's 16, which the split grid runs in waves.
+GEMV_STREAM_WIDE_PPS = 8
 # tl.dot split-K up to 64 rows: at least this much up to 16 rows (one 16-row tile), even where the column tiles alone
 # fill the SMs (gate_up's 224 at 128 columns: split 2, 32 K tiles a program), and exactly this much from 17 to 64.
 # H200, Session 14 (int4_bench rows "fused" and "dot split8", the 8B shapes, same run): gate_up 75.0 -> 64.0 us at
@@ -234,6 +237,8 @@ def _pick_gemv(
     factored = (user.factored is None or user.factored) and not has_g_idx and group_size % bk == 0
     subnormal = factored and ((GEMV_SUBNORMAL or wide) if user.subnormal is None else user.subnormal)
     stream = factored and k % bk == 0 and _stream(user)
+    if stream and user.programs_per_sm is None and (user.num_warps or warps) == 1:
+        target = GEMV_STREAM_WIDE_PPS * num_sms  # one wave of the one-warp tile (the split grid's 16 is ~2)
     return Int4Launch(
         "gemv", block_m, bn, bk, split, _reduce(user, m, split), user.num_warps or warps, user.num_stages or 2,
         unpack_in_registers=False, factored=factored, subnormal=subnormal,

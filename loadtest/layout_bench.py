@@ -5,7 +5,7 @@ Times, on the GPU, the engine's M = 1 launch (``kernels.int4_plan``'s default, P
 8B shapes (down gated, as the engine runs it), many calls in one CUDA graph cycling weight copies past the L2,
 against the same launch with x in fp32 (no conversion a value; twice its bytes), x loaded as int32 pairs of
 bf16 (``x_words``: not on the gated down projection, which keeps its loads), 3 stages, K tiles of 128 and
-32, and the stream-K grid (``kernels.int4_gemv_stream``) at 0.5-2x the tile's programs an SM (4; the wide tile's 16)
+32, and the stream-K grid (``kernels.int4_gemv_stream``) at 0.5-2x the tile's programs an SM (4; the wide tile's 8)
 with and without the pairs, and with 512-column tiles of 4 warps; alternating, beside a copy of the same bytes. Each variant is checked against the
 reference first. ``python -m loadtest.layout_bench [--variants NAME ...] [--out F]`` (the engine's launch always).
 """
@@ -22,7 +22,7 @@ import torch
 
 from kernels.int4_config import Int4Launch
 from kernels.int4_gemm import _launch_gemv, _pick, int4_gemm_gated_ref, int4_gemm_ref
-from kernels.int4_plan import GEMV_PROGRAMS_PER_SM, GEMV_WIDE_TILE, num_sms
+from kernels.int4_plan import GEMV_PROGRAMS_PER_SM, GEMV_STREAM_WIDE_PPS, num_sms
 from loadtest.int4_bench import same_traffic_copy_s
 from loadtest.int4_gemm_sweep import GROUP_SIZE, int4_bytes, random_int4
 from loadtest.kernel_bench_common import ROTATE_BYTES, rel_err, report_rows, time_graph
@@ -75,9 +75,9 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any], float]] = {
 
 def variant_launch(cfg: Int4Launch, over: dict[str, Any], stream: float, sms: int) -> Int4Launch:
     """The engine's launch ``cfg`` with a variant's overrides; a stream variant's grid is ``stream`` times its tile's
-    programs an SM (the wide tile's GEMV_WIDE_TILE, else GEMV_PROGRAMS_PER_SM)."""
+    programs an SM (the one-warp tile's GEMV_STREAM_WIDE_PPS, else GEMV_PROGRAMS_PER_SM)."""
     c = replace(cfg, **over)
-    tile_programs = (GEMV_WIDE_TILE[2] if c.num_warps == 1 else GEMV_PROGRAMS_PER_SM) * sms
+    tile_programs = (GEMV_STREAM_WIDE_PPS if c.num_warps == 1 else GEMV_PROGRAMS_PER_SM) * sms
     return replace(c, stream_programs=int(stream * tile_programs))
 
 

@@ -79,7 +79,7 @@ def test_the_plan_streams_factored_tiles_only(monkeypatch: pytest.MonkeyPatch) -
     on = Int4GemmConfig(stream=True)
     launch = pick_config(1, 4096, 4096, 128, 132, on, False)
     assert launch.kernel == "gemv" and launch.stream_programs == 4 * 132  # the default tile's programs per SM
-    assert pick_config(1, 28672, 4096, 128, 132, on, False).stream_programs == 16 * 132  # the wide tile's
+    assert pick_config(1, 28672, 4096, 128, 132, on, False).stream_programs == 8 * 132  # the wide tile's one wave
     assert (
         pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(stream=True, programs_per_sm=2), False).stream_programs
         == 264

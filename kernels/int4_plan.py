@@ -228,17 +228,17 @@ def _pick_gemv(
     if not has_g_idx and group_pow2 >= PACK:
         bk = min(bk, group_pow2)  # every tile inside one group
     wide = block_m == 1 and n >= GEMV_WIDE_N
+    factored = (user.factored is None or user.factored) and not has_g_idx and group_size % bk == 0
+    stream = factored and k % bk == 0 and _stream(user)
     bn_default, warps, pps = GEMV_WIDE_TILE if wide else (256, 4, GEMV_PROGRAMS_PER_SM)
-    if GEMV_STREAM_BLOCK_N and _stream(user):
+    if stream and GEMV_STREAM_BLOCK_N:
         bn_default, warps, pps = GEMV_STREAM_BLOCK_N, 4, GEMV_PROGRAMS_PER_SM
+    elif stream and (user.num_warps or warps) == 1:
+        pps = GEMV_STREAM_WIDE_PPS  # one wave of the one-warp tile (the split grid's 16 is ~2)
     bn = user.block_n or bn_default
     target = (user.programs_per_sm or pps) * num_sms
     split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), target, 32)
-    factored = (user.factored is None or user.factored) and not has_g_idx and group_size % bk == 0
     subnormal = factored and ((GEMV_SUBNORMAL or wide) if user.subnormal is None else user.subnormal)
-    stream = factored and k % bk == 0 and _stream(user)
-    if stream and user.programs_per_sm is None and (user.num_warps or warps) == 1:
-        target = GEMV_STREAM_WIDE_PPS * num_sms  # one wave of the one-warp tile (the split grid's 16 is ~2)
     return Int4Launch(
         "gemv", block_m, bn, bk, split, _reduce(user, m, split), user.num_warps or warps, user.num_stages or 2,
         unpack_in_registers=False, factored=factored, subnormal=subnormal,

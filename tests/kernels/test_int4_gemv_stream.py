@@ -111,6 +111,8 @@ def test_the_stream_tile_setting(monkeypatch: pytest.MonkeyPatch) -> None:
         launch = pick_config(1, n, 4096, 128, 132, Int4GemmConfig(stream=True), False)
         assert (launch.block_n, launch.num_warps, launch.stream_programs) == (512, 4, 4 * 132)
     assert pick_config(1, 28672, 4096, 128, 132, Int4GemmConfig(stream=False), False).block_n == 256
+    monkeypatch.setattr(int4_plan, "GEMV_STREAM", True)
+    assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(), True).block_n == 256  # g_idx: split, its own tile
 
 
 def test_int4_gemm_routes_the_stream_config(gen: torch.Generator) -> None:

@@ -46,8 +46,19 @@ VARIANTS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "stream_sub_bk128": ("stream", 4, {"SUBNORMAL": True, "BLOCK_K": 128}),  # x shared through shared memory
     "stream_xw_sub_bk128_bn512": ("stream", 4, {"X_WORDS": True, "SUBNORMAL": True, "BLOCK_K": 128, "BLOCK_N": 512}),
 }
-POINTERS = {"qw_ptr": "*i32", "g_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-UNALIGNED = ("M", "one_bits", "stride_xk")  # the launcher's scalars Triton does not see as multiples of 16
+# Argument types for the compile: every pointer not named here is bf16, every scalar not named here i32
+POINTERS = {
+    "qw_ptr": "*i32", "g_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "ssi_ptr": "*fp32",
+    "sso_ptr": "*fp32",
+}  # fmt: skip
+SCALARS = {"eps": "fp32"}
+UNALIGNED = (
+    "M",
+    "one_bits",
+    "stride_xk",
+    "eps",
+    "num_parts",
+)  # launcher scalars Triton does not see as multiples of 16
 
 
 @dataclass(frozen=True)
@@ -71,23 +82,31 @@ def _kernel(name: str) -> Any:
     return _int4_gemv_stream_kernel
 
 
-def _sass(kernel: Any, constexprs: dict[str, Any], num_warps: int) -> tuple[str, str]:
-    """ptxas's report and cuobjdump's SASS of ``kernel`` compiled for sm_90."""
+def compile_sm90(kernel: Any, constexprs: dict[str, Any], num_warps: int) -> Any:
+    """``kernel`` (a ``triton.jit`` function) compiled for sm_90 here, as its launcher specializes it: pointers
+    and sizes 16-aligned but ``UNALIGNED``'s scalars; ``NUM_STAGES`` (default 3) as the pipeline's depth."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
     signature = {
-        a: "constexpr" if a in constexprs else POINTERS.get(a, "*bf16" if a.endswith("_ptr") else "i32") for a in names
+        a: "constexpr" if a in constexprs else POINTERS.get(a, "*bf16" if a.endswith("_ptr") else SCALARS.get(a, "i32"))
+        for a in names
     }
     aligned = {
         (i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a not in constexprs and a not in UNALIGNED
     }
-    compiled = triton.compile(
+    return triton.compile(
         ASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "num_stages": constexprs["NUM_STAGES"]},
+        options={"num_warps": num_warps, "num_stages": constexprs.get("NUM_STAGES", 3)},
     )  # fmt: skip
+
+
+def ptxas_sass(compiled: Any) -> tuple[str, str]:
+    """ptxas's report (``-v``) and cuobjdump's SASS of a ``triton.compile`` result for sm_90 (the wheel's tools)."""
+    import triton
+
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.o")
@@ -122,7 +141,7 @@ def count(report: str, sass: str, weights: int) -> Census:
 def census(name: str) -> Census:
     kernel, warps, over = VARIANTS[name]
     constexprs = {**BASE, **over, **(SPLIT_ONLY if kernel == "split" else {})}
-    report, sass = _sass(_kernel(kernel), constexprs, warps)
+    report, sass = ptxas_sass(compile_sm90(_kernel(kernel), constexprs, warps))
     weights = constexprs["BLOCK_N"] * constexprs["BLOCK_K"] // (32 * warps)  # one row of x: M = 1
     return count(report, sass, weights)
 

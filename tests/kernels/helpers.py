@@ -89,30 +89,18 @@ def int4_weights(
 # num_warps.
 _COMPILE_SM90 = """
 import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from kernels.int4_gemm import _int4_gemm_kernel
 from kernels.int4_gemv import _int4_gemv_kernel
 from kernels.int4_gemv_stream import _int4_gemv_stream_kernel
 from kernels.gemv import _gemv_kernel
+from loadtest.sass_census import compile_sm90
 
 kernels = {"gemv": _int4_gemv_kernel, "dot": _int4_gemm_kernel, "dense": _gemv_kernel, "stream": _int4_gemv_stream_kernel}
 kernel = kernels[sys.argv[1]]
-names = kernel.arg_names
 fused_norm_off = {"NORMED": False, "PARTS": 1, "ADD_RESIDUAL": False, "PDL": False,
                   "TRIGGER": False, "X_WORDS": False}  # the dense GEMV's fused_norm switches, no PDL, bf16 x loads
-constexprs = {**{a: v for a, v in fused_norm_off.items() if a in names}, **json.loads(sys.argv[2])}
-pointers = {"qw_ptr": "*i32", "g_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-            "ssi_ptr": "*fp32", "sso_ptr": "*fp32"}
-scalars = {"eps": "fp32"}
-signature = {a: "constexpr" if a in constexprs else pointers.get(a, "*bf16" if a.endswith("_ptr") else
-             scalars.get(a, "i32")) for a in names}
-aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
-           if a not in constexprs and a not in ("M", "one_bits", "stride_xk", "eps", "num_parts")}
-compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": int(sys.argv[3]), "num_stages": constexprs.get("NUM_STAGES", 3)})
-print(compiled.asm["ttgir"])
+constexprs = {**{a: v for a, v in fused_norm_off.items() if a in kernel.arg_names}, **json.loads(sys.argv[2])}
+print(compile_sm90(kernel, constexprs, int(sys.argv[3])).asm["ttgir"])
 """
 
 
@@ -143,15 +131,9 @@ def dequantized_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
 # The end of a compile script: ``compiled`` (a triton.compile result for sm_90) through the wheel's ptxas, whose
 # report it prints, and cuobjdump, whose SASS it leaves in ``sass``.
 PTXAS_REPORT = """
-import os, subprocess, tempfile
-bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-with tempfile.TemporaryDirectory() as tmp:
-    ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.o")
-    with open(ptx, "w") as f:
-        f.write(compiled.asm["ptx"])
-    print(subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
-                         capture_output=True, text=True, check=True).stderr)
-    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+from loadtest.sass_census import ptxas_sass
+report, sass = ptxas_sass(compiled)
+print(report)
 """
 
 

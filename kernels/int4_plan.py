@@ -16,6 +16,7 @@ from kernels.int4_config import Int4GemmConfig, Int4Launch, Kernel, SplitReduce
 from kernels.int4_dequant import PACK
 from kernels.int4_gemm_wgmma import check_tile
 from kernels.int4_gemv_mma import PERMUTE_SPAN
+from kernels.int4_gemv_stream import stream_fits
 
 GEMV_MAX_M = 4  # the default kernel is the GEMV up to this many rows (pick_config says why)
 # The factored GEMV's codes as subnormals (kernels.int4_gemv.subnormal: an and per weight) instead of as
@@ -229,7 +230,7 @@ def _pick_gemv(
         bk = min(bk, group_pow2)  # every tile inside one group
     wide = block_m == 1 and n >= GEMV_WIDE_N
     factored = (user.factored is None or user.factored) and not has_g_idx and group_size % bk == 0
-    stream = factored and k % bk == 0 and _stream(user)
+    stream = factored and stream_fits(k, group_size, bk, has_g_idx) and _stream(user)
     bn_default, warps, pps = GEMV_WIDE_TILE if wide else (256, 4, GEMV_PROGRAMS_PER_SM)
     if stream and GEMV_STREAM_BLOCK_N:
         bn_default, warps, pps = GEMV_STREAM_BLOCK_N, 4, GEMV_PROGRAMS_PER_SM

@@ -4,6 +4,9 @@ the device for a bad tile or grid."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -26,3 +29,11 @@ def test_every_variant_runs_and_equals_the_reference(gated: bool) -> None:
         _launch_gemv(x.float() if fp32 else x, qweight, scales, zeros, GROUP, None, out, launch, gated)
         assert (launch.stream_programs > 0) == (stream > 0), name
         assert rel_err(out, ref) < 2 * tolerance(x.dtype), name
+
+
+def test_stage_xa_names_known_rows() -> None:
+    script = (Path(__file__).parents[2] / "loadtest" / "gpu_session.sh").read_text()
+    match = re.search(r"LAYOUT_VARIANTS:-([^}]*)\}", script)
+    assert match is not None
+    names = match.group(1).replace("\\", " ").split()
+    assert names and set(names) <= set(VARIANTS), names

@@ -35,9 +35,9 @@
 #                     loadtest.layout_bench at the 8B shapes (LAYOUT_VARIANTS, default every row)
 #   stage xm (~7 min): the int4 model once per XS_VARIANTS (default "xwords sub stream_xwords stream_sub
 #                     stream_bn512_sub stream_sub_bk128", loadtest.int4_model.GEMV_VARIANTS) beside the defaults and bf16
-#   stage xa (~9 min): xs and xm in one call, for a session that may get one: the x_words and stream GPU tests, the
-#                     int4 model once per XA_VARIANTS (default "stream_sub stream_bn512_sub sub"), then layout_bench's
-#                     LAYOUT_VARIANTS (default the split and stream rows with pairs and subnormal codes), time-boxed
+#   stage xa (~9 min): xs and xm in one call, for a session that may get one start: the x_words and stream GPU tests,
+#                     layout_bench's LAYOUT_VARIANTS (default the split and stream rows with pairs and subnormal codes),
+#                     then the int4 model once per XA_VARIANTS (default "stream_sub stream_bn512_sub"), each time-boxed
 #   stage n (~7 min): the int4 GEMM's GPU tests (subnormal codes and the gated GEMV at the 8B shapes, graph replays),
 #                     then stage i's M = 1 GEMMs and the int4 model once per N_VARIANTS (loadtest.int4_model)
 #   stage q (~6 min): the int4 dequant and GEMM GPU tests, then the int4 GEMMs at M = Q_M (default 8 16 64 256)
@@ -208,16 +208,17 @@ elif [ "$stage" = xm ]; then
     --gemv-variants ${XS_VARIANTS:-xwords sub stream_xwords stream_sub stream_bn512_sub stream_sub_bk128} \
     --out "$out/int4-xm.json" 2>&1 | grep -v '^{"layer"' | tail -30
 elif [ "$stage" = xa ]; then
-  python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_int4_x_words.py tests/kernels/test_int4_gemv_stream.py \
-    > "$out/xs_tests.txt" 2>&1 || echo "XS GPU TESTS FAILED (see xs_tests.txt)"
+  # each step time-boxed and teed into $OUT, so a step cut short still leaves what it printed
+  timeout -k 10 120 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_int4_x_words.py \
+    tests/kernels/test_int4_gemv_stream.py > "$out/xs_tests.txt" 2>&1 || echo "XS GPU TESTS FAILED (see xs_tests.txt)"
   tail -3 "$out/xs_tests.txt"
-  # shellcheck disable=SC2086  # XA_VARIANTS is a list of names
-  timeout -k 10 330 python -m loadtest.int4_bench --only model \
-    --gemv-variants ${XA_VARIANTS:-stream_sub stream_bn512_sub sub} \
-    --out "$out/int4-xa.json" 2>&1 | grep -v '^{"layer"' | tail -12 || echo "INT4 MODEL TIMED OUT"
   # shellcheck disable=SC2086  # LAYOUT_VARIANTS is a list of names
   timeout -k 10 120 python -m loadtest.layout_bench --variants ${LAYOUT_VARIANTS:-default x_words sub stream_xw \
-    stream_xw_sub stream_sub_bk128 stream_xw_bn512 stream_xw_sub_bn512} --out "$out/layout.json" 2>&1 | tail -14
+    stream_xw_sub stream_sub_bk128 stream_xw_bn512 stream_xw_sub_bn512} --out "$out/layout.json" 2>&1 \
+    | tee "$out/layout.txt" | tail -14 || echo "LAYOUT BENCH CUT SHORT"
+  # shellcheck disable=SC2086  # XA_VARIANTS is a list of names
+  timeout -k 10 300 python -m loadtest.int4_bench --only model --gemv-variants ${XA_VARIANTS:-stream_sub stream_bn512_sub} \
+    --out "$out/int4-xa.json" 2>&1 | grep -v '^{"layer"' | tee "$out/int4-xa.txt" | cut -c1-1500 || echo "INT4 MODEL CUT SHORT"
 elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24
   python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \

@@ -1,12 +1,13 @@
 """Stream-K launch of the factored int4 GEMV (``kernels.int4_gemv``'s tile, same weight layout): a fixed grid of
 programs shares the layer's work evenly instead of one program per (column tile, K split).
 
-Why (#13, batch 1): with a split-K grid each program of the 8B projections at M = 1 does one to four K tiles
-(o: 1024 programs of one tile; qkv 768 of two; gate_up 3584 of two), so a program loads, then computes, then
-reduces, with little of its own loading under its arithmetic, and the grids of o, gate_up and down take more than
-one wave of the programs the SMs hold (by registers: ~7 an SM for the default tile, 4 gated, 8 wide). Here the layer is a row of units, (column tile, K tile), column tile by column tile; program
-``p`` of ``P`` takes units ``[p U / P, (p + 1) U / P)``, one pipelined loop per column tile its run touches (one or
-two mostly), so every program has about ``U / P`` tiles in one pipeline and ``P`` is what the SMs hold at once.
+Why (#13, batch 1): with a split-K grid each program of the 8B projections at M = 1 does one to four K tiles (o:
+1024 programs of one tile; qkv 768 of two; gate_up 3584 of two), so a program loads, then computes, then reduces,
+with little of its own loading under its arithmetic, and the grids of o, gate_up and down take more than one wave of
+the programs the SMs hold (by registers: ~7 an SM for the default tile, 4 gated, 8 wide). Here the layer is a row of
+units, (column tile, K tile), column tile by column tile; program ``p`` of ``P`` takes units
+``[p U / P, (p + 1) U / P)``, one pipelined loop per column tile its run touches (one or two mostly), so every
+program has about ``U / P`` tiles in one pipeline and ``P`` is what the SMs hold at once.
 
 Each column tile's partial sums meet in ``kernels.int4_split``'s atomic reduction: fp32 atomic adds into the zeroed
 accumulator, and the last of the tile's programs (their number follows from the runs) writes the output and zeroes

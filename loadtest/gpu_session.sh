@@ -126,6 +126,11 @@ mixed_ab() {  # the same workload, each prefill kernel twice, alternating, one m
       "$out/mixed-$kernel-$run.json" "$kernel" || true
   done
 }
+xs_tests() {  # the x_words and stream-K GEMV GPU tests, at most $1 seconds; a failure is reported, not fatal
+  timeout -k 10 "$1" python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_int4_x_words.py \
+    tests/kernels/test_int4_gemv_stream.py > "$out/xs_tests.txt" 2>&1 || echo "XS GPU TESTS FAILED (see xs_tests.txt)"
+  tail -3 "$out/xs_tests.txt"
+}
 if [ "$stage" = 1 ]; then
   # a failure is reported, not fatal: the timings below still tell which variant to fix
   python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/kernels/test_gpu.py > "$out/gpu_tests.txt" 2>&1 \
@@ -193,9 +198,7 @@ elif [ "$stage" = dm ]; then
     --gemv-variants ${DM_VARIANTS:-step} \
     --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-3000
 elif [ "$stage" = xs ]; then
-  python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_int4_x_words.py tests/kernels/test_int4_gemv_stream.py \
-    > "$out/xs_tests.txt" 2>&1 || echo "XS GPU TESTS FAILED (see xs_tests.txt)"
-  tail -3 "$out/xs_tests.txt"
+  xs_tests 600
   PAGEDSERVE_INT4_STREAM=1 PAGEDSERVE_INT4_X_WORDS=1 python -m pytest -q -p no:cacheprovider -m gpu \
     tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gated.py > "$out/xs_on_tests.txt" 2>&1 \
     || echo "INT4 GPU TESTS WITH STREAM AND PAIRS ON FAILED (see xs_on_tests.txt)"
@@ -209,9 +212,7 @@ elif [ "$stage" = xm ]; then
     --out "$out/int4-xm.json" 2>&1 | grep -v '^{"layer"' | tail -30
 elif [ "$stage" = xa ]; then
   # each step time-boxed and teed into $OUT, so a step cut short still leaves what it printed
-  timeout -k 10 120 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_int4_x_words.py \
-    tests/kernels/test_int4_gemv_stream.py > "$out/xs_tests.txt" 2>&1 || echo "XS GPU TESTS FAILED (see xs_tests.txt)"
-  tail -3 "$out/xs_tests.txt"
+  xs_tests 120
   # shellcheck disable=SC2086  # LAYOUT_VARIANTS is a list of names
   timeout -k 10 120 python -m loadtest.layout_bench --variants ${LAYOUT_VARIANTS:-default x_words sub stream_xw \
     stream_xw_sub stream_sub_bk128 stream_xw_bn512 stream_xw_sub_bn512} --out "$out/layout.json" 2>&1 \

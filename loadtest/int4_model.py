@@ -111,8 +111,6 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     "xwords": {"kernels.int4_plan:GEMV_X_WORDS": True},  # bf16 x loaded as int32 pairs (qkv, o, gate_up at M = 1)
     "stream": {"kernels.int4_plan:GEMV_STREAM": True},  # the M = 1 GEMVs as stream-K (kernels.int4_gemv_stream)
     "stream_xwords": {"kernels.int4_plan:GEMV_STREAM": True, "kernels.int4_plan:GEMV_X_WORDS": True},
-    # stream-K with 512-column tiles of 4 warps on every layer (x values shared by 4 columns a thread), then also with
-    # subnormal codes
     # stream-K with subnormal codes on every layer (the gated down: 3.36 instructions a weight against 4.52), then also
     # with K tiles of 128 and bf16 loads (x shared through shared memory: 3.06 at 256 columns)
     "stream_sub": {
@@ -125,6 +123,8 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
         "kernels.int4_plan:GEMV_SUBNORMAL": True,
         "kernels.int4_plan:_GEMV_BLOCK_K": {1: 128, 2: 64, 4: 32, 8: 32, 16: 16},
     },  # fmt: skip
+    # stream-K with 512-column tiles of 4 warps on every layer (x values shared by 4 columns a thread), then also with
+    # subnormal codes
     "stream_bn512": {
         "kernels.int4_plan:GEMV_STREAM": True,
         "kernels.int4_plan:GEMV_X_WORDS": True,

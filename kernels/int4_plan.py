@@ -40,6 +40,14 @@ GEMV_STREAM = os.environ.get("PAGEDSERVE_INT4_STREAM", "0") == "1"
 # (sm_90 K loop with x_words: 3.97 instructions a weight at 512 columns, 4.57 at 256). Untimed (int4_bench variants
 # "stream_bn512", "stream_bn512_sub"); PAGEDSERVE_INT4_STREAM_BLOCK_N sets it.
 GEMV_STREAM_BLOCK_N = int(os.environ.get("PAGEDSERVE_INT4_STREAM_BLOCK_N", "0"))
+# GEMV_STREAM's default launch only on layers of at least this many weights (N x K), the split grid below: H100,
+# Session 37 (layout_bench, stream with pairs, subnormal codes and 512 columns against the split launch): the 8B
+# gate_up (117 M weights) 26.1 vs 26.5 us and down (59 M) 15.7 vs 16.2, but qkv (25 M) 9.9 vs 9.0 and o (17 M)
+# 7.6 vs 6.9. PAGEDSERVE_INT4_STREAM_MIN_WEIGHTS sets it.
+GEMV_STREAM_MIN_WEIGHTS = int(os.environ.get("PAGEDSERVE_INT4_STREAM_MIN_WEIGHTS", "0"))
+# Subnormal codes on stream launches (GEMV_SUBNORMAL puts them on every factored launch): the same H100 run, down
+# at 512 columns 15.7 us with them against 16.7 without.
+GEMV_STREAM_SUBNORMAL = os.environ.get("PAGEDSERVE_INT4_STREAM_SUBNORMAL", "0") == "1"
 # A stream grid is one wave: the one-warp wide tile (250-254 registers on sm_90, 161 with x_words) holds 8 programs an
 # SM by registers (64 K of them), not GEMV_WIDE_TILE's 16, which the split grid runs in waves.
 GEMV_STREAM_WIDE_PPS = 8
@@ -230,7 +238,7 @@ def _pick_gemv(
         bk = min(bk, group_pow2)  # every tile inside one group
     wide = block_m == 1 and n >= GEMV_WIDE_N
     factored = (user.factored is None or user.factored) and not has_g_idx and group_size % bk == 0
-    stream = factored and stream_fits(k, group_size, bk, has_g_idx) and _stream(user)
+    stream = factored and stream_fits(k, group_size, bk, has_g_idx) and _stream(user, n * k)
     bn_default, warps, pps = GEMV_WIDE_TILE if wide else (256, 4, GEMV_PROGRAMS_PER_SM)
     if stream and GEMV_STREAM_BLOCK_N:
         bn_default, warps, pps = GEMV_STREAM_BLOCK_N, 4, GEMV_PROGRAMS_PER_SM
@@ -239,7 +247,8 @@ def _pick_gemv(
     bn = user.block_n or bn_default
     target = (user.programs_per_sm or pps) * num_sms
     split = user.split_k or _fill_split(-(-n // bn), -(-k // bk), target, 32)
-    subnormal = factored and ((GEMV_SUBNORMAL or wide) if user.subnormal is None else user.subnormal)
+    sub_default = GEMV_SUBNORMAL or wide or (stream and GEMV_STREAM_SUBNORMAL)
+    subnormal = factored and (sub_default if user.subnormal is None else user.subnormal)
     return Int4Launch(
         "gemv", block_m, bn, bk, split, _reduce(user, m, split), user.num_warps or warps, user.num_stages or 2,
         unpack_in_registers=False, factored=factored, subnormal=subnormal,
@@ -248,13 +257,16 @@ def _pick_gemv(
     )  # fmt: skip
 
 
-def _stream(user: Int4GemmConfig) -> bool:
-    """Whether a factored GEMV launch is stream-K: the user's choice, else GEMV_STREAM where the user left the split
-    to the plan (a split_k or the deterministic counter reduction asks for the split grid)."""
+def _stream(user: Int4GemmConfig, weights: int) -> bool:
+    """Whether a factored GEMV launch is stream-K: the user's choice, else GEMV_STREAM on layers of at least
+    GEMV_STREAM_MIN_WEIGHTS weights where the user left the split to the plan (a split_k or the deterministic counter
+    reduction asks for the split grid)."""
     split_asked = user.split_k is not None or user.split_reduce == "counter"
     if user.stream and split_asked:
         raise ValueError("a stream GEMV has no split_k and sums with atomics: leave split_k and split_reduce unset")
-    return GEMV_STREAM and not split_asked if user.stream is None else user.stream
+    if user.stream is not None:
+        return user.stream
+    return GEMV_STREAM and not split_asked and weights >= GEMV_STREAM_MIN_WEIGHTS
 
 
 def _pick_dot(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:

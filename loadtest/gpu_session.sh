@@ -38,6 +38,8 @@
 #   stage xa (~9 min): xs and xm in one call, for a session that may get one start: the x_words and stream GPU tests,
 #                     layout_bench's LAYOUT_VARIANTS (default the split and stream rows with pairs and subnormal codes),
 #                     then the int4 model once per XA_VARIANTS (default "stream_sub stream_bn512_sub"), each time-boxed
+#   stage xb (~5 min): the x_words and stream GPU tests, then the int4 model twice, each run once per XB_VARIANTS
+#                     (default "xwords big_stream": Session 37's per-layer winners) beside the defaults and bf16
 #   stage n (~7 min): the int4 GEMM's GPU tests (subnormal codes and the gated GEMV at the 8B shapes, graph replays),
 #                     then stage i's M = 1 GEMMs and the int4 model once per N_VARIANTS (loadtest.int4_model)
 #   stage q (~6 min): the int4 dequant and GEMM GPU tests, then the int4 GEMMs at M = Q_M (default 8 16 64 256)
@@ -220,6 +222,14 @@ elif [ "$stage" = xa ]; then
   # shellcheck disable=SC2086  # XA_VARIANTS is a list of names
   timeout -k 10 300 python -m loadtest.int4_bench --only model --gemv-variants ${XA_VARIANTS:-stream_sub stream_bn512_sub} \
     --out "$out/int4-xa.json" 2>&1 | grep -v '^{"layer"' | tee "$out/int4-xa.txt" | cut -c1-1500 || echo "INT4 MODEL CUT SHORT"
+elif [ "$stage" = xb ]; then
+  xs_tests 150
+  for run in 1 2; do  # two runs: the spread between them is the noise the variants' differences must exceed
+    # shellcheck disable=SC2086  # XB_VARIANTS is a list of names
+    timeout -k 10 180 python -m loadtest.int4_bench --only model --gemv-variants ${XB_VARIANTS:-xwords big_stream} \
+      --out "$out/int4-xb-$run.json" 2>&1 | grep -v '^{"layer"' | tee "$out/int4-xb-$run.txt" | tail -1 | cut -c1-1500 \
+      || echo "INT4 MODEL RUN $run CUT SHORT"
+  done
 elif [ "$stage" = i ]; then
   python -m loadtest.int4_bench --m 1 --skip-dequant --out "$out/int4.json" 2>&1 | grep -v '^{"layer"' | tail -24
   python -m loadtest.throughput sweep --shape 8b --max-model-len 4096 --max-num-seqs 512 \

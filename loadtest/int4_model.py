@@ -136,6 +136,15 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
         "kernels.int4_plan:GEMV_STREAM_BLOCK_N": 512,
         "kernels.int4_plan:GEMV_SUBNORMAL": True,
     },  # fmt: skip
+    # Session 37 (H100 layout_bench): stream-K with pairs, subnormal codes and 512 columns on the layers it won
+    # (gate_up, down: at least 32 M weights), pairs on the split launches of the others (qkv 8.5 vs 8.9 us)
+    "big_stream": {
+        "kernels.int4_plan:GEMV_STREAM": True,
+        "kernels.int4_plan:GEMV_STREAM_MIN_WEIGHTS": 1 << 25,
+        "kernels.int4_plan:GEMV_STREAM_BLOCK_N": 512,
+        "kernels.int4_plan:GEMV_STREAM_SUBNORMAL": True,
+        "kernels.int4_plan:GEMV_X_WORDS": True,
+    },  # fmt: skip
     "narrow": {"kernels.int4_plan:GEMV_WIDE_N": 1 << 30},  # no wide-layer tile: the default before 2026-12-03
     "ungated": {"kernels.gemv:GEMV_GATED": False},  # the activation, then the down projection's GEMV
     # kernels.int4_gemv_mma at M = 1 too (its norm, activation and residual as their own launches: it fuses none)

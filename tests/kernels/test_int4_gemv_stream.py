@@ -115,6 +115,24 @@ def test_the_stream_tile_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(), True).block_n == 256  # g_idx: split, its own tile
 
 
+def test_the_stream_size_threshold_and_its_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMV_STREAM_MIN_WEIGHTS: the plan streams only layers of at least that many weights (the 8B gate_up and down,
+    not qkv or o); a user's stream=True still streams a small one. GEMV_STREAM_SUBNORMAL puts subnormal codes on the
+    stream launches only."""
+    monkeypatch.setattr(int4_plan, "GEMV_STREAM", True)
+    monkeypatch.setattr(int4_plan, "GEMV_STREAM_MIN_WEIGHTS", 1 << 25)
+    monkeypatch.setattr(int4_plan, "GEMV_STREAM_SUBNORMAL", True)
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    launches = {name: pick_config(1, n, k, 128, 132, Int4GemmConfig(), False) for name, (n, k) in shapes.items()}
+    assert {name: bool(c.stream_programs) for name, c in launches.items()} == {
+        "qkv": False, "o": False, "gate_up": True, "down": True
+    }  # fmt: skip
+    assert not launches["qkv"].subnormal and not launches["o"].subnormal
+    assert launches["down"].subnormal and launches["gate_up"].subnormal
+    assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(stream=True), False).stream_programs
+    assert not pick_config(1, 4096, 14336, 128, 132, Int4GemmConfig(subnormal=False), False).subnormal
+
+
 def test_int4_gemm_routes_the_stream_config(gen: torch.Generator) -> None:
     qweight, scales, zeros = _weights(256, 256, gen)
     x = torch.randn(1, 256, generator=gen).to(torch.bfloat16).to(DEVICE)

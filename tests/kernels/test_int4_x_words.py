@@ -86,4 +86,6 @@ def test_pairs_at_the_8b_shapes(n: int, k: int, gen: torch.Generator) -> None:
     pairs = int4_gemm(x, qweight, scales, zeros, 128, config=Int4GemmConfig(x_words=True))
     loads = int4_gemm(x, qweight, scales, zeros, 128, config=Int4GemmConfig(x_words=False))
     assert rel_err(pairs, int4_gemm_ref(x, qweight, scales, zeros, 128)) < tolerance(torch.bfloat16)
-    assert rel_err(pairs, loads) < 1e-5  # the same sums; only the atomics' order differs
+    # the same fp32 sums but for the atomics' order, which can tip an output's bf16 rounding by one unit (H100,
+    # Session 37: o's rel err 5.8e-5 against loads): each output within one bf16 unit of the other's
+    torch.testing.assert_close(pairs, loads, rtol=2**-7, atol=1e-3)

@@ -25,29 +25,29 @@ GEMV_MAX_M = 4  # the default kernel is the GEMV up to this many rows (pick_conf
 # vs 28.7; the int4 model 2.720 vs 2.712 ms. PAGEDSERVE_INT4_SUBNORMAL=1 turns it on (for a same-run A/B).
 GEMV_SUBNORMAL = os.environ.get("PAGEDSERVE_INT4_SUBNORMAL", "0") == "1"
 # The factored GEMV loads bf16 x as int32 pairs and makes each value fp32 with one shift or and (kernels.int4_gemv.
-# _load_x_words) instead of bf16 loads and conversions. sm_90 SASS of the M = 1 K loop (Triton 3.7, 2026-12-05): the
-# default 4-warp tile 584 instructions against 816 (4.6 against 6.4 a weight), the one-warp wide tile 1,630 against
-# 1,775 and 161 registers against 250; the gated down projection's loads are already cheap (4.5 a weight) and keep
-# theirs. Untimed: PAGEDSERVE_INT4_X_WORDS=1 turns it on (int4_bench's variant "xwords").
-GEMV_X_WORDS = os.environ.get("PAGEDSERVE_INT4_X_WORDS", "0") == "1"
+# _load_x_words) instead of bf16 loads and conversions (sm_90 K loop, Triton 3.7: the default 4-warp tile 4.6
+# instructions a weight against 6.4; the gated down projection's loads are already cheap and keep theirs). H100,
+# Session 37 (layout_bench at M = 1, us): qkv 8.6 vs 8.9, o, gate_up and down the same; the int4 model 2.582 vs
+# 2.608 / 2.613 ms in two runs. PAGEDSERVE_INT4_X_WORDS=0 turns it off (int4_bench's variant "split").
+GEMV_X_WORDS = os.environ.get("PAGEDSERVE_INT4_X_WORDS", "1") == "1"
 # The factored GEMV as stream-K (kernels.int4_gemv_stream: programs_per_sm x SMs programs, each an even run of the
 # layer's (column tile, K tile) units in one pipeline) instead of a split-K grid, whose programs at M = 1 on the 8B
-# shapes do 1-2 K tiles each (4 on down) in more than one wave. Untimed (2026-12-05, no device):
-# PAGEDSERVE_INT4_STREAM=1 turns it on (int4_bench's variant "stream"; layout_bench's rows "stream*").
-GEMV_STREAM = os.environ.get("PAGEDSERVE_INT4_STREAM", "0") == "1"
+# shapes do 1-2 K tiles each (4 on down) in more than one wave; on layers of at least GEMV_STREAM_MIN_WEIGHTS, with
+# GEMV_STREAM_BLOCK_N columns and subnormal codes (GEMV_STREAM_SUBNORMAL). H100, Session 37 (layout_bench at M = 1,
+# us, against the split launch): gate_up (117 M weights) 26.1 vs 26.5, down (59 M) 15.7 vs 16.2; qkv (25 M) 9.9 vs
+# 9.0 and o (17 M) 7.6 vs 6.9, so those keep the split grid; at 256 columns, or without subnormal codes on down,
+# stream-K lost everywhere (docs/benchmarks.md). The int4 model with these four settings and pairs: 2.554 / 2.559 ms
+# against 2.608 / 2.613 (0.449x bf16's 5.690). Not yet run on an H200. PAGEDSERVE_INT4_STREAM=0 turns it off
+# (int4_bench's variants "nostream" and "split").
+GEMV_STREAM = os.environ.get("PAGEDSERVE_INT4_STREAM", "1") == "1"
+GEMV_STREAM_MIN_WEIGHTS = int(os.environ.get("PAGEDSERVE_INT4_STREAM_MIN_WEIGHTS", str(1 << 25)))
 # Stream launches' tile: this many columns with 4 warps on every layer (the wide one too); 0: the split launch's
 # tiles. A stream grid needs no column tiles for its parallelism, so wider tiles let more columns share each x value
-# (sm_90 K loop with x_words: 3.97 instructions a weight at 512 columns, 4.57 at 256). Untimed (int4_bench variants
-# "stream_bn512", "stream_bn512_sub"); PAGEDSERVE_INT4_STREAM_BLOCK_N sets it.
-GEMV_STREAM_BLOCK_N = int(os.environ.get("PAGEDSERVE_INT4_STREAM_BLOCK_N", "0"))
-# GEMV_STREAM's default launch only on layers of at least this many weights (N x K), the split grid below: H100,
-# Session 37 (layout_bench, stream with pairs, subnormal codes and 512 columns against the split launch): the 8B
-# gate_up (117 M weights) 26.1 vs 26.5 us and down (59 M) 15.7 vs 16.2, but qkv (25 M) 9.9 vs 9.0 and o (17 M)
-# 7.6 vs 6.9. PAGEDSERVE_INT4_STREAM_MIN_WEIGHTS sets it.
-GEMV_STREAM_MIN_WEIGHTS = int(os.environ.get("PAGEDSERVE_INT4_STREAM_MIN_WEIGHTS", "0"))
-# Subnormal codes on stream launches (GEMV_SUBNORMAL puts them on every factored launch): the same H100 run, down
-# at 512 columns 15.7 us with them against 16.7 without.
-GEMV_STREAM_SUBNORMAL = os.environ.get("PAGEDSERVE_INT4_STREAM_SUBNORMAL", "0") == "1"
+# (sm_90 K loop with pairs: 3.97 instructions a weight at 512 columns, 4.57 at 256).
+GEMV_STREAM_BLOCK_N = int(os.environ.get("PAGEDSERVE_INT4_STREAM_BLOCK_N", "512"))
+# Subnormal codes on stream launches (GEMV_SUBNORMAL puts them on every factored launch): down at 512 columns
+# 15.7 us with them against 16.7 without (H100, Session 37).
+GEMV_STREAM_SUBNORMAL = os.environ.get("PAGEDSERVE_INT4_STREAM_SUBNORMAL", "1") == "1"
 # A stream grid is one wave: the one-warp wide tile (250-254 registers on sm_90, 161 with x_words) holds 8 programs an
 # SM by registers (64 K of them), not GEMV_WIDE_TILE's 16, which the split grid runs in waves.
 GEMV_STREAM_WIDE_PPS = 8

@@ -30,16 +30,16 @@
 #   stage i (~6 min): int4 at batch 1: the M = 1 GEMMs against a copy moving the same bytes, the int4 and bf16
 #                     models' TPOT against the bytes floor and that practical floor; then the concurrency sweep
 #                     (plot it here: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png)
-#   stage xs (~7 min): the batch-1 int4 GEMV's x as int32 pairs and its stream-K grid: their GPU tests, the int4 GEMM's
-#                     and gated GEMV's with both on (PAGEDSERVE_INT4_STREAM=1 PAGEDSERVE_INT4_X_WORDS=1), then
+#   stage xs (~7 min): the batch-1 int4 GEMV's x as int32 pairs and its stream-K grid (both on by default since
+#                     Session 37): their GPU tests, the int4 GEMM's and gated GEMV's with both on, then
 #                     loadtest.layout_bench at the 8B shapes (LAYOUT_VARIANTS, default every row)
-#   stage xm (~7 min): the int4 model once per XS_VARIANTS (default "xwords sub stream_xwords stream_sub
-#                     stream_bn512_sub stream_sub_bk128", loadtest.int4_model.GEMV_VARIANTS) beside the defaults and bf16
-#   stage xa (~9 min): xs and xm in one call, for a session that may get one start: the x_words and stream GPU tests,
-#                     layout_bench's LAYOUT_VARIANTS (default the split and stream rows with pairs and subnormal codes),
-#                     then the int4 model once per XA_VARIANTS (default "stream_sub stream_bn512_sub"), each time-boxed
-#   stage xb (~5 min): the x_words and stream GPU tests, then the int4 model twice, each run once per XB_VARIANTS
-#                     (default "xwords big_stream": Session 37's per-layer winners) beside the defaults and bf16
+#   stage xm (~4 min): the int4 model once per XS_VARIANTS (default "nostream split sub", loadtest.int4_model.
+#                     GEMV_VARIANTS: the defaults before Session 37 among them) beside the defaults and bf16
+#   stage xa (~6 min): xs and xm in one call, each step time-boxed: the x_words and stream GPU tests, layout_bench's
+#                     LAYOUT_VARIANTS (default the engine's launch, the split launch and the 512-column stream rows),
+#                     then the int4 model once per XA_VARIANTS (default "nostream split")
+#   stage xb (~4 min): the x_words and stream GPU tests, then the int4 model twice, each run once per XB_VARIANTS
+#                     (default "nostream split") beside the defaults and bf16
 #   stage n (~7 min): the int4 GEMM's GPU tests (subnormal codes and the gated GEMV at the 8B shapes, graph replays),
 #                     then stage i's M = 1 GEMMs and the int4 model once per N_VARIANTS (loadtest.int4_model)
 #   stage q (~6 min): the int4 dequant and GEMM GPU tests, then the int4 GEMMs at M = Q_M (default 8 16 64 256)
@@ -210,23 +210,23 @@ elif [ "$stage" = xs ]; then
 elif [ "$stage" = xm ]; then
   # shellcheck disable=SC2086  # XS_VARIANTS is a list of names
   python -m loadtest.int4_bench --only model \
-    --gemv-variants ${XS_VARIANTS:-xwords sub stream_xwords stream_sub stream_bn512_sub stream_sub_bk128} \
+    --gemv-variants ${XS_VARIANTS:-nostream split sub} \
     --out "$out/int4-xm.json" 2>&1 | grep -v '^{"layer"' | tail -30
 elif [ "$stage" = xa ]; then
   # each step time-boxed and teed into $OUT, so a step cut short still leaves what it printed
   xs_tests 120
   # shellcheck disable=SC2086  # LAYOUT_VARIANTS is a list of names
-  timeout -k 10 120 python -m loadtest.layout_bench --variants ${LAYOUT_VARIANTS:-default x_words sub stream_xw \
-    stream_xw_sub stream_sub_bk128 stream_xw_bn512 stream_xw_sub_bn512} --out "$out/layout.json" 2>&1 \
+  timeout -k 10 120 python -m loadtest.layout_bench --variants ${LAYOUT_VARIANTS:-engine default x_words \
+    stream_xw_bn512 stream_xw_sub_bn512 stream_xw_sub_bk128_bn512} --out "$out/layout.json" 2>&1 \
     | tee "$out/layout.txt" | tail -14 || echo "LAYOUT BENCH CUT SHORT"
   # shellcheck disable=SC2086  # XA_VARIANTS is a list of names
-  timeout -k 10 300 python -m loadtest.int4_bench --only model --gemv-variants ${XA_VARIANTS:-stream_sub stream_bn512_sub} \
+  timeout -k 10 300 python -m loadtest.int4_bench --only model --gemv-variants ${XA_VARIANTS:-nostream split} \
     --out "$out/int4-xa.json" 2>&1 | grep -v '^{"layer"' | tee "$out/int4-xa.txt" | cut -c1-1500 || echo "INT4 MODEL CUT SHORT"
 elif [ "$stage" = xb ]; then
   xs_tests 150
   for run in 1 2; do  # two runs: the spread between them is the noise the variants' differences must exceed
     # shellcheck disable=SC2086  # XB_VARIANTS is a list of names
-    timeout -k 10 180 python -m loadtest.int4_bench --only model --gemv-variants ${XB_VARIANTS:-xwords big_stream} \
+    timeout -k 10 180 python -m loadtest.int4_bench --only model --gemv-variants ${XB_VARIANTS:-nostream split} \
       --out "$out/int4-xb-$run.json" 2>&1 | grep -v '^{"layer"' | tee "$out/int4-xb-$run.txt" | tail -1 | cut -c1-1500 \
       || echo "INT4 MODEL RUN $run CUT SHORT"
   done

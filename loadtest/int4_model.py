@@ -108,43 +108,9 @@ def add_floors(results: dict[str, Any], copy_tb_s: float | None) -> None:
 # engine's life, so its CUDA graphs capture them; the same process and copy bandwidth as the default's run.
 GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     "sub": {"kernels.int4_plan:GEMV_SUBNORMAL": True},  # subnormal codes on every layer
-    "xwords": {"kernels.int4_plan:GEMV_X_WORDS": True},  # bf16 x loaded as int32 pairs (qkv, o, gate_up at M = 1)
-    "stream": {"kernels.int4_plan:GEMV_STREAM": True},  # the M = 1 GEMVs as stream-K (kernels.int4_gemv_stream)
-    "stream_xwords": {"kernels.int4_plan:GEMV_STREAM": True, "kernels.int4_plan:GEMV_X_WORDS": True},
-    # stream-K with subnormal codes on every layer (the gated down: 3.36 instructions a weight against 4.52), then also
-    # with K tiles of 128 and bf16 loads (x shared through shared memory: 3.06 at 256 columns)
-    "stream_sub": {
-        "kernels.int4_plan:GEMV_STREAM": True,
-        "kernels.int4_plan:GEMV_X_WORDS": True,
-        "kernels.int4_plan:GEMV_SUBNORMAL": True,
-    },  # fmt: skip
-    "stream_sub_bk128": {
-        "kernels.int4_plan:GEMV_STREAM": True,
-        "kernels.int4_plan:GEMV_SUBNORMAL": True,
-        "kernels.int4_plan:_GEMV_BLOCK_K": {1: 128, 2: 64, 4: 32, 8: 32, 16: 16},
-    },  # fmt: skip
-    # stream-K with 512-column tiles of 4 warps on every layer (x values shared by 4 columns a thread), then also with
-    # subnormal codes
-    "stream_bn512": {
-        "kernels.int4_plan:GEMV_STREAM": True,
-        "kernels.int4_plan:GEMV_X_WORDS": True,
-        "kernels.int4_plan:GEMV_STREAM_BLOCK_N": 512,
-    },  # fmt: skip
-    "stream_bn512_sub": {
-        "kernels.int4_plan:GEMV_STREAM": True,
-        "kernels.int4_plan:GEMV_X_WORDS": True,
-        "kernels.int4_plan:GEMV_STREAM_BLOCK_N": 512,
-        "kernels.int4_plan:GEMV_SUBNORMAL": True,
-    },  # fmt: skip
-    # Session 37 (H100 layout_bench): stream-K with pairs, subnormal codes and 512 columns on the layers it won
-    # (gate_up, down: at least 32 M weights), pairs on the split launches of the others (qkv 8.5 vs 8.9 us)
-    "big_stream": {
-        "kernels.int4_plan:GEMV_STREAM": True,
-        "kernels.int4_plan:GEMV_STREAM_MIN_WEIGHTS": 1 << 25,
-        "kernels.int4_plan:GEMV_STREAM_BLOCK_N": 512,
-        "kernels.int4_plan:GEMV_STREAM_SUBNORMAL": True,
-        "kernels.int4_plan:GEMV_X_WORDS": True,
-    },  # fmt: skip
+    # the M = 1 GEMVs as split-K grids (no stream-K), then also with bf16 loads of x: the defaults before Session 37
+    "nostream": {"kernels.int4_plan:GEMV_STREAM": False},
+    "split": {"kernels.int4_plan:GEMV_STREAM": False, "kernels.int4_plan:GEMV_X_WORDS": False},
     "narrow": {"kernels.int4_plan:GEMV_WIDE_N": 1 << 30},  # no wide-layer tile: the default before 2026-12-03
     "ungated": {"kernels.gemv:GEMV_GATED": False},  # the activation, then the down projection's GEMV
     # kernels.int4_gemv_mma at M = 1 too (its norm, activation and residual as their own launches: it fuses none)

@@ -6,6 +6,7 @@ factored; the sm_90 compile keeps its K loop pipelined. On a GPU: the 8B shapes 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -74,8 +75,8 @@ def test_stream_equals_the_reference_and_the_split_launch(
 
 
 def test_the_plan_streams_factored_tiles_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, default in (("GEMV_STREAM", False), ("GEMV_STREAM_BLOCK_N", 0)):  # the defaults, whatever the env says
-        monkeypatch.setattr(int4_plan, name, default)
+    for name, value in (("GEMV_STREAM", False), ("GEMV_STREAM_BLOCK_N", 0)):  # stream-K only where asked; own tiles
+        monkeypatch.setattr(int4_plan, name, value)
     on = Int4GemmConfig(stream=True)
     launch = pick_config(1, 4096, 4096, 128, 132, on, False)
     assert launch.kernel == "gemv" and launch.stream_programs == 4 * 132  # the default tile's programs per SM
@@ -87,13 +88,14 @@ def test_the_plan_streams_factored_tiles_only(monkeypatch: pytest.MonkeyPatch) -
     assert pick_config(1, 4096, 4096, 128, 132, on, True).stream_programs == 0  # g_idx: exact tiles, split launch
     assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(stream=True, factored=False), False).stream_programs == 0
     assert pick_config(1, 4096, 4064, 128, 132, on, False).stream_programs == 0  # a partial K tile
-    assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(), False).stream_programs == 0  # off by default
+    assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(), False).stream_programs == 0  # not asked: split
 
 
 def test_a_split_asked_for_keeps_the_split_grid(monkeypatch: pytest.MonkeyPatch) -> None:
     """With GEMV_STREAM on, a config that names split_k or the counter reduction gets the split grid it asked for;
     asking for both a stream and a split is refused."""
     monkeypatch.setattr(int4_plan, "GEMV_STREAM", True)
+    monkeypatch.setattr(int4_plan, "GEMV_STREAM_MIN_WEIGHTS", 0)
     assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(), False).stream_programs == 4 * 132
     for asked in (Int4GemmConfig(split_k=4), Int4GemmConfig(split_reduce="counter")):
         launch = pick_config(1, 4096, 4096, 128, 132, asked, False)
@@ -131,6 +133,23 @@ def test_the_stream_size_threshold_and_its_codes(monkeypatch: pytest.MonkeyPatch
     assert launches["down"].subnormal and launches["gate_up"].subnormal
     assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(stream=True), False).stream_programs
     assert not pick_config(1, 4096, 14336, 128, 132, Int4GemmConfig(subnormal=False), False).subnormal
+
+
+@pytest.mark.skipif(
+    any(key.startswith("PAGEDSERVE_INT4_") for key in os.environ), reason="a PAGEDSERVE_INT4_* setting in the env"
+)
+def test_the_defaults_are_session_37s_winners() -> None:
+    """At M = 1 on the 8B shapes (H100, Session 37): gate_up and down stream-K with 512-column tiles of 4 warps and
+    subnormal codes; qkv and o the split grid of 256 columns; x as pairs where it can be (not the gated down)."""
+    got = {
+        name: pick_config(1, n, k, 128, 132, Int4GemmConfig(), False)
+        for name, (n, k) in {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096)}.items()
+    }
+    for name in ("qkv", "o"):
+        assert (got[name].stream_programs, got[name].block_n, got[name].subnormal) == (0, 256, False), name
+    assert (got["gate_up"].stream_programs, got["gate_up"].block_n, got["gate_up"].num_warps) == (4 * 132, 512, 4)
+    assert got["gate_up"].subnormal and all(c.x_words for c in got.values())
+    assert int4_plan.GEMV_STREAM_MIN_WEIGHTS == 1 << 25 and int4_plan.GEMV_STREAM_SUBNORMAL
 
 
 def test_int4_gemm_routes_the_stream_config(gen: torch.Generator) -> None:

@@ -54,7 +54,7 @@ def test_x_that_cannot_be_paired_keeps_its_loads(case: str, gen: torch.Generator
 
 def test_which_x_loads_as_pairs() -> None:
     """Pairs where x is bf16 with unit stride along K, 4-byte aligned rows and whole K tiles; the plan passes the
-    request on (off by default)."""
+    request on (on by default, off where asked)."""
     wide = torch.zeros(2, 514, dtype=torch.bfloat16)
     assert _words_fit(wide[:, :256], 256, 64)
     assert not _words_fit(wide[:, :512:2], 256, 64)  # strided
@@ -62,7 +62,7 @@ def test_which_x_loads_as_pairs() -> None:
     assert not _words_fit(torch.zeros(2, 513, dtype=torch.bfloat16)[:, :256], 256, 64)  # odd row stride
     assert not _words_fit(wide[:, :256].half(), 256, 64)
     assert not _words_fit(wide[:, :96], 96, 64)  # a partial K tile
-    assert not pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(), False).x_words
+    assert not pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(x_words=False), False).x_words
     assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(x_words=True), False).x_words
 
 

@@ -137,6 +137,7 @@ def test_stream_gemv_keeps_the_greedy_tokens(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(int4_gemm, "int4_gemv_stream_launch", counted)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(seed=7, n=3)]
     tokens = {}
+    monkeypatch.setattr(int4_plan, "GEMV_STREAM_MIN_WEIGHTS", 0)  # the tiny model's layers stream too
     for stream in (False, True):
         monkeypatch.setattr(int4_plan, "GEMV_STREAM", stream)
         monkeypatch.setattr(int4_plan, "GEMV_X_WORDS", stream)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import int4_plan
 from kernels.int4_config import Int4GemmConfig
 from kernels.int4_dequant import (
     DequantScratch,
@@ -222,10 +223,13 @@ def test_pick_config_defaults_are_the_h200_winners() -> None:
     assert pick_config(1, 6144, 4096, 128, 132, Int4GemmConfig(split_k=1)).split_reduce == "counter"
 
 
-def test_pick_config_wide_layers_at_m1_take_the_subnormal_one_warp_tile() -> None:
+def test_pick_config_wide_layers_at_m1_take_the_subnormal_one_warp_tile(monkeypatch: pytest.MonkeyPatch) -> None:
     """H200 at 5da38c4: gate_up (28672 columns) at M = 1 ran 23.5 us with subnormal codes, 1 warp and 16
-    programs per SM against 28.7 with the default tile, which stays on the narrower layers and at M > 1."""
+    programs per SM against 28.7 with the default tile, which stays on the narrower layers and at M > 1. That is the
+    split grid's tile; by default gate_up is stream-K since Session 37 (test_int4_gemv_stream checks its tile)."""
     auto = Int4GemmConfig()
+    assert pick_config(1, 28672, 4096, 128, 132, auto).stream_programs  # the default
+    monkeypatch.setattr(int4_plan, "GEMV_STREAM", False)
     wide = pick_config(1, 28672, 4096, 128, 132, auto)
     assert (wide.kernel, wide.subnormal, wide.block_n, wide.num_warps, wide.split_k) == ("gemv", True, 256, 1, 32)
     assert pick_config(2, 28672, 4096, 128, 132, auto).kernel == "mma"  # M = 2-8: the tensor-core GEMV

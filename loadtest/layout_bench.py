@@ -35,7 +35,8 @@ SHAPES = {
     "down": (4096, 14336, True),
 }
 GROUP = GROUP_SIZE
-# name -> (x in fp32, launch overrides, stream-K programs an SM as a multiple of the tile's own: 0 for the split grid)
+# name -> (x in fp32, launch overrides, stream-K programs an SM as a multiple of the tile's own: 0 for the split grid,
+# -1 for the grid the plan chose)
 # Every row but "engine" starts from the split launch with bf16 loads of x ("default": the engine's launch before
 # Session 37); "engine" is the engine's launch now (stream-K on gate_up and down, pairs).
 VARIANTS: dict[str, tuple[bool, dict[str, Any], float]] = {
@@ -65,8 +66,8 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any], float]] = {
 
 
 def variant_launch(cfg: Int4Launch, over: dict[str, Any], stream: float, sms: int) -> Int4Launch:
-    """The engine's launch ``cfg`` with a variant's overrides; a stream variant's grid is ``stream`` times its tile's
-    programs an SM (the one-warp tile's GEMV_STREAM_WIDE_PPS, else GEMV_PROGRAMS_PER_SM)."""
+    """The launch ``cfg`` with a variant's overrides; a stream variant's grid is ``stream`` times its tile's programs an
+    SM (the one-warp tile's GEMV_STREAM_WIDE_PPS, else GEMV_PROGRAMS_PER_SM); ``stream < 0`` keeps cfg's grid."""
     c = replace(cfg, **over)
     if stream < 0:
         return c  # the launch as the plan made it

@@ -31,14 +31,15 @@
 #                     models' TPOT against the bytes floor and that practical floor; then the concurrency sweep
 #                     (plot it here: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png)
 #   stage xs (~7 min): the batch-1 int4 GEMV's x as int32 pairs and its stream-K grid (both on by default since
-#                     Session 37): their GPU tests, the int4 GEMM's and gated GEMV's with both on, then
+#                     Session 37): their GPU tests, the int4 GEMM's, gated GEMV's and quantized engine's, then
 #                     loadtest.layout_bench at the 8B shapes (LAYOUT_VARIANTS, default every row)
 #   stage xm (~4 min): the int4 model once per XS_VARIANTS (default "nostream split sub", loadtest.int4_model.
 #                     GEMV_VARIANTS: the defaults before Session 37 among them) beside the defaults and bf16
 #   stage xa (~6 min): xs and xm in one call, each step time-boxed: the x_words and stream GPU tests, layout_bench's
 #                     LAYOUT_VARIANTS (default the engine's launch, the split launch and the 512-column stream rows),
 #                     then the int4 model once per XA_VARIANTS (default "nostream split")
-#   stage xb (~4 min): the x_words and stream GPU tests, then the int4 model twice, each run once per XB_VARIANTS
+#   stage xb (~6 min): the x_words and stream GPU tests, the int4 GEMM's, gated GEMV's and quantized engine's, then
+#                     the int4 model twice, each run once per XB_VARIANTS
 #                     (default "nostream split") beside the defaults and bf16
 #   stage n (~7 min): the int4 GEMM's GPU tests (subnormal codes and the gated GEMV at the 8B shapes, graph replays),
 #                     then stage i's M = 1 GEMMs and the int4 model once per N_VARIANTS (loadtest.int4_model)
@@ -133,6 +134,13 @@ xs_tests() {  # the x_words and stream-K GEMV GPU tests, at most $1 seconds; a f
     tests/kernels/test_int4_gemv_stream.py > "$out/xs_tests.txt" 2>&1 || echo "XS GPU TESTS FAILED (see xs_tests.txt)"
   tail -3 "$out/xs_tests.txt"
 }
+int4_default_tests() {  # the int4 GEMM's, gated GEMV's and quantized engine's GPU tests (stream-K and pairs are on by
+  # default since Session 37), at most $1 seconds; a failure is reported, not fatal
+  timeout -k 10 "$1" python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_int4_gemm.py \
+    tests/kernels/test_int4_gated.py tests/engine/test_quantized_engine.py > "$out/int4_default_tests.txt" 2>&1 \
+    || echo "INT4 GPU TESTS AT THE DEFAULTS FAILED (see int4_default_tests.txt)"
+  tail -3 "$out/int4_default_tests.txt"
+}
 if [ "$stage" = 1 ]; then
   # a failure is reported, not fatal: the timings below still tell which variant to fix
   python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/kernels/test_gpu.py > "$out/gpu_tests.txt" 2>&1 \
@@ -201,10 +209,7 @@ elif [ "$stage" = dm ]; then
     --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-3000
 elif [ "$stage" = xs ]; then
   xs_tests 600
-  PAGEDSERVE_INT4_STREAM=1 PAGEDSERVE_INT4_X_WORDS=1 python -m pytest -q -p no:cacheprovider -m gpu \
-    tests/kernels/test_int4_gemm.py tests/kernels/test_int4_gated.py > "$out/xs_on_tests.txt" 2>&1 \
-    || echo "INT4 GPU TESTS WITH STREAM AND PAIRS ON FAILED (see xs_on_tests.txt)"
-  tail -3 "$out/xs_on_tests.txt"
+  int4_default_tests 600
   # shellcheck disable=SC2086  # LAYOUT_VARIANTS is a list of names (default: every row)
   python -m loadtest.layout_bench ${LAYOUT_VARIANTS:+--variants $LAYOUT_VARIANTS} --out "$out/layout.json" 2>&1 | tail -30
 elif [ "$stage" = xm ]; then
@@ -224,6 +229,7 @@ elif [ "$stage" = xa ]; then
     --out "$out/int4-xa.json" 2>&1 | grep -v '^{"layer"' | tee "$out/int4-xa.txt" | cut -c1-1500 || echo "INT4 MODEL CUT SHORT"
 elif [ "$stage" = xb ]; then
   xs_tests 150
+  int4_default_tests 180
   for run in 1 2; do  # two runs: the spread between them is the noise the variants' differences must exceed
     # shellcheck disable=SC2086  # XB_VARIANTS is a list of names
     timeout -k 10 180 python -m loadtest.int4_bench --only model --gemv-variants ${XB_VARIANTS:-nostream split} \

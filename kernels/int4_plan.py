@@ -45,6 +45,9 @@ GEMV_STREAM_MIN_WEIGHTS = int(os.environ.get("PAGEDSERVE_INT4_STREAM_MIN_WEIGHTS
 # tiles. A stream grid needs no column tiles for its parallelism, so wider tiles let more columns share each x value
 # (sm_90 K loop with pairs: 3.97 instructions a weight at 512 columns, 4.57 at 256).
 GEMV_STREAM_BLOCK_N = int(os.environ.get("PAGEDSERVE_INT4_STREAM_BLOCK_N", "512"))
+# Programs an SM of those launches: the stream grid is one wave, so no more than the SM holds by registers (sm_90: 90
+# registers at 512 columns, 128 gated, hold 4; 1024 columns, 147 / 168 registers, hold 3: int4_model's "bn1024").
+GEMV_STREAM_PPS = 4  # GEMV_PROGRAMS_PER_SM's
 # Subnormal codes on stream launches (GEMV_SUBNORMAL puts them on every factored launch): down at 512 columns
 # 15.7 us with them against 16.7 without (H100, Session 37).
 GEMV_STREAM_SUBNORMAL = os.environ.get("PAGEDSERVE_INT4_STREAM_SUBNORMAL", "1") == "1"
@@ -241,7 +244,7 @@ def _pick_gemv(
     stream = factored and stream_fits(k, group_size, bk, has_g_idx) and _stream(user, n * k)
     bn_default, warps, pps = GEMV_WIDE_TILE if wide else (256, 4, GEMV_PROGRAMS_PER_SM)
     if stream and GEMV_STREAM_BLOCK_N:
-        bn_default, warps, pps = GEMV_STREAM_BLOCK_N, 4, GEMV_PROGRAMS_PER_SM
+        bn_default, warps, pps = GEMV_STREAM_BLOCK_N, 4, GEMV_STREAM_PPS
     elif stream and (user.num_warps or warps) == 1:
         pps = GEMV_STREAM_WIDE_PPS  # one wave of the one-warp tile (the split grid's 16 is ~2)
     bn = user.block_n or bn_default

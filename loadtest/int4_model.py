@@ -111,6 +111,9 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     # the M = 1 GEMVs as split-K grids (no stream-K), then also with bf16 loads of x: the defaults before Session 37
     "nostream": {"kernels.int4_plan:GEMV_STREAM": False},
     "split": {"kernels.int4_plan:GEMV_STREAM": False, "kernels.int4_plan:GEMV_X_WORDS": False},
+    # the stream launches (gate_up, down) at 1024 columns, 3 programs an SM (loadtest.layout_bench's row
+    # stream_xw_sub_bn1024: 8 columns a thread share each x value's work)
+    "bn1024": {"kernels.int4_plan:GEMV_STREAM_BLOCK_N": 1024, "kernels.int4_plan:GEMV_STREAM_PPS": 3},
     "narrow": {"kernels.int4_plan:GEMV_WIDE_N": 1 << 30},  # no wide-layer tile: the default before 2026-12-03
     "ungated": {"kernels.gemv:GEMV_GATED": False},  # the activation, then the down projection's GEMV
     # kernels.int4_gemv_mma at M = 1 too (its norm, activation and residual as their own launches: it fuses none)

@@ -55,6 +55,10 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any], float]] = {
     "stream_xw_bn512_half": (False, {"x_words": True, "block_n": 512, "num_warps": 4}, 0.5),
     "stream_xw_sub_bn512": (False, {"x_words": True, "block_n": 512, "num_warps": 4, "subnormal": True}, 1),
     "stream_xw_bn512_s3": (False, {"x_words": True, "block_n": 512, "num_warps": 4, "num_stages": 3}, 1),
+    # 1024-column tiles: 8 columns a thread share each x value's conversion, scaling and sum (sm_90 K loop: 2.97
+    # instructions a weight with pairs and subnormal codes against 3.34 at 512 columns, the gated down 2.77 against
+    # 2.93; python -m loadtest.sass_census), at 147 / 168 registers: 3 programs of 4 warps an SM, not 4
+    "stream_xw_sub_bn1024": (False, {"x_words": True, "block_n": 1024, "num_warps": 4, "subnormal": True}, 0.75),
     # K tiles of 128, whose x tile Triton shares through shared memory (with pairs, subnormal codes and 512 columns:
     # 3.16 instructions a weight, 80 registers; python -m loadtest.sass_census)
     "stream_xw_sub_bk128_bn512": (

@@ -40,6 +40,8 @@ VARIANTS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "stream_gated": ("stream", 4, {"GATED": True}),
     "stream_xw_bn512": ("stream", 4, {"X_WORDS": True, "BLOCK_N": 512}),
     "stream_xw_sub_bn512": ("stream", 4, {"X_WORDS": True, "BLOCK_N": 512, "SUBNORMAL": True}),
+    "stream_xw_sub_bn1024": ("stream", 4, {"X_WORDS": True, "BLOCK_N": 1024, "SUBNORMAL": True}),
+    "stream_gated_sub_bn1024": ("stream", 4, {"GATED": True, "BLOCK_N": 1024, "SUBNORMAL": True}),
     "stream_gated_bn512": ("stream", 4, {"GATED": True, "BLOCK_N": 512}),
     "stream_xw_sub": ("stream", 4, {"X_WORDS": True, "SUBNORMAL": True}),
     "stream_gated_sub": ("stream", 4, {"GATED": True, "SUBNORMAL": True}),

@@ -106,12 +106,17 @@ def test_a_split_asked_for_keeps_the_split_grid(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_the_stream_tile_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GEMV_STREAM_BLOCK_N: stream launches take that many columns with 4 warps on every layer, the wide one too;
-    split launches keep their tiles."""
+    """GEMV_STREAM_BLOCK_N: stream launches take that many columns with 4 warps on every layer, the wide one too, and
+    GEMV_STREAM_PPS programs an SM; split launches keep their tiles."""
     monkeypatch.setattr(int4_plan, "GEMV_STREAM_BLOCK_N", 512)
+    monkeypatch.setattr(int4_plan, "GEMV_STREAM_PPS", 4)
     for n in (4096, 28672):
         launch = pick_config(1, n, 4096, 128, 132, Int4GemmConfig(stream=True), False)
         assert (launch.block_n, launch.num_warps, launch.stream_programs) == (512, 4, 4 * 132)
+    monkeypatch.setattr(int4_plan, "GEMV_STREAM_BLOCK_N", 1024)
+    monkeypatch.setattr(int4_plan, "GEMV_STREAM_PPS", 3)  # int4_model's "bn1024": what its registers let an SM hold
+    launch = pick_config(1, 28672, 4096, 128, 132, Int4GemmConfig(stream=True), False)
+    assert (launch.block_n, launch.num_warps, launch.stream_programs) == (1024, 4, 3 * 132)
     assert pick_config(1, 28672, 4096, 128, 132, Int4GemmConfig(stream=False), False).block_n == 256
     monkeypatch.setattr(int4_plan, "GEMV_STREAM", True)
     assert pick_config(1, 4096, 4096, 128, 132, Int4GemmConfig(), True).block_n == 256  # g_idx: split, its own tile

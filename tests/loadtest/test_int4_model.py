@@ -1,5 +1,5 @@
 """``loadtest.int4_model``'s variants: each names module constants that exist, and the device stage that runs them
-(``loadtest/gpu_session.sh``, stages dm and xs) names only variants that exist: a typo there would cost a device
+(``loadtest/gpu_session.sh``, stages dm, xs, xa, xb and xc) names only variants that exist: a typo there would cost a device
 call."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def test_every_variant_sets_constants_that_exist() -> None:
             assert isinstance(value, type(current)) or isinstance(current, type(value)), (name, key)
 
 
-@pytest.mark.parametrize("knob", ["DM_VARIANTS", "XS_VARIANTS", "XA_VARIANTS", "XB_VARIANTS"])
+@pytest.mark.parametrize("knob", ["DM_VARIANTS", "XS_VARIANTS", "XA_VARIANTS", "XB_VARIANTS", "XC_VARIANTS"])
 def test_stages_run_known_variants(knob: str) -> None:
     script = (Path(__file__).parents[2] / "loadtest" / "gpu_session.sh").read_text()
     match = re.search(knob + r":-([^}]*)\}", script)

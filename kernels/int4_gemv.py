@@ -179,7 +179,10 @@ def _subnormal_tile(
     t += subnormal(hi, 8)[None, :, :] * y5[:, :, None]
     t += subnormal(hi, 12)[None, :, :] * y6[:, :, None]
     t += subnormal(hi, 16)[None, :, :] * y7[:, :, None]
-    xs = tl.sum(x, axis=2)  # [BM, R]
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x, BLOCK_M, ROWS)
+    # in factored_tile's order, not tl.sum's: that one follows x's layout, which its load path sets (pairs or values),
+    # so the gated GEMV and the activation + GEMV would differ in the last bits
+    xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [BM, R]
     s = _load(s_ptr + g * stride_sg + offs_n, offs_n < N, EVEN).to(tl.float32)
     z = _load(z_ptr + g * stride_zg + offs_n, offs_n < N, EVEN).to(tl.float32)
     return (3.8685626227668134e25 * s)[None, :] * tl.sum(t, axis=1) - (s * z)[None, :] * tl.sum(xs, axis=1)[:, None]

@@ -231,6 +231,7 @@ def test_engine_tokens_with_the_stream_gemv(monkeypatch: pytest.MonkeyPatch) -> 
     for stream in (False, True):
         monkeypatch.setattr(int4_plan, "GEMV_STREAM", stream)
         monkeypatch.setattr(int4_plan, "GEMV_STREAM_BLOCK_N", 512 if stream else 0)
+        monkeypatch.setattr(int4_plan, "GEMV_STREAM_MIN_WEIGHTS", 0)  # the tiny layers are far below the default
         with LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, device="cuda", dtype="float32",
                  max_num_seqs=1, max_model_len=128, num_gpu_blocks_override=32) as llm:  # fmt: skip
             params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

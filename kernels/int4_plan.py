@@ -45,8 +45,10 @@ GEMV_STREAM_MIN_WEIGHTS = int(os.environ.get("PAGEDSERVE_INT4_STREAM_MIN_WEIGHTS
 # tiles. A stream grid needs no column tiles for its parallelism, so wider tiles let more columns share each x value
 # (sm_90 K loop with pairs: 3.97 instructions a weight at 512 columns, 4.57 at 256).
 GEMV_STREAM_BLOCK_N = int(os.environ.get("PAGEDSERVE_INT4_STREAM_BLOCK_N", "512"))
-# Programs an SM of those launches: the stream grid is one wave, so no more than the SM holds by registers (sm_90: 90
-# registers at 512 columns, 128 gated, hold 4; 1024 columns, 147 / 168 registers, hold 3: int4_model's "bn1024").
+# Programs an SM of those launches: the stream grid is one wave, so no more than the SM holds by registers (sm_90: 67
+# registers at 512 columns, 126 gated, hold 4; 1024 columns, 147 / 168 registers, hold 3: int4_model's "bn1024",
+# which lost on an H100, Session 38: gate_up 27.2 against 26.6 us, down 16.8 against 15.8, the model 2.641 against
+# 2.588 ms; not yet run on an H200).
 GEMV_STREAM_PPS = 4  # GEMV_PROGRAMS_PER_SM's
 # Subnormal codes on stream launches (GEMV_SUBNORMAL puts them on every factored launch): down at 512 columns
 # 15.7 us with them against 16.7 without (H100, Session 37).

@@ -166,9 +166,29 @@ def _subnormal_tile(
 ):  # fmt: skip
     """:func:`factored_tile` with :func:`subnormal` codes: ~1.1 integer instructions per weight (an and,
     and a shift per word for three of them) against ``nibble``'s two."""
+    x_up = x * subnormal_scales()[None, None, :]  # x_j * 2**(64 - P_j), exact
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x, BLOCK_M, ROWS)
+    # in factored_tile's order, not tl.sum's: that one follows x's layout, which its load path sets (pairs or values),
+    # so the gated GEMV and the activation + GEMV would differ in the last bits
+    xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [BM, R]
+    return prepared_tile(words, x_up, xs, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, BLOCK_M, ROWS, EVEN)
+
+
+@triton.jit
+def subnormal_scales():
+    """``2**(64 - P_j)`` fp32 ``[8]``: what scales activation ``j`` of a word row for :func:`subnormal` codes."""
     j = tl.arange(0, 8)
     p = tl.where(j < 5, 4 * j, 4 * j - 12)  # [8] bit of nibble j in words (j < 5) or in words >> 12
-    x_up = x * ((191 - p) << 23).to(tl.float32, bitcast=True)[None, None, :]  # x_j * 2**(64 - P_j), exact
+    return ((191 - p) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def prepared_tile(
+    words, x_up, xs, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N,
+    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """The subnormal tile of activations already scaled (``x_up`` fp32 ``[BM, R, 8]``, :func:`subnormal_scales`)
+    and summed by word row (``xs [BM, R]``, unscaled)."""
     y0, y1, y2, y3, y4, y5, y6, y7 = _split8(x_up, BLOCK_M, ROWS)
     hi = words >> 12  # arithmetic: the sign copies land in bits 20-31, above every mask below
     t = subnormal(words, 0)[None, :, :] * y0[:, :, None]  # [BM, R, BN]: sum_j c_j x_j 2**-85
@@ -179,10 +199,6 @@ def _subnormal_tile(
     t += subnormal(hi, 8)[None, :, :] * y5[:, :, None]
     t += subnormal(hi, 12)[None, :, :] * y6[:, :, None]
     t += subnormal(hi, 16)[None, :, :] * y7[:, :, None]
-    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x, BLOCK_M, ROWS)
-    # in factored_tile's order, not tl.sum's: that one follows x's layout, which its load path sets (pairs or values),
-    # so the gated GEMV and the activation + GEMV would differ in the last bits
-    xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [BM, R]
     s = _load(s_ptr + g * stride_sg + offs_n, offs_n < N, EVEN).to(tl.float32)
     z = _load(z_ptr + g * stride_zg + offs_n, offs_n < N, EVEN).to(tl.float32)
     return (3.8685626227668134e25 * s)[None, :] * tl.sum(t, axis=1) - (s * z)[None, :] * tl.sum(xs, axis=1)[:, None]

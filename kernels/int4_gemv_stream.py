@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import next_pow2, tl, triton
-from kernels.int4_gemv import _words_fit, factored_tile, tile_words, tile_x
+from kernels.int4_gemv import _words_fit, factored_tile, prepared_tile, tile_words, tile_x
 from kernels.int4_split import finish_tile, split_target
 from kernels.pdl import launch_dependents, pdl_supported, wait_prior_grids
 
@@ -37,15 +37,15 @@ def owner(u, units, programs):
 
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemv_stream_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, one_bits,
     stride_xm, stride_xk, stride_qk, stride_sg, stride_zg, stride_om,
     GROUP_SIZE: tl.constexpr, SUBNORMAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
-    TRIGGER: tl.constexpr, X_WORDS: tl.constexpr,
+    TRIGGER: tl.constexpr, X_WORDS: tl.constexpr, PREPARED: tl.constexpr,
 ):  # fmt: skip
     """Program ``p``'s run of units, one column tile at a time; PDL and TRIGGER as in ``kernels.int4_gemv``
-    (TRIGGER: once the program's last K loop is done)."""
+    (TRIGGER: once the program's last K loop is done). PREPARED: x is :func:`prepare_x`'s (subnormal codes)."""
     ROWS: tl.constexpr = BLOCK_K // 8
     programs = tl.num_programs(0)
     k_tiles = K // BLOCK_K
@@ -67,10 +67,18 @@ def _int4_gemv_stream_kernel(
             k0 = t * BLOCK_K
             words = tile_words(qw_ptr, k0, K, offs_i, offs_n, mask_n, stride_qk, EVEN)
             x = tile_x(x_ptr, k0, K, offs_m, offs_i, M, stride_xm, stride_xk, up_offset, True, GATED, X_WORDS)
-            acc += factored_tile(
-                words, x, s_ptr, z_ptr, k0 // GROUP_SIZE, stride_sg, stride_zg, offs_n, N, one_bits, BLOCK_M, ROWS,
-                EVEN, SUBNORMAL,
-            )  # fmt: skip
+            if PREPARED:
+                xs = tl.load(
+                    xs_ptr + offs_m[:, None] * (K // 8) + (k0 // 8 + offs_i)[None, :], mask=(offs_m < M)[:, None]
+                )
+                acc += prepared_tile(
+                    words, x, xs, s_ptr, z_ptr, k0 // GROUP_SIZE, stride_sg, stride_zg, offs_n, N, BLOCK_M, ROWS, EVEN
+                )  # fmt: skip
+            else:
+                acc += factored_tile(
+                    words, x, s_ptr, z_ptr, k0 // GROUP_SIZE, stride_sg, stride_zg, offs_n, N, one_bits, BLOCK_M,
+                    ROWS, EVEN, SUBNORMAL,
+                )  # fmt: skip
         u = tile * k_tiles + t_end
         if TRIGGER and u == u_end:
             launch_dependents()
@@ -100,23 +108,41 @@ def int4_gemv_stream_launch(
     gated: bool = False,
     pdl: bool = False,
     x_words: bool = False,
+    prepared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Launches ``programs`` programs (at most one a unit) on inputs ``kernels.int4_gemm`` has checked and
-    :func:`stream_fits` accepts; the other arguments as ``kernels.int4_gemv.int4_gemv_launch``'s."""
+    :func:`stream_fits` accepts; the other arguments as ``kernels.int4_gemv.int4_gemv_launch``'s. ``prepared``:
+    :func:`prepare_x` of x, which the launch then reads instead of x (subnormal codes, not gated)."""
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = qweight.shape[1]
     if not stream_fits(k, group_size, block_k, False):
         raise ValueError(f"stream GEMV: K={k} and the group {group_size} must be multiples of block_k {block_k}")
+    if prepared is not None and (gated or not subnormal):
+        raise ValueError("a prepared x is for subnormal codes of a plain (not gated) layer")
     num_tiles = -(-n // block_n)
     grid = min(programs, num_tiles * (k // block_k))
     target = split_target("atomic", 2, num_tiles, 0, out)  # split > 1: the atomic accumulator and counters
     hopper = pdl_supported(x)
-    x_words = x_words and not gated and _words_fit(x, k, block_k)
+    x_words = x_words and not gated and prepared is None and _words_fit(x, k, block_k)
+    x_in, x_sums = prepared if prepared is not None else (x, x)
     _int4_gemv_stream_kernel[(grid,)](
-        x, qweight, scales, zeros, out, target.workspace, target.counters,
+        x_in, x_sums, qweight, scales, zeros, out, target.workspace, target.counters,
         m, n, k, 0x3F800000,
-        x.stride(0), x.stride(1), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
+        x_in.stride(0), x_in.stride(1), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         GROUP_SIZE=group_size, SUBNORMAL=subnormal, BLOCK_M=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         NUM_STAGES=num_stages, EVEN=n % block_n == 0, GATED=gated, PDL=pdl and hopper, TRIGGER=hopper,
-        X_WORDS=x_words, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl and hopper else {}),
+        X_WORDS=x_words, PREPARED=prepared is not None, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl and hopper else {}),
     )  # fmt: skip
+
+
+def prepare_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ``[M, K]`` as a PREPARED stream launch reads it: fp32 ``x_k 2**(64 - P_(k mod 8))`` (``kernels.int4_gemv.
+    subnormal_scales``; exact) and the sums of each word row's 8 values ``[M, K / 8]`` fp32, in the kernel's order.
+    What the kernel that writes x (an RMSNorm, the attention merge) would write for the next layer's 4-bit GEMV, so
+    that the GEMV neither converts, scales nor sums its activations (loadtest.layout_bench's row ``prepared``)."""
+    m, k = x.shape
+    v = x.float().reshape(m, k // 8, 8)
+    p = torch.tensor([0, 4, 8, 12, 16, 8, 12, 16], device=x.device)
+    scaled = (v * torch.exp2(64.0 - p.float())).reshape(m, k)
+    sums = ((v[..., 0] + v[..., 1]) + (v[..., 2] + v[..., 3])) + ((v[..., 4] + v[..., 5]) + (v[..., 6] + v[..., 7]))
+    return scaled.contiguous(), sums.contiguous()

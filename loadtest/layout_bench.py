@@ -23,6 +23,7 @@ import torch
 
 from kernels.int4_config import Int4GemmConfig, Int4Launch
 from kernels.int4_gemm import _launch_gemv, _pick, int4_gemm_gated_ref, int4_gemm_ref
+from kernels.int4_gemv_stream import int4_gemv_stream_launch, prepare_x
 from kernels.int4_plan import GEMV_PROGRAMS_PER_SM, GEMV_STREAM_WIDE_PPS, num_sms
 from loadtest.int4_bench import same_traffic_copy_s
 from loadtest.int4_gemm_sweep import GROUP_SIZE, int4_bytes, random_int4
@@ -59,6 +60,10 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any], float]] = {
     # instructions a weight with pairs and subnormal codes against 3.34 at 512 columns, the gated down 2.77 against
     # 2.93; python -m loadtest.sass_census), at 147 / 168 registers: 3 programs of 4 warps an SM, not 4
     "stream_xw_sub_bn1024": (False, {"x_words": True, "block_n": 1024, "num_warps": 4, "subnormal": True}, 0.75),
+    # x as the kernel that writes it would prepare it (kernels.int4_gemv_stream.prepare_x: fp32, scaled for the
+    # subnormal codes, summed by word row), so the GEMV neither converts, scales nor sums x (sm_90 K loop 2.82
+    # instructions a weight against 3.34, 72 registers); plain layers only (PREPARED_ROWS)
+    "stream_prepared_bn512": (False, {"block_n": 512, "num_warps": 4, "subnormal": True, "x_words": False}, 1),
     # K tiles of 128, whose x tile Triton shares through shared memory (with pairs, subnormal codes and 512 columns:
     # 3.16 instructions a weight, 80 registers; python -m loadtest.sass_census)
     "stream_xw_sub_bk128_bn512": (
@@ -67,6 +72,8 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any], float]] = {
         1,
     ),  # fmt: skip
 }
+
+PREPARED_ROWS = ("stream_prepared_bn512",)  # not on the gated down projection, whose x the GEMV computes
 
 
 def variant_launch(cfg: Int4Launch, over: dict[str, Any], stream: float, sms: int) -> Int4Launch:
@@ -77,6 +84,34 @@ def variant_launch(cfg: Int4Launch, over: dict[str, Any], stream: float, sms: in
         return c  # the launch as the plan made it
     tile_programs = (GEMV_STREAM_WIDE_PPS if c.num_warps == 1 else GEMV_PROGRAMS_PER_SM) * sms
     return replace(c, stream_programs=int(stream * tile_programs))
+
+
+def launch_variant(
+    x: torch.Tensor,
+    x32: torch.Tensor,
+    prepared: tuple[torch.Tensor, torch.Tensor] | None,
+    out: torch.Tensor,
+    gated: bool,
+    engine: Int4Launch,
+    split: Int4Launch,
+    sms: int,
+    w: dict[str, torch.Tensor],
+    name: str,
+) -> None:
+    """Row ``name``'s launch on weights ``w`` (``engine``: the plan's launch, ``split``: the split launch the other
+    rows start from; ``x32``: x in fp32; ``prepared``: :func:`prepare_x` of x, for PREPARED_ROWS), made before the
+    timed graph."""
+    fp32, over, stream = VARIANTS[name]
+    c = variant_launch(engine if stream < 0 else split, over, stream, sms)
+    if name not in PREPARED_ROWS:
+        _launch_gemv(x32 if fp32 else x, w["qweight"], w["scales"], w["zeros"], GROUP, None, out, c, gated)
+        return
+    assert prepared is not None and not gated
+    int4_gemv_stream_launch(
+        x, w["qweight"], w["scales"], w["zeros"], GROUP, out, block_n=c.block_n, block_k=c.block_k,
+        programs=c.stream_programs, num_warps=c.num_warps, num_stages=c.num_stages, subnormal=True, pdl=c.pdl,
+        prepared=prepared,
+    )  # fmt: skip
 
 
 def bench_shape(name: str, reps: int, gen: torch.Generator, variants: list[str]) -> dict[str, Any]:
@@ -91,23 +126,18 @@ def bench_shape(name: str, reps: int, gen: torch.Generator, variants: list[str])
     ref = ref_fn(x, **ws[0], group_size=GROUP)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
 
-    x32 = x.float()
-
     sms = num_sms(x.device.index or 0)
-
-    def call(w: dict[str, torch.Tensor], fp32: bool, over: dict[str, Any], stream: float) -> None:
-        c = variant_launch(engine if stream < 0 else cfg, over, stream, sms)
-        _launch_gemv(x32 if fp32 else x, w["qweight"], w["scales"], w["zeros"], GROUP, None, out, c, gated)
-
+    variants = [v for v in variants if not (gated and v in PREPARED_ROWS)]
+    call = partial(launch_variant, x, x.float(), None if gated else prepare_x(x), out, gated, engine, cfg, sms)
     row: dict[str, Any] = {"layer": name, "n": n, "k": k, "block_n": cfg.block_n, "split": cfg.split_k, "err": {}}
-    for v, args in ((v, VARIANTS[v]) for v in variants):
+    for v in variants:
         out.fill_(float("nan"))
-        call(ws[0], *args)
+        call(ws[0], v)
         torch.cuda.synchronize()
         row["err"][v] = rel_err(out, ref)
     for rnd in range(2):
-        for v, args in ((v, VARIANTS[v]) for v in variants):
-            calls = [partial(call, w, *args) for w in ws]
+        for v in variants:
+            calls = [partial(call, w, v) for w in ws]
             row[f"{v}_us_{rnd}"] = round(1e6 * time_graph(calls, reps), 2)
     row["copy_us"] = round(1e6 * same_traffic_copy_s(int4_bytes(1, n, k), reps), 2)
     return row

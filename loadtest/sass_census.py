@@ -27,6 +27,7 @@ BASE: dict[str, Any] = {
 SPLIT_ONLY: dict[str, Any] = {
     "HAS_G_IDX": False, "FACTORED": True, "ONE_GROUP_PER_TILE": True, "SPLIT_MODE": 2, "SPLIT_CHUNK": 1,
 }  # fmt: skip
+STREAM_ONLY: dict[str, Any] = {"PREPARED": False}
 VARIANTS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "split": ("split", 4, {}),  # the default tile (qkv, o)
     "split_xw": ("split", 4, {"X_WORDS": True}),
@@ -42,6 +43,8 @@ VARIANTS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "stream_xw_sub_bn512": ("stream", 4, {"X_WORDS": True, "BLOCK_N": 512, "SUBNORMAL": True}),
     "stream_xw_sub_bn1024": ("stream", 4, {"X_WORDS": True, "BLOCK_N": 1024, "SUBNORMAL": True}),
     "stream_gated_sub_bn1024": ("stream", 4, {"GATED": True, "BLOCK_N": 1024, "SUBNORMAL": True}),
+    # x fp32, already scaled and summed by the kernel that writes it (kernels.int4_gemv_stream.prepare_x)
+    "stream_prepared_bn512": ("stream", 4, {"PREPARED": True, "BLOCK_N": 512, "SUBNORMAL": True}),
     "stream_gated_bn512": ("stream", 4, {"GATED": True, "BLOCK_N": 512}),
     "stream_xw_sub": ("stream", 4, {"X_WORDS": True, "SUBNORMAL": True}),
     "stream_gated_sub": ("stream", 4, {"GATED": True, "SUBNORMAL": True}),
@@ -51,7 +54,7 @@ VARIANTS: dict[str, tuple[str, int, dict[str, Any]]] = {
 # Argument types for the compile: every pointer not named here is bf16, every scalar not named here i32
 POINTERS = {
     "qw_ptr": "*i32", "g_ptr": "*i32", "z_ptr": "*u8", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "ssi_ptr": "*fp32",
-    "sso_ptr": "*fp32",
+    "sso_ptr": "*fp32", "xs_ptr": "*fp32",
 }  # fmt: skip
 SCALARS = {"eps": "fp32"}
 UNALIGNED = (
@@ -92,8 +95,9 @@ def compile_sm90(kernel: Any, constexprs: dict[str, Any], num_warps: int) -> Any
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
+    pointers = {**POINTERS, "x_ptr": "*fp32"} if constexprs.get("PREPARED") else POINTERS
     signature = {
-        a: "constexpr" if a in constexprs else POINTERS.get(a, "*bf16" if a.endswith("_ptr") else SCALARS.get(a, "i32"))
+        a: "constexpr" if a in constexprs else pointers.get(a, "*bf16" if a.endswith("_ptr") else SCALARS.get(a, "i32"))
         for a in names
     }
     aligned = {
@@ -142,7 +146,7 @@ def count(report: str, sass: str, weights: int) -> Census:
 
 def census(name: str) -> Census:
     kernel, warps, over = VARIANTS[name]
-    constexprs = {**BASE, **over, **(SPLIT_ONLY if kernel == "split" else {})}
+    constexprs = {**BASE, **(SPLIT_ONLY if kernel == "split" else STREAM_ONLY), **over}
     report, sass = ptxas_sass(compile_sm90(_kernel(kernel), constexprs, warps))
     weights = constexprs["BLOCK_N"] * constexprs["BLOCK_K"] // (32 * warps)  # one row of x: M = 1
     return count(report, sass, weights)

@@ -16,7 +16,7 @@ from kernels import int4_gemm as int4_gemm_module
 from kernels import int4_plan
 from kernels.int4_config import Int4GemmConfig
 from kernels.int4_gemm import int4_gemm, int4_gemm_gated, int4_gemm_gated_ref, int4_gemm_ref
-from kernels.int4_gemv_stream import int4_gemv_stream_launch
+from kernels.int4_gemv_stream import int4_gemv_stream_launch, prepare_x
 from kernels.int4_plan import pick_config
 from kernels.int4_split import zeroed_scratch
 from tests.kernels.helpers import DEVICE, int4_weights, rel_err, tolerance, ttgir_sm90
@@ -72,6 +72,33 @@ def test_stream_equals_the_reference_and_the_split_launch(
     assert rel_err(out, ref) < 2 * tolerance(x.dtype)
     assert rel_err(out, other) < 1e-3  # the same tile sums; only the split-K order (bf16 rounding) may differ
     assert _scratch_is_zero()  # each tile's counter saw exactly its programs
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_a_prepared_x_gives_the_same_sums(m: int, gen: torch.Generator) -> None:
+    """``prepare_x``'s fp32 activations (scaled for the subnormal codes) and word-row sums: the same output as the
+    launch that scales and sums x itself (bit for bit under the interpreter, whose atomics keep program order), and
+    refused where it does not apply."""
+    qweight, scales, zeros = _weights(512, 320, gen)
+    x = torch.randn(m, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    outs = []
+    for prepared in (None, prepare_x(x)):
+        out = torch.full((m, 320), float("nan"), dtype=x.dtype, device=x.device)
+        int4_gemv_stream_launch(
+            x, qweight, scales, zeros, 128, out, block_n=128, block_k=64, programs=7, num_warps=4, num_stages=2,
+            subnormal=True, prepared=prepared,
+        )  # fmt: skip
+        outs.append(out)
+    assert rel_err(outs[1], int4_gemm_ref(x, qweight, scales, zeros, 128)) < 2 * tolerance(x.dtype)
+    if DEVICE == "cpu":
+        assert torch.equal(outs[0], outs[1])
+    else:
+        assert rel_err(outs[0], outs[1]) < 1e-3  # the atomics' order may tip a bf16 rounding
+    with pytest.raises(ValueError, match="prepared x"):
+        int4_gemv_stream_launch(
+            x, qweight, scales, zeros, 128, outs[0], block_n=128, block_k=64, programs=7, num_warps=4, num_stages=2,
+            subnormal=False, prepared=prepare_x(x),
+        )  # fmt: skip
 
 
 def test_the_plan_streams_factored_tiles_only(monkeypatch: pytest.MonkeyPatch) -> None:

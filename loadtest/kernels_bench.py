@@ -244,7 +244,7 @@ def bench_silu_and_mul(num_tokens: int, inter: int, reps: int) -> dict[str, Any]
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve bench kernels", description=__doc__)
     parser.add_argument("--out", help="write the full results as JSON here")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
@@ -264,7 +264,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also time tuning variants of each kernel")
     parser.add_argument("--variants", nargs="+", default=None, help="with --sweep: only these rows (and default)")
     parser.add_argument("--skip-check", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _write(report: dict[str, Any], path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def _run_decode(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """The decode shapes, each written to ``--out`` as it is measured (a run cut short by its time limit keeps
+    the shapes it measured)."""
+    variants = _pick(DECODE_VARIANTS, args)
+    for batch in args.batches if "decode" in args.only else []:
+        for seq_len in args.seq_lens:
+            for table_len in [0] + [t for t in args.table_lens if batch == 1 and t > seq_len]:
+                r = bench_decode(batch, seq_len, args.reps, variants, table_len)
+                report["decode"].append(r)
+                _write(report, args.out)
+                print(
+                    f"decode B={batch:4d} L={seq_len:6d} table {r['table_len']:6d}: triton {r['triton_gbps']:7.0f} "
+                    f"GB/s  best {r['best_gbps']:7.0f} {r['best_variant']}  sdpa {r['sdpa_gbps']:7.0f} GB/s  ratio "
+                    f"{r['triton_gbps'] / r['sdpa_gbps']:.2f}",
+                    flush=True,
+                )
+
+
+def _run_prefill(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    variants = _pick(PREFILL_VARIANTS, args)
+    for case, context_len, q_len in PREFILL_CASES if "prefill" in args.only else []:
+        if case in args.prefill_cases:
+            report["prefill"].append(bench_prefill(case, context_len, q_len, args.reps, variants))
+            p = report["prefill"][-1]
+            print(
+                f"prefill {case}: triton {p['triton_tflops']:.0f} TFLOP/s  best {p['best_tflops']:.0f} "
+                f"{p['best_variant']}  sdpa {p['sdpa_tflops']:.0f} TFLOP/s", flush=True,
+            )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -277,42 +317,18 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__,
         "correctness": [] if args.skip_check else check_correctness(),
         "decode": [],
+        "prefill": [],
     }
     ok = all(r["rel_err"] < 1e-2 for r in report["correctness"])
-    decode_variants = _pick(DECODE_VARIANTS, args)
-    for batch in args.batches if "decode" in args.only else []:
-        for seq_len in args.seq_lens:
-            for table_len in [0] + [t for t in args.table_lens if batch == 1 and t > seq_len]:
-                r = bench_decode(batch, seq_len, args.reps, decode_variants, table_len)
-                report["decode"].append(r)
-                if args.out:  # as it goes: a run cut short by its time limit keeps the shapes it measured
-                    with open(args.out, "w") as f:
-                        json.dump(report, f, indent=1)
-                print(
-                    f"decode B={batch:4d} L={seq_len:6d} table {r['table_len']:6d}: triton {r['triton_gbps']:7.0f} "
-                    f"GB/s  best {r['best_gbps']:7.0f} {r['best_variant']}  sdpa {r['sdpa_gbps']:7.0f} GB/s  ratio "
-                    f"{r['triton_gbps'] / r['sdpa_gbps']:.2f}",
-                    flush=True,
-                )
-    report["prefill"] = []
-    prefill_variants = _pick(PREFILL_VARIANTS, args)
-    for case, context_len, q_len in PREFILL_CASES if "prefill" in args.only else []:
-        if case in args.prefill_cases:
-            report["prefill"].append(bench_prefill(case, context_len, q_len, args.reps, prefill_variants))
-            p = report["prefill"][-1]
-            print(
-                f"prefill {case}: triton {p['triton_tflops']:.0f} TFLOP/s  best {p['best_tflops']:.0f} "
-                f"{p['best_variant']}  sdpa {p['sdpa_tflops']:.0f} TFLOP/s", flush=True,
-            )  # fmt: skip
+    _run_decode(args, report)
+    _run_prefill(args, report)
     sizes = (256, 8192) if "silu" in args.only else ()
     report["silu_and_mul"] = [bench_silu_and_mul(t, 14336, args.reps) for t in sizes]
     _print_table(report)
     if args.sweep:
         _print_decode_variants(report["decode"])
         print_prefill_variants(report["prefill"])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    _write(report, args.out)
     return 0 if ok else 1
 
 

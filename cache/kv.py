@@ -208,15 +208,7 @@ class KVCacheManager:
             return None
 
         if computed_block_ids:
-            for block_id in computed_block_ids:
-                if block_id not in self._cached:
-                    raise RuntimeError(f"block {block_id} from get_computed_blocks was evicted before allocate_slots")
-                if ref_counts[block_id] == 0:
-                    del self._evictable[block_id]
-                ref_counts[block_id] += 1
-            last = self._cached[computed_block_ids[-1]]
-            self._chains[request.request_id] = _HashChain(len(computed_block_ids), last.block_hash, last.entry_id)
-            request.block_ids = block_ids = list(computed_block_ids)
+            block_ids = self._claim_hit(request, computed_block_ids)
         elif request.request_id not in self._chains:
             self._chains[request.request_id] = _HashChain()
 
@@ -233,6 +225,21 @@ class KVCacheManager:
         new_ids = [self._take_free_block() for _ in range(num_appended)]
         block_ids.extend(new_ids)
         return new_ids
+
+    def _claim_hit(self, request: KVRequest, computed_block_ids: list[int]) -> list[int]:
+        """Give ``request`` the prefix hit's blocks (taking those nobody held out of the evictable pool) and the
+        hit's hash chain; returns its new block list."""
+        ref_counts = self._ref_counts
+        for block_id in computed_block_ids:
+            if block_id not in self._cached:
+                raise RuntimeError(f"block {block_id} from get_computed_blocks was evicted before allocate_slots")
+            if ref_counts[block_id] == 0:
+                del self._evictable[block_id]
+            ref_counts[block_id] += 1
+        last = self._cached[computed_block_ids[-1]]
+        self._chains[request.request_id] = _HashChain(len(computed_block_ids), last.block_hash, last.entry_id)
+        request.block_ids = list(computed_block_ids)
+        return request.block_ids
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block pairs the model runner must copy on device before the step that writes dst."""

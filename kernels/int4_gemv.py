@@ -166,12 +166,23 @@ def _subnormal_tile(
 ):  # fmt: skip
     """:func:`factored_tile` with :func:`subnormal` codes: ~1.1 integer instructions per weight (an and,
     and a shift per word for three of them) against ``nibble``'s two."""
-    x_up = x * subnormal_scales()[None, None, :]  # x_j * 2**(64 - P_j), exact
+    t = _subnormal_products(words, x * subnormal_scales()[None, None, :], BLOCK_M, ROWS)  # x_j 2**(64 - P_j), exact
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x, BLOCK_M, ROWS)
     # in factored_tile's order, not tl.sum's: that one follows x's layout, which its load path sets (pairs or values),
     # so the gated GEMV and the activation + GEMV would differ in the last bits
     xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [BM, R]
-    return prepared_tile(words, x_up, xs, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, BLOCK_M, ROWS, EVEN)
+    return _subnormal_sum(t, xs, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, EVEN)
+
+
+@triton.jit
+def prepared_tile(
+    words, x_up, xs, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N,
+    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """:func:`_subnormal_tile` of activations already scaled (``x_up`` fp32 ``[BM, R, 8]``, by
+    :func:`subnormal_scales`) and summed by word row (``xs [BM, R]``, unscaled)."""
+    t = _subnormal_products(words, x_up, BLOCK_M, ROWS)
+    return _subnormal_sum(t, xs, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, EVEN)
 
 
 @triton.jit
@@ -183,15 +194,11 @@ def subnormal_scales():
 
 
 @triton.jit
-def prepared_tile(
-    words, x_up, xs, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N,
-    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr,
-):  # fmt: skip
-    """The subnormal tile of activations already scaled (``x_up`` fp32 ``[BM, R, 8]``, :func:`subnormal_scales`)
-    and summed by word row (``xs [BM, R]``, unscaled)."""
+def _subnormal_products(words, x_up, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
+    """``sum_j c_j x_j 2**-85`` ``[BM, R, BN]``: the codes as subnormals times the scaled activations."""
     y0, y1, y2, y3, y4, y5, y6, y7 = _split8(x_up, BLOCK_M, ROWS)
     hi = words >> 12  # arithmetic: the sign copies land in bits 20-31, above every mask below
-    t = subnormal(words, 0)[None, :, :] * y0[:, :, None]  # [BM, R, BN]: sum_j c_j x_j 2**-85
+    t = subnormal(words, 0)[None, :, :] * y0[:, :, None]
     t += subnormal(words, 4)[None, :, :] * y1[:, :, None]
     t += subnormal(words, 8)[None, :, :] * y2[:, :, None]
     t += subnormal(words, 12)[None, :, :] * y3[:, :, None]
@@ -199,6 +206,12 @@ def prepared_tile(
     t += subnormal(hi, 8)[None, :, :] * y5[:, :, None]
     t += subnormal(hi, 12)[None, :, :] * y6[:, :, None]
     t += subnormal(hi, 16)[None, :, :] * y7[:, :, None]
+    return t
+
+
+@triton.jit
+def _subnormal_sum(t, xs, s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, N, EVEN: tl.constexpr):
+    """``s (sum_k c_k x_k - z sum_k x_k)`` ``[BM, BN]`` from the products ``t`` and the word-row sums ``xs``."""
     s = _load(s_ptr + g * stride_sg + offs_n, offs_n < N, EVEN).to(tl.float32)
     z = _load(z_ptr + g * stride_zg + offs_n, offs_n < N, EVEN).to(tl.float32)
     return (3.8685626227668134e25 * s)[None, :] * tl.sum(t, axis=1) - (s * z)[None, :] * tl.sum(xs, axis=1)[:, None]

@@ -64,10 +64,10 @@ UNPACK_M = (GEMV_MAX_M + 1, 127)  # tl.dot with unpack_in_registers by default a
 PREFILL_M = 1024  # tl.dot tiles of 256 rows from this M on
 GEMV_LIMIT_M = 16  # the GEMV holds a tile's [M, BLOCK_K / 8, BLOCK_N] fp32 products in registers
 GEMV_PROGRAMS_PER_SM = 4  # GEMV split-K target: enough programs per SM to keep loads in flight
-# Programs an SM of the GEMV_STREAM_BLOCK_N stream launches: the stream grid is one wave, so no more than the SM holds by registers (sm_90: 67
-# registers at 512 columns, 126 gated, hold 4; 1024 columns, 147 / 168 registers, hold 3: int4_model's "bn1024",
-# which lost on an H100, Session 38: gate_up 27.2 against 26.6 us, down 16.8 against 15.8, the model 2.641 against
-# 2.588 ms; not yet run on an H200).
+# Programs an SM of the GEMV_STREAM_BLOCK_N stream launches: the stream grid is one wave, so no more than the SM
+# holds by registers (sm_90: 67 registers at 512 columns, 126 gated, hold 4; 1024 columns, 147 / 168 registers, hold
+# 3: int4_model's "bn1024", which lost on an H100, Session 38: gate_up 27.2 against 26.6 us, down 16.8 against 15.8,
+# the model 2.641 against 2.588 ms; not yet run on an H200).
 GEMV_STREAM_PPS = GEMV_PROGRAMS_PER_SM
 # The GEMV at M = 1 on wide layers (at least GEMV_WIDE_N columns: the 8B gate_up's 28672): codes as subnormals
 # and GEMV_WIDE_TILE = (block_n, num_warps, programs per SM), 8 columns per thread instead of 2 (sm_90 SASS of the

@@ -104,6 +104,15 @@ def add_floors(results: dict[str, Any], copy_tb_s: float | None) -> None:
     )
 
 
+class NoLaunch:
+    """A Triton kernel's stand-in that launches nothing: the ``bound_*`` variants time the model as if that kernel
+    took no time (an upper bound on what fusing it away could give). Their tokens are wrong; only their time
+    means anything."""
+
+    def __getitem__(self, grid: object) -> Any:
+        return lambda *args, **kwargs: None
+
+
 # The int4 model again with other defaults (``--gemv-variants``): module constants ("module:NAME") set for the
 # engine's life, so its CUDA graphs capture them; the same process and copy bandwidth as the default's run.
 GEMV_VARIANTS: dict[str, dict[str, Any]] = {
@@ -131,6 +140,14 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     "stepphases": {
         "engine.models.decode_step:DECODE_STEP": True,
         "engine.models.decode_step:DECODE_STEP_TILES": StepTiles(fine_deps=False),
+    },
+    # bounds, not candidates (NoLaunch): the decode step without the attention merge's launch, without the
+    # RMSNorm launches, without decode attention (partitions and merge, with the rotary and cache write they carry)
+    "bound_nomerge": {"kernels.paged_attention:_decode_reduce_kernel": NoLaunch()},
+    "bound_nonorm": {"kernels.norm:_rms_norm_kernel": NoLaunch()},
+    "bound_noattn": {
+        "kernels.paged_attention:_decode_partition_kernel": NoLaunch(),
+        "kernels.paged_attention:_decode_reduce_kernel": NoLaunch(),
     },
     # no programmatic dependent launch (kernels.pdl) anywhere: the defaults before 2026-12-04 evening
     "nopdl": {

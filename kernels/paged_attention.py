@@ -25,11 +25,6 @@ from kernels.rotary import rope_rows
 # batch 1 2.295 ms with it against 2.322 without (the GEMVs and RMSNorm with PDL in both); bf16 see
 # kernels.norm.RMS_NORM_PDL. PAGEDSERVE_DECODE_PDL=0 turns it off.
 DECODE_PDL = os.environ.get("PAGEDSERVE_DECODE_PDL", "1") != "0"
-# PDL launches of both decode kernels load the step's inputs (and the partition kernel its first KV tile, but the new
-# token's row) before they wait for the kernel before (EARLY in the kernels). At batch 1 the decode launches were
-# 8.3 us a layer on an H100 (Session 39: the int4 model 2.295 ms without them against 2.561), mostly a chain of
-# dependent loads after the wait. Not yet measured. PAGEDSERVE_DECODE_EARLY=0 turns it off.
-DECODE_EARLY = os.environ.get("PAGEDSERVE_DECODE_EARLY", "1") != "0"
 _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # inline PTX (FENCE) only when compiled
 
@@ -119,14 +114,6 @@ def _online_softmax_step(s, v, m_i, l_i, acc, MAY_BE_EMPTY: tl.constexpr, DOT_PR
 
 
 @triton.jit
-def _publish_new_row(FENCE: tl.constexpr):
-    """The new token's stores at GPU scope (L2, where the tile loads read) and seen by every thread's loads."""
-    if FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    tl.debug_barrier()
-
-
-@triton.jit
 def _decode_partition_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr, part_out_ptr, part_stats_ptr,
     scale_log2, sliding_window,
@@ -136,16 +123,11 @@ def _decode_partition_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, DYNAMIC: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, STEP_ROWS: tl.constexpr, ROPE: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr,
 ):  # fmt: skip
     """ROPE (``kernels.decode_rope``): q, kn and vn are the step's raw rows; the query is rotated as it is
     loaded, and the program whose partition holds the new token stores its rotated key and value first. PDL
-    (launched with ``launch_pdl``, ``kernels.pdl``): waits for the kernel before. EARLY: the step's inputs and the
-    partition's first KV tile are loaded before that wait, all but the new token's row, which this step writes
-    (this kernel under ROPE, from registers; else the kernels before, read after the wait). Sound where the kernel
-    before waits for its own before it lets this one start (the GEMVs do): every kernel before that one has then
-    completed, and none of this step's kernels writes the inputs or older cache rows."""
-    if PDL and not EARLY:
+    (launched with ``launch_pdl``, ``kernels.pdl``): waits for the kernel before, first of all."""
+    if PDL:
         wait_prior_grids()
         launch_dependents()
     seq = tl.program_id(0)
@@ -165,37 +147,19 @@ def _decode_partition_kernel(
     d_mask = d < HEAD_DIM
     heads = kvh * GROUP + g
     live = (part_start < seq_len) & is_row  # the tables' width may exceed this sequence: nothing to do past it
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    first = (kv_lo // BLOCK_N) * BLOCK_N
     if ROPE:
         new_pos = tl.load(rope_pos_ptr + q_row)
-        slot = tl.load(rope_slot_ptr + q_row)
-        writes = slot >= 0  # padding rows (slot -1) write no row
-    else:
-        writes = seq_len > 0  # the kernels before wrote it
-    if EARLY:
-        pos0 = first + tl.arange(0, BLOCK_N)
-        ok0 = (pos0 < part_end) & (pos0 >= kv_lo) & live
-        is_new = ok0 & (pos0 == seq_len - 1) & writes  # the row this step writes
-        k0, v0 = _load_kv_tile(k_ptr, v_ptr, bt_row, pos0, ok0 & ~is_new, d, d_mask, kvh, stride_kb, stride_kt,
-                               stride_kh, BLOCK_SIZE, True, UPCAST)  # fmt: skip
-        if PDL:
-            wait_prior_grids()
-            launch_dependents()
-    if ROPE:
         q = rope_rows(q_ptr, q_row * stride_qs + heads * stride_qh, g_mask & live, d, d_mask, cos_sin_ptr, new_pos,
                       stride_cs, HEAD_DIM // 2).to(q_ptr.dtype.element_ty)  # fmt: skip
-        k_new = tl.zeros([1, HEAD_DIM_PAD], k_ptr.dtype.element_ty)
-        v_new = tl.zeros([1, HEAD_DIM_PAD], v_ptr.dtype.element_ty)
+        slot = tl.load(rope_slot_ptr + q_row)
         if live & (part_start <= seq_len - 1) & (seq_len - 1 < part_end) & (slot >= 0):  # the new token's partition
             dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kvh * stride_kh
-            k_new, v_new = store_new_kv(kn_ptr, vn_ptr, k_ptr, v_ptr, q_row * stride_nt + kvh * stride_nh, dst, d,
-                                        d_mask, cos_sin_ptr, new_pos, stride_cs, HEAD_DIM // 2)  # fmt: skip
-            if EARLY:
-                if seq_len - 1 >= first + BLOCK_N:  # in a later tile, which the loop reads from the cache
-                    _publish_new_row(FENCE)
-            else:
-                _publish_new_row(FENCE)
+            store_new_kv(kn_ptr, vn_ptr, k_ptr, v_ptr, q_row * stride_nt + kvh * stride_nh, dst, d, d_mask,
+                         cos_sin_ptr, new_pos, stride_cs, HEAD_DIM // 2)  # fmt: skip
+            if FENCE:  # the stores at GPU scope (L2) before the barrier: the tile copies below read L2
+                tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                          is_pure=False, pack=1)  # fmt: skip
+            tl.debug_barrier()  # the stores above are seen by every thread's loads of the tile that holds them
     else:
         q = tl.load(q_ptr + q_row * stride_qs + heads[:, None] * stride_qh + d[None, :],
                     mask=g_mask[:, None] & d_mask[None, :] & live, other=0.0)  # fmt: skip
@@ -204,22 +168,8 @@ def _decode_partition_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    loop_start = first
-    if EARLY:  # the first tile, its new row put in
-        if ROPE:
-            k_row, v_row = k_new, v_new
-            if UPCAST:
-                k_row, v_row = k_row.to(tl.float32), v_row.to(tl.float32)
-        else:
-            k_row, v_row = _load_kv_tile(k_ptr, v_ptr, bt_row, pos0, is_new, d, d_mask, kvh, stride_kb, stride_kt,
-                                         stride_kh, BLOCK_SIZE, True, UPCAST)  # fmt: skip
-        k0 = tl.where(is_new[:, None], k_row, k0)
-        v0 = tl.where(is_new[:, None], v_row, v0)
-        s = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(ok0[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v0, m_i, l_i, acc, True, DOT_PRECISION)
-        loop_start = first + BLOCK_N
-    for start in range(loop_start, part_end, BLOCK_N):
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range((kv_lo // BLOCK_N) * BLOCK_N, part_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = (pos < part_end) & (pos >= kv_lo)
         k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh, stride_kb, stride_kt, stride_kh,
@@ -284,7 +234,6 @@ def _paged_decode_attention(
     query_start_loc: torch.Tensor | None = None,  # [num_seqs + 1]: a mixed step's rows (paged_decode_rows)
     out: torch.Tensor | None = None,  # written in place; with query_start_loc: the step's output, its decode rows
     rope: DecodeRope | None = None,  # query not rotated: the kernel rotates it and stores the new K/V (decode_rope)
-    early: bool | None = None,  # loads before the PDL wait (DECODE_EARLY); None: with PDL launches and DECODE_EARLY
     **knobs: Any,  # plan_decode's block_n, num_stages, partition_size, dynamic, programs_per_sm; unset: the defaults
 ) -> torch.Tensor:
     """The wrapper with its tuning knobs exposed (tests force small partitions; the benchmark sweeps)."""
@@ -320,7 +269,6 @@ def _paged_decode_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     head_dim_pad = max(16, next_pow2(head_dim))
     pdl = DECODE_PDL and num_seqs <= PDL_MAX_ROWS and pdl_supported(query)
-    early = pdl and DECODE_EARLY if early is None else early
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc if query_start_loc is not None else seq_lens,
         out, part_out, part_stats, scale * _LOG2E, sliding_window or 0,
@@ -331,7 +279,7 @@ def _paged_decode_attention(
         SINGLE_PARTITION=single,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
         STEP_ROWS=query_start_loc is not None, ROPE=rope is not None,
-        FENCE=rope is not None and query.is_cuda and not _INTERPRET, PDL=pdl, EARLY=early,
+        FENCE=rope is not None and query.is_cuda and not _INTERPRET, PDL=pdl,
         num_warps=num_warps,
         num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
@@ -341,7 +289,7 @@ def _paged_decode_attention(
             out.stride(0), out.stride(1), num_partitions,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim), PARTITION_SIZE=plan.partition_size,
             BLOCK_N=plan.block_n, DYNAMIC=plan.dynamic, CHUNK=min(reduce_chunk, next_pow2(num_partitions)),
-            STEP_ROWS=query_start_loc is not None, TRIGGER=pdl_supported(out), PDL=pdl, EARLY=early, num_warps=4,
+            STEP_ROWS=query_start_loc is not None, TRIGGER=pdl_supported(out), PDL=pdl, num_warps=4,
             **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
     return out

@@ -168,10 +168,9 @@ def store_new_kv(
     kn_ptr, vn_ptr, k_ptr, v_ptr, src, dst, d, d_mask, cos_sin_ptr, pos, stride_cs, HALF: tl.constexpr,
 ):  # fmt: skip
     """The new token's key (rotated) and value of one KV head, from element offset ``src`` of the raw
-    tensors into element offset ``dst`` of the K and V caches; returns them as stored (``[1, D]`` each)."""
+    tensors into element offset ``dst`` of the K and V caches."""
     one = tl.full([1], 0, tl.int64) + src
-    k = rope_rows(kn_ptr, one, one >= 0, d, d_mask, cos_sin_ptr, pos, stride_cs, HALF).to(k_ptr.dtype.element_ty)
-    tl.store(k_ptr + dst + d[None, :], k, mask=d_mask[None, :])
-    v = tl.load(vn_ptr + src + d[None, :], mask=d_mask[None, :], other=0.0).to(v_ptr.dtype.element_ty)
-    tl.store(v_ptr + dst + d[None, :], v, mask=d_mask[None, :])
-    return k, v
+    k = rope_rows(kn_ptr, one, one >= 0, d, d_mask, cos_sin_ptr, pos, stride_cs, HALF)  # [1, D]
+    tl.store(k_ptr + dst + d[None, :], k.to(k_ptr.dtype.element_ty), mask=d_mask[None, :])
+    v = tl.load(vn_ptr + src + d, mask=d_mask, other=0.0)
+    tl.store(v_ptr + dst + d, v.to(v_ptr.dtype.element_ty), mask=d_mask)

@@ -141,8 +141,6 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
         "engine.models.decode_step:DECODE_STEP": True,
         "engine.models.decode_step:DECODE_STEP_TILES": StepTiles(fine_deps=False),
     },
-    # decode attention's kernels load nothing before their PDL wait: the default before Session 39
-    "noearly": {"kernels.paged_attention:DECODE_EARLY": False},
     # bounds, not candidates (NoLaunch): the decode step without the attention merge's launch, without the
     # RMSNorm launches, without decode attention (partitions and merge, with the rotary and cache write they carry)
     "bound_nomerge": {"kernels.paged_attention:_decode_reduce_kernel": NoLaunch()},

@@ -41,7 +41,7 @@ print(compiled.asm["ttgir"])
 _DECODE_8B = {
     "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
     "PARTITION_SIZE": 128, "SINGLE_PARTITION": False, "USE_WINDOW": False, "DOT_PRECISION": "tf32",
-    "UPCAST": False, "DYNAMIC": False, "STEP_ROWS": False, "ROPE": False, "FENCE": False, "EARLY": False,
+    "UPCAST": False, "DYNAMIC": False, "STEP_ROWS": False, "ROPE": False, "FENCE": False,
 }  # fmt: skip
 
 
@@ -96,25 +96,22 @@ def _unfused(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "knobs",
-    [{}, {"partition_size": 32}, {"dynamic": True}, {"sliding_window": 24, "partition_size": 32},
-     {"early": True}, {"early": True, "partition_size": 32}, {"early": True, "sliding_window": 24, "block_n": 32}],
-    ids=["one", "p32", "dyn", "window", "early", "early-p32", "early-window-bn32"],
+    [{}, {"partition_size": 32}, {"dynamic": True}, {"sliding_window": 24, "partition_size": 32}],
+    ids=["one", "p32", "dyn", "window"],
 )  # fmt: skip
 def test_decode_rope_equals_rope_and_cache_then_decode(
     dtype: torch.dtype, knobs: dict[str, Any], gen: torch.Generator
 ) -> None:
     """Bit for bit: the same output and the same cache as the two launches it replaces; within tolerance
-    of the torch references. ``early``: the first KV tile loaded before the new row is stored (the new key and
-    value put in from registers where the tile holds them, read back from the cache where a later tile does)."""
+    of the torch references."""
     lens = [1, 17, 100, 5]
     cache, tables, q, rope = _step(lens, 8, 2, 32, dtype, gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     cache_unfused, cache_ref = cache.clone(), cache.clone()
     window = knobs.get("sliding_window")
-    plan = {"block_n": 16, **{k: v for k, v in knobs.items() if k != "sliding_window"}}
-    out = paged_decode_attention_rope(q, cache, tables, seq_lens, 0.17, rope, window, **plan)
-    unfused = {k: v for k, v in plan.items() if k != "early"}
-    expected = _unfused(q, cache_unfused, tables, seq_lens, 0.17, rope, sliding_window=window, **unfused)
+    plan = {k: v for k, v in knobs.items() if k != "sliding_window"}
+    out = paged_decode_attention_rope(q, cache, tables, seq_lens, 0.17, rope, window, block_n=16, **plan)
+    expected = _unfused(q, cache_unfused, tables, seq_lens, 0.17, rope, block_n=16, **knobs)
     assert torch.equal(out[:-1], expected[:-1]), f"seed {gen.initial_seed()}"
     assert torch.equal(cache.nan_to_num(7.0), cache_unfused.nan_to_num(7.0))  # the padding row wrote nothing
     ref = paged_decode_attention_rope_ref(q, cache_ref, tables, seq_lens, 0.17, rope, window)
@@ -141,25 +138,22 @@ def test_decode_rope_bit_equal_on_the_gpu_at_8b_heads(lens: list[int], gen: torc
     as rope_and_cache does (fp32, the same contractions), so the outputs and the caches are equal bit for bit,
     and the new token's partition reads the key it stored (its slot held NaN before). b64 failed on the H200 for
     every seed (2026-12-04, loadtest.decode_rope_probe) by a bf16 ulp in 1-2 rows: ptxas contracted the rotation's
-    products differently in the two kernels until kernels.rotary._rotate spelled out the fma. The reference path
-    loads nothing before its PDL wait (``early=False``)."""
+    products differently in the two kernels until kernels.rotary._rotate spelled out the fma."""
     cache, tables, q, rope = _step(lens, 32, 8, 128, torch.bfloat16, gen, pad=len(lens) > 1)
     n = len(lens) - (len(lens) > 1)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     cache_unfused = cache.clone()
-    out = paged_decode_attention_rope(q, cache, tables, seq_lens, 0.088, rope)  # at batch 1: PDL, early loads
-    expected = _unfused(q, cache_unfused, tables, seq_lens, 0.088, rope, early=False)
+    out = paged_decode_attention_rope(q, cache, tables, seq_lens, 0.088, rope)
+    expected = _unfused(q, cache_unfused, tables, seq_lens, 0.088, rope)
     assert not out[:n].isnan().any() and torch.equal(out[:n], expected[:n])
     assert torch.equal(cache.nan_to_num(7.0), cache_unfused.nan_to_num(7.0))
 
 
-@pytest.mark.parametrize("early", [False, True])
-def test_new_kv_stores_come_before_the_tile_loads_in_the_sm90_code(early: bool) -> None:
+def test_new_kv_stores_come_before_the_tile_loads_in_the_sm90_code() -> None:
     """The interpreter runs a program's ops one by one, so it cannot show a tile load that overtakes the new
     token's store. The kernel compiled for sm_90 (dynamic partitions, the pipelined loads of batch 1 over a long
-    table) must store the key and value, then a CTA barrier, and only then start its first K / V copy (with
-    ``EARLY``, the loop's: the first tile, loaded before, takes the new row from registers)."""
-    c = {**_DECODE_8B, "ROPE": True, "DYNAMIC": True, "FENCE": True, "EARLY": early}
+    table) must store the key and value, then a CTA barrier, and only then start its first K / V copy."""
+    c = {**_DECODE_8B, "ROPE": True, "DYNAMIC": True, "FENCE": True}
     ir = run_without_interpreter(_COMPILE_SM90, json.dumps(c)).splitlines()
     first_copy = next(i for i, line in enumerate(ir) if "async_copy_global_to_local" in line)
     stores = [i for i in range(first_copy) if "tt.store" in ir[i]]

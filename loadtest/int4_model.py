@@ -141,10 +141,6 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
         "engine.models.decode_step:DECODE_STEP": True,
         "engine.models.decode_step:DECODE_STEP_TILES": StepTiles(fine_deps=False),
     },
-    # batch-1 decode attention in fewer, longer partitions (kernels.decode_plan.PROGRAMS_PER_SM, default 4: 64 tokens
-    # in 4k-token tables): 1 an SM, 256-token partitions; 2, 128 tokens
-    "decode_pps1": {"kernels.decode_plan:PROGRAMS_PER_SM": 1},
-    "decode_pps2": {"kernels.decode_plan:PROGRAMS_PER_SM": 2},
     # bounds, not candidates (NoLaunch): the decode step without the attention merge's launch, without the
     # RMSNorm launches, without decode attention (partitions and merge, with the rotary and cache write they carry)
     "bound_nomerge": {"kernels.paged_attention:_decode_reduce_kernel": NoLaunch()},

@@ -41,6 +41,10 @@ GEMV_X_WORDS = os.environ.get("PAGEDSERVE_INT4_X_WORDS", "1") == "1"
 # (int4_bench's variants "nostream" and "split").
 GEMV_STREAM = os.environ.get("PAGEDSERVE_INT4_STREAM", "1") == "1"
 GEMV_STREAM_MIN_WEIGHTS = int(os.environ.get("PAGEDSERVE_INT4_STREAM_MIN_WEIGHTS", str(1 << 25)))
+# Stream-K on wide layers too (GEMV_WIDE_N: gate_up); off, they keep the one-warp wide split tile (with pairs). H100,
+# Session 39 (layout_bench, us): gate_up's split launch with pairs 25.74 / 25.78 against the stream launch's 26.44 /
+# 26.71 (Session 37: even). int4_model's variant "widesplit" turns it off. PAGEDSERVE_INT4_STREAM_WIDE=0 likewise.
+GEMV_STREAM_WIDE = os.environ.get("PAGEDSERVE_INT4_STREAM_WIDE", "1") == "1"
 # Stream launches' tile: this many columns with 4 warps on every layer (the wide one too); 0: the split launch's
 # tiles. A stream grid needs no column tiles for its parallelism, so wider tiles let more columns share each x value
 # (sm_90 K loop with pairs: 3.97 instructions a weight at 512 columns, 4.57 at 256).
@@ -243,7 +247,7 @@ def _pick_gemv(
         bk = min(bk, group_pow2)  # every tile inside one group
     wide = block_m == 1 and n >= GEMV_WIDE_N
     factored = (user.factored is None or user.factored) and not has_g_idx and group_size % bk == 0
-    stream = factored and stream_fits(k, group_size, bk, has_g_idx) and _stream(user, n * k)
+    stream = factored and stream_fits(k, group_size, bk, has_g_idx) and _stream(user, n * k, wide)
     bn_default, warps, pps = GEMV_WIDE_TILE if wide else (256, 4, GEMV_PROGRAMS_PER_SM)
     if stream and GEMV_STREAM_BLOCK_N:
         bn_default, warps, pps = GEMV_STREAM_BLOCK_N, 4, GEMV_STREAM_PPS
@@ -262,16 +266,16 @@ def _pick_gemv(
     )  # fmt: skip
 
 
-def _stream(user: Int4GemmConfig, weights: int) -> bool:
+def _stream(user: Int4GemmConfig, weights: int, wide: bool) -> bool:
     """Whether a factored GEMV launch is stream-K: the user's choice, else GEMV_STREAM on layers of at least
-    GEMV_STREAM_MIN_WEIGHTS weights where the user left the split to the plan (a split_k or the deterministic counter
-    reduction asks for the split grid)."""
+    GEMV_STREAM_MIN_WEIGHTS weights (wide ones only with GEMV_STREAM_WIDE) where the user left the split to the plan
+    (a split_k or the deterministic counter reduction asks for the split grid)."""
     split_asked = user.split_k is not None or user.split_reduce == "counter"
     if user.stream and split_asked:
         raise ValueError("a stream GEMV has no split_k and sums with atomics: leave split_k and split_reduce unset")
     if user.stream is not None:
         return user.stream
-    return GEMV_STREAM and not split_asked and weights >= GEMV_STREAM_MIN_WEIGHTS
+    return GEMV_STREAM and not split_asked and weights >= GEMV_STREAM_MIN_WEIGHTS and (GEMV_STREAM_WIDE or not wide)
 
 
 def _pick_dot(m: int, n: int, k: int, group_size: int, num_sms: int, user: Int4GemmConfig) -> Int4Launch:

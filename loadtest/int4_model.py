@@ -120,6 +120,8 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     # the M = 1 GEMVs as split-K grids (no stream-K), then also with bf16 loads of x: the defaults before Session 37
     "nostream": {"kernels.int4_plan:GEMV_STREAM": False},
     "split": {"kernels.int4_plan:GEMV_STREAM": False, "kernels.int4_plan:GEMV_X_WORDS": False},
+    # stream-K on down only: gate_up keeps the one-warp wide split tile, with pairs
+    "widesplit": {"kernels.int4_plan:GEMV_STREAM_WIDE": False},
     # the stream launches (gate_up, down) at 1024 columns, 3 programs an SM (loadtest.layout_bench's row
     # stream_xw_sub_bn1024: 8 columns a thread share each x value's work)
     "bn1024": {"kernels.int4_plan:GEMV_STREAM_BLOCK_N": 1024, "kernels.int4_plan:GEMV_STREAM_PPS": 3},

@@ -45,10 +45,6 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any], float]] = {
     "default": (False, {}, 0),
     "x_fp32": (True, {}, 0),
     "x_words": (False, {"x_words": True}, 0),
-    # pairs at split 16 and 22 instead of the plan's 32: qkv's 24 column tiles in one wave (384 / 528 programs of 4
-    # and 3 K tiles on 132 SMs) instead of 768 programs of 2 in two
-    "xw_split16": (False, {"x_words": True, "split_k": 16}, 0),
-    "xw_split22": (False, {"x_words": True, "split_k": 22}, 0),
     "stages3": (False, {"num_stages": 3}, 0),
     "bk128": (False, {"block_k": 128}, 0),
     "bk32": (False, {"block_k": 32}, 0),

@@ -184,6 +184,16 @@ def test_the_defaults_are_session_37s_winners() -> None:
     assert int4_plan.GEMV_STREAM_MIN_WEIGHTS == 1 << 25 and int4_plan.GEMV_STREAM_SUBNORMAL
 
 
+def test_wide_layers_can_keep_the_split_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMV_STREAM_WIDE off (int4_model's "widesplit"): gate_up takes the one-warp wide split tile with pairs, down
+    still streams, and a user's stream=True still streams gate_up."""
+    monkeypatch.setattr(int4_plan, "GEMV_STREAM_WIDE", False)
+    gate_up = pick_config(1, 28672, 4096, 128, 132, Int4GemmConfig(), False)
+    assert (gate_up.stream_programs, gate_up.num_warps, gate_up.block_n, gate_up.x_words) == (0, 1, 256, True)
+    assert pick_config(1, 4096, 14336, 128, 132, Int4GemmConfig(), False).stream_programs == 4 * 132
+    assert pick_config(1, 28672, 4096, 128, 132, Int4GemmConfig(stream=True), False).stream_programs > 0
+
+
 def test_int4_gemm_routes_the_stream_config(gen: torch.Generator) -> None:
     qweight, scales, zeros = _weights(256, 256, gen)
     x = torch.randn(1, 256, generator=gen).to(torch.bfloat16).to(DEVICE)

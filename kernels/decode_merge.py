@@ -68,15 +68,21 @@ def _decode_reduce_kernel(
     stride_os, stride_oh, num_partitions,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DYNAMIC: tl.constexpr, CHUNK: tl.constexpr, STEP_ROWS: tl.constexpr, TRIGGER: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # launched with launch_pdl (kernels.pdl): the partitions kernel's output is read below
+    """EARLY: the step's inputs are read before the PDL wait (the partition kernel waits before it triggers)."""
+    if PDL and not EARLY:  # launched with launch_pdl (kernels.pdl): the partitions kernel's output is read below
         wait_prior_grids()
-    if TRIGGER:  # a PDL-launched next kernel (o_proj's int4 GEMV) may start (kernels.pdl)
+    if TRIGGER and not EARLY:  # a PDL-launched next kernel (o_proj's int4 GEMV) may start (kernels.pdl)
         launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     q_row, is_row = _query_row(seq, query_start_loc_ptr, STEP_ROWS)
+    if PDL and EARLY:
+        wait_prior_grids()
+    if TRIGGER and EARLY:
+        launch_dependents()
     if is_row:
         _merge_partitions(
             seq_len, _partition_len(seq_len, num_partitions, PARTITION_SIZE, BLOCK_N, DYNAMIC),

@@ -25,6 +25,14 @@ from kernels.rotary import rope_rows
 # batch 1 2.295 ms with it against 2.322 without (the GEMVs and RMSNorm with PDL in both); bf16 see
 # kernels.norm.RMS_NORM_PDL. PAGEDSERVE_DECODE_PDL=0 turns it off.
 DECODE_PDL = os.environ.get("PAGEDSERVE_DECODE_PDL", "1") != "0"
+# Batch-1 decode attention was 8.3 us a layer on an H100 (Session 39: the int4 model 2.295 ms without its launches
+# against 2.561), mostly a chain of dependent loads. Both kernels may load the step's inputs (sequence length,
+# position, slot) before their PDL wait, a round trip off that chain: off until measured (int4_model's variant
+# "earlyin"); PAGEDSERVE_DECODE_EARLY_INPUTS=1 turns it on. (Session 39's first try, which also loaded the first KV
+# tile before the wait, lost 25 us a step and was reverted. Taking the new key and value into the tile from registers
+# instead of a store, a fence and a barrier doubled the kernel's shared memory at sm_90, 38.9 to 69.6 KB, and broke
+# the tile loads' pipeline; not measured.)
+DECODE_EARLY_INPUTS = os.environ.get("PAGEDSERVE_DECODE_EARLY_INPUTS", "0") == "1"
 _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # inline PTX (FENCE) only when compiled
 
@@ -123,11 +131,14 @@ def _decode_partition_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, DYNAMIC: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, STEP_ROWS: tl.constexpr, ROPE: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):  # fmt: skip
     """ROPE (``kernels.decode_rope``): q, kn and vn are the step's raw rows; the query is rotated as it is
-    loaded, and the program whose partition holds the new token stores its rotated key and value first. PDL
-    (launched with ``launch_pdl``, ``kernels.pdl``): waits for the kernel before, first of all."""
-    if PDL:
+    loaded, and the program whose partition holds the new token stores its rotated key and value first.
+    PDL (launched with ``launch_pdl``, ``kernels.pdl``): waits for the kernel before; with EARLY only after loading
+    the step's inputs (its sequence length, position and slot), which no kernel of the step writes: the kernel before
+    (the qkv GEMV) waits for its own before it lets this one start, so every kernel before it has completed."""
+    if PDL and not EARLY:
         wait_prior_grids()
         launch_dependents()
     seq = tl.program_id(0)
@@ -135,6 +146,12 @@ def _decode_partition_kernel(
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     q_row, is_row = _query_row(seq, query_start_loc_ptr, STEP_ROWS)
+    if ROPE:
+        new_pos = tl.load(rope_pos_ptr + q_row)
+        slot = tl.load(rope_slot_ptr + q_row)
+    if PDL and EARLY:
+        wait_prior_grids()
+        launch_dependents()
     part_len = _partition_len(seq_len, num_partitions, PARTITION_SIZE, BLOCK_N, DYNAMIC)
     part_start = part * part_len
     part_end = tl.minimum(part_start + part_len, seq_len)
@@ -148,10 +165,8 @@ def _decode_partition_kernel(
     heads = kvh * GROUP + g
     live = (part_start < seq_len) & is_row  # the tables' width may exceed this sequence: nothing to do past it
     if ROPE:
-        new_pos = tl.load(rope_pos_ptr + q_row)
         q = rope_rows(q_ptr, q_row * stride_qs + heads * stride_qh, g_mask & live, d, d_mask, cos_sin_ptr, new_pos,
                       stride_cs, HEAD_DIM // 2).to(q_ptr.dtype.element_ty)  # fmt: skip
-        slot = tl.load(rope_slot_ptr + q_row)
         if live & (part_start <= seq_len - 1) & (seq_len - 1 < part_end) & (slot >= 0):  # the new token's partition
             dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kvh * stride_kh
             store_new_kv(kn_ptr, vn_ptr, k_ptr, v_ptr, q_row * stride_nt + kvh * stride_nh, dst, d, d_mask,
@@ -234,6 +249,7 @@ def _paged_decode_attention(
     query_start_loc: torch.Tensor | None = None,  # [num_seqs + 1]: a mixed step's rows (paged_decode_rows)
     out: torch.Tensor | None = None,  # written in place; with query_start_loc: the step's output, its decode rows
     rope: DecodeRope | None = None,  # query not rotated: the kernel rotates it and stores the new K/V (decode_rope)
+    early: bool | None = None,  # inputs loaded before the PDL wait; None: DECODE_EARLY_INPUTS where PDL is on
     **knobs: Any,  # plan_decode's block_n, num_stages, partition_size, dynamic, programs_per_sm; unset: the defaults
 ) -> torch.Tensor:
     """The wrapper with its tuning knobs exposed (tests force small partitions; the benchmark sweeps)."""
@@ -269,6 +285,7 @@ def _paged_decode_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     head_dim_pad = max(16, next_pow2(head_dim))
     pdl = DECODE_PDL and num_seqs <= PDL_MAX_ROWS and pdl_supported(query)
+    early = pdl and DECODE_EARLY_INPUTS if early is None else early
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc if query_start_loc is not None else seq_lens,
         out, part_out, part_stats, scale * _LOG2E, sliding_window or 0,
@@ -279,7 +296,7 @@ def _paged_decode_attention(
         SINGLE_PARTITION=single,
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
         STEP_ROWS=query_start_loc is not None, ROPE=rope is not None,
-        FENCE=rope is not None and query.is_cuda and not _INTERPRET, PDL=pdl,
+        FENCE=rope is not None and query.is_cuda and not _INTERPRET, PDL=pdl, EARLY=early,
         num_warps=num_warps,
         num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
@@ -289,7 +306,7 @@ def _paged_decode_attention(
             out.stride(0), out.stride(1), num_partitions,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim), PARTITION_SIZE=plan.partition_size,
             BLOCK_N=plan.block_n, DYNAMIC=plan.dynamic, CHUNK=min(reduce_chunk, next_pow2(num_partitions)),
-            STEP_ROWS=query_start_loc is not None, TRIGGER=pdl_supported(out), PDL=pdl, num_warps=4,
+            STEP_ROWS=query_start_loc is not None, TRIGGER=pdl_supported(out), PDL=pdl, EARLY=early, num_warps=4,
             **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
     return out

@@ -143,6 +143,8 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
         "engine.models.decode_step:DECODE_STEP": True,
         "engine.models.decode_step:DECODE_STEP_TILES": StepTiles(fine_deps=False),
     },
+    # batch-1 decode attention's kernels load the step's inputs before their PDL wait
+    "earlyin": {"kernels.paged_attention:DECODE_EARLY_INPUTS": True},
     # bounds, not candidates (NoLaunch): the decode step without the attention merge's launch, without the
     # RMSNorm launches, without decode attention (partitions and merge, with the rotary and cache write they carry)
     "bound_nomerge": {"kernels.paged_attention:_decode_reduce_kernel": NoLaunch()},

@@ -41,7 +41,7 @@ print(compiled.asm["ttgir"])
 _DECODE_8B = {
     "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
     "PARTITION_SIZE": 128, "SINGLE_PARTITION": False, "USE_WINDOW": False, "DOT_PRECISION": "tf32",
-    "UPCAST": False, "DYNAMIC": False, "STEP_ROWS": False, "ROPE": False, "FENCE": False,
+    "UPCAST": False, "DYNAMIC": False, "STEP_ROWS": False, "ROPE": False, "FENCE": False, "EARLY": False,
 }  # fmt: skip
 
 
@@ -96,8 +96,9 @@ def _unfused(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "knobs",
-    [{}, {"partition_size": 32}, {"dynamic": True}, {"sliding_window": 24, "partition_size": 32}],
-    ids=["one", "p32", "dyn", "window"],
+    [{}, {"partition_size": 32}, {"dynamic": True}, {"sliding_window": 24, "partition_size": 32},
+     {"partition_size": 32, "early": True}],
+    ids=["one", "p32", "dyn", "window", "p32-early"],
 )  # fmt: skip
 def test_decode_rope_equals_rope_and_cache_then_decode(
     dtype: torch.dtype, knobs: dict[str, Any], gen: torch.Generator
@@ -111,7 +112,7 @@ def test_decode_rope_equals_rope_and_cache_then_decode(
     window = knobs.get("sliding_window")
     plan = {k: v for k, v in knobs.items() if k != "sliding_window"}
     out = paged_decode_attention_rope(q, cache, tables, seq_lens, 0.17, rope, window, block_n=16, **plan)
-    expected = _unfused(q, cache_unfused, tables, seq_lens, 0.17, rope, block_n=16, **knobs)
+    expected = _unfused(q, cache_unfused, tables, seq_lens, 0.17, rope, block_n=16, **{**knobs, "early": False})
     assert torch.equal(out[:-1], expected[:-1]), f"seed {gen.initial_seed()}"
     assert torch.equal(cache.nan_to_num(7.0), cache_unfused.nan_to_num(7.0))  # the padding row wrote nothing
     ref = paged_decode_attention_rope_ref(q, cache_ref, tables, seq_lens, 0.17, rope, window)
@@ -132,28 +133,33 @@ def test_decode_rope_refuses_mixed_steps_and_bad_inputs(gen: torch.Generator) ->
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("early", [None, True], ids=["default", "early"])
 @pytest.mark.parametrize("lens", [[8192], [1, 300, 4095, 1024] * 16, [40000]], ids=["b1_8k", "b64", "b1_40k"])
-def test_decode_rope_bit_equal_on_the_gpu_at_8b_heads(lens: list[int], gen: torch.Generator) -> None:
+def test_decode_rope_bit_equal_on_the_gpu_at_8b_heads(
+    lens: list[int], early: bool | None, gen: torch.Generator
+) -> None:
     """At the 8B shape's heads in bf16, default plans (fixed and dynamic partitions): the compiled kernel rotates
     as rope_and_cache does (fp32, the same contractions), so the outputs and the caches are equal bit for bit,
     and the new token's partition reads the key it stored (its slot held NaN before). b64 failed on the H200 for
     every seed (2026-12-04, loadtest.decode_rope_probe) by a bf16 ulp in 1-2 rows: ptxas contracted the rotation's
-    products differently in the two kernels until kernels.rotary._rotate spelled out the fma."""
+    products differently in the two kernels until kernels.rotary._rotate spelled out the fma. ``early``: the inputs
+    loaded before the PDL wait (kernels.paged_attention.DECODE_EARLY_INPUTS); the reference path loads none."""
     cache, tables, q, rope = _step(lens, 32, 8, 128, torch.bfloat16, gen, pad=len(lens) > 1)
     n = len(lens) - (len(lens) > 1)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     cache_unfused = cache.clone()
-    out = paged_decode_attention_rope(q, cache, tables, seq_lens, 0.088, rope)
-    expected = _unfused(q, cache_unfused, tables, seq_lens, 0.088, rope)
+    out = paged_decode_attention_rope(q, cache, tables, seq_lens, 0.088, rope, early=early)  # batch 1: PDL
+    expected = _unfused(q, cache_unfused, tables, seq_lens, 0.088, rope, early=False)
     assert not out[:n].isnan().any() and torch.equal(out[:n], expected[:n])
     assert torch.equal(cache.nan_to_num(7.0), cache_unfused.nan_to_num(7.0))
 
 
-def test_new_kv_stores_come_before_the_tile_loads_in_the_sm90_code() -> None:
+@pytest.mark.parametrize("early", [False, True])
+def test_new_kv_stores_come_before_the_tile_loads_in_the_sm90_code(early: bool) -> None:
     """The interpreter runs a program's ops one by one, so it cannot show a tile load that overtakes the new
     token's store. The kernel compiled for sm_90 (dynamic partitions, the pipelined loads of batch 1 over a long
     table) must store the key and value, then a CTA barrier, and only then start its first K / V copy."""
-    c = {**_DECODE_8B, "ROPE": True, "DYNAMIC": True, "FENCE": True}
+    c = {**_DECODE_8B, "ROPE": True, "DYNAMIC": True, "FENCE": True, "EARLY": early}
     ir = run_without_interpreter(_COMPILE_SM90, json.dumps(c)).splitlines()
     first_copy = next(i for i, line in enumerate(ir) if "async_copy_global_to_local" in line)
     stores = [i for i in range(first_copy) if "tt.store" in ir[i]]

@@ -48,6 +48,7 @@ CASES = [
     ("paged", torch.bfloat16, 8, None, {"partition_size": 16}),
     ("paged", torch.float16, 4, 10, {"dynamic": True}),
     ("new_kv", torch.float32, 4, None, {"dynamic": True}),
+    ("paged", torch.bfloat16, 4, None, {"partition_size": 32, "early": True}),  # inputs before the PDL wait
 ]
 
 

@@ -35,11 +35,12 @@ DECODE_KNOBS = {
     "p48": {"partition_size": 48},
     "dyn": {"dynamic": True},
     "dyn16": {"dynamic": True, "programs_per_sm": 16},
+    "p32_early": {"partition_size": 32, "early": True},  # inputs loaded before the PDL wait (DECODE_EARLY_INPUTS)
 }
 # Each knob (how a sequence is cut into partitions and merged) runs 3 cases: every dtype, every GQA group and
 # both windows, rotated so that every pair of (knob, dtype, group, window) values meets in some case. The dtype
 # (loads, the output's cast) and the group (the query-head tile) are the same code whatever the partitioning, so
-# the full product (162 cases, ~80 s under the interpreter) checked nothing these 27 do not.
+# the full product (126 cases) checked nothing these 21 do not.
 DECODE_CASES = [
     pytest.param(
         DTYPES[j], GROUPS[(j + k) % 3], (None, 24)[(j + k) % 2], knobs,

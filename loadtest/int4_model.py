@@ -116,6 +116,8 @@ class NoLaunch:
 # The int4 model again with other defaults (``--gemv-variants``): module constants ("module:NAME") set for the
 # engine's life, so its CUDA graphs capture them; the same process and copy bandwidth as the default's run.
 GEMV_VARIANTS: dict[str, dict[str, Any]] = {
+    # the defaults again, in a later place of the same process: how much the order alone moves a variant's time
+    "base": {},
     "sub": {"kernels.int4_plan:GEMV_SUBNORMAL": True},  # subnormal codes on every layer
     # the M = 1 GEMVs as split-K grids (no stream-K), then also with bf16 loads of x: the defaults before Session 37
     "nostream": {"kernels.int4_plan:GEMV_STREAM": False},

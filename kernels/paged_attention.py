@@ -27,8 +27,9 @@ from kernels.rotary import rope_rows
 DECODE_PDL = os.environ.get("PAGEDSERVE_DECODE_PDL", "1") != "0"
 # Batch-1 decode attention was 8.3 us a layer on an H100 (Session 39: the int4 model 2.295 ms without its launches
 # against 2.561), mostly a chain of dependent loads. Both kernels may load the step's inputs (sequence length,
-# position, slot) before their PDL wait, a round trip off that chain: off until measured (int4_model's variant
-# "earlyin"); PAGEDSERVE_DECODE_EARLY_INPUTS=1 turns it on. (Session 39's first try, which also loaded the first KV
+# position, slot) before their PDL wait, a round trip off that chain. H100, Session 39 (int4_model's variant
+# "earlyin", run second after the defaults): 2.542 / 2.546 ms against 2.556 / 2.551, inside what the order may move;
+# off until a run brackets it with the variant "base". PAGEDSERVE_DECODE_EARLY_INPUTS=1 turns it on. (Session 39's first try, which also loaded the first KV
 # tile before the wait, lost 25 us a step and was reverted. Taking the new key and value into the tile from registers
 # instead of a store, a fence and a barrier doubled the kernel's shared memory at sm_90, 38.9 to 69.6 KB, and broke
 # the tile loads' pipeline; not measured.)

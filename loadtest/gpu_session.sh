@@ -115,7 +115,14 @@
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
 # Plot the sweep here afterwards: python -m loadtest.sweep plot sweep.json docs/sweep-8b.png
+# REQUIRE_CARD=H200 (any part of nvidia-smi's name): on another card the script stops at once, before any work, so a
+# call that must measure the H200 costs only the machine's start when the run tool lends another (Sessions 36-39).
 set -euo pipefail
+if [ -n "${REQUIRE_CARD:-}" ] && ! nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null \
+    | grep -q -- "$REQUIRE_CARD"; then
+  echo "not a $REQUIRE_CARD: stopped before any work"
+  exit 0
+fi
 stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, xs, xm, xa, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, sd, sa, v, wg, wa, ds, dm, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}

@@ -42,8 +42,8 @@
 #                     the int4 model twice, each run once per XB_VARIANTS
 #                     (default "nostream split") beside the defaults and bf16
 #   stage xc (~7 min): the x_words and stream GPU tests, the int4 GEMM's, gated GEMV's and quantized engine's, then
-#                     layout_bench's LAYOUT_VARIANTS (default the engine's launch, the split launch, with pairs, the stream
-#                     rows at 512 and 1024 columns and with a prepared x), then the int4 model once per
+#                     layout_bench's LAYOUT_VARIANTS (default the engine's launch, the split launch, with pairs,
+#                     the stream rows at 512 and 1024 columns and with a prepared x), then the int4 model once per
 #                     XC_VARIANTS (default "nostream split bn1024 widesplit earlyin base": base
 #                     is the defaults again, last, for the order's own effect)
 #   stage n (~7 min): the int4 GEMM's GPU tests (subnormal codes and the gated GEMV at the 8B shapes, graph replays),
@@ -253,8 +253,8 @@ elif [ "$stage" = xc ]; then
   int4_default_tests 150
   # shellcheck disable=SC2086  # LAYOUT_VARIANTS is a list of names
   timeout -k 10 120 python -m loadtest.layout_bench --variants ${LAYOUT_VARIANTS:-engine default x_words \
-    stream_xw_sub_bn512 stream_xw_sub_bn1024 stream_prepared_bn512} --out "$out/layout.json" 2>&1 | tee "$out/layout.txt" | tail -10 \
-    || echo "LAYOUT BENCH CUT SHORT"
+    stream_xw_sub_bn512 stream_xw_sub_bn1024 stream_prepared_bn512} --out "$out/layout.json" 2>&1 \
+    | tee "$out/layout.txt" | tail -10 || echo "LAYOUT BENCH CUT SHORT"
   # shellcheck disable=SC2086  # XC_VARIANTS is a list of names
   timeout -k 10 240 python -m loadtest.int4_bench --only model \
     --gemv-variants ${XC_VARIANTS:-nostream split bn1024 widesplit earlyin base} \

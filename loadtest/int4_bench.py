@@ -286,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         "--gemv-variants", nargs="+", default=[], choices=sorted(GEMV_VARIANTS),
         help="also the int4 model with these GEMV defaults (loadtest.int4_model.GEMV_VARIANTS)",
     )  # fmt: skip
+    parser.add_argument(
+        "--bf16-variants", nargs="+", default=[], choices=sorted(GEMV_VARIANTS),
+        help="also the bf16 model with these of the same switches (those of its kernels: decode attention, norms)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
         print("int4_bench needs CUDA (or --tiny on CPU)", file=sys.stderr)

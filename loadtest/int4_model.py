@@ -92,8 +92,8 @@ def add_floors(results: dict[str, Any], copy_tb_s: float | None) -> None:
     """Floor = weight bytes / copy bandwidth (bytes read + written per second, as ``shapes`` measures it)."""
     if copy_tb_s is None:
         return
-    int4_keys = [k for k, v in results.items() if k.startswith("int4") and isinstance(v, dict) and "latency" in v]
-    for key in ["bf16", *int4_keys]:
+    runs = [k for k, v in results.items() if k.startswith(("int4", "bf16 ")) and isinstance(v, dict) and "latency" in v]
+    for key in ["bf16", *runs]:
         lat = results[key]["latency"]
         floor_ms = results[key]["weight_gb"] * 1e9 / (copy_tb_s * 1e12) * 1e3
         lat["floor_ms"] = round(floor_ms, 3)
@@ -147,6 +147,15 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     },
     # batch-1 decode attention's kernels load the step's inputs before their PDL wait
     "earlyin": {"kernels.paged_attention:DECODE_EARLY_INPUTS": True},
+    # and the one-tile partitions' block ids, programs past the sequence not waiting (DECODE_EARLY_IDS)
+    "earlyids": {"kernels.paged_attention:DECODE_EARLY_INPUTS": True, "kernels.paged_attention:DECODE_EARLY_IDS": True},
+    # the new token's key and value from registers, no fence before the tile (DECODE_NEW_KV_REGS)
+    "newreg": {"kernels.paged_attention:DECODE_NEW_KV_REGS": True},
+    "earlyall": {
+        "kernels.paged_attention:DECODE_EARLY_INPUTS": True,
+        "kernels.paged_attention:DECODE_EARLY_IDS": True,
+        "kernels.paged_attention:DECODE_NEW_KV_REGS": True,
+    },
     # bounds, not candidates (NoLaunch): the decode step without the attention merge's launch, without the
     # RMSNorm launches, without decode attention (partitions and merge, with the rotary and cache write they carry)
     "bound_nomerge": {"kernels.paged_attention:_decode_reduce_kernel": NoLaunch()},
@@ -164,7 +173,7 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _bench_int4_variant(args: argparse.Namespace, device: torch.device, name: str) -> dict[str, Any]:
+def _bench_variant(args: argparse.Namespace, device: torch.device, name: str, quantized: bool) -> dict[str, Any]:
     import importlib
 
     targets = {key: (importlib.import_module(key.split(":")[0]), key.split(":")[1]) for key in GEMV_VARIANTS[name]}
@@ -172,7 +181,7 @@ def _bench_int4_variant(args: argparse.Namespace, device: torch.device, name: st
     try:
         for key, (module, attr) in targets.items():
             setattr(module, attr, GEMV_VARIANTS[name][key])
-        return bench_model(args, device, quantized=True)
+        return bench_model(args, device, quantized=quantized)
     finally:
         for key, (module, attr) in targets.items():
             setattr(module, attr, saved[key])
@@ -186,14 +195,24 @@ def bench_models(args: argparse.Namespace, device: torch.device, results: dict[s
         copy_tb_s = measure_copy_bandwidth()
         results["copy_tb_s"] = round(copy_tb_s, 3)
     results["int4"] = bench_model(args, device, quantized=True)
-    for name in getattr(args, "gemv_variants", None) or []:
+    _bench_variants(args, device, results, "int4", getattr(args, "gemv_variants", None) or [])
+    results["bf16"] = bench_model(args, device, quantized=False)
+    _bench_variants(args, device, results, "bf16", getattr(args, "bf16_variants", None) or [])
+    add_floors(results, copy_tb_s)
+
+
+def _bench_variants(
+    args: argparse.Namespace, device: torch.device, results: dict[str, Any], model: str, names: list[str]
+) -> None:
+    """Each variant's run as ``results["<model> <name>"]`` (a name given twice: ``<name>#2``)."""
+    for name in names:
+        key = f"{model} {name}"
+        key = key if key not in results else f"{key}#{sum(k.split('#')[0] == key for k in results) + 1}"
         try:
-            results[f"int4 {name}"] = _bench_int4_variant(args, device, name)
+            results[key] = _bench_variant(args, device, name, quantized=model == "int4")
         except Exception as exc:  # noqa: BLE001 - on the GPU a variant's failure is its result; the rest still run
             if device.type != "cuda":
                 raise
-            results[f"int4 {name}"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            results[key] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             gc.collect()  # the failed engine's memory, before the next one
             torch.cuda.empty_cache()
-    results["bf16"] = bench_model(args, device, quantized=False)
-    add_floors(results, copy_tb_s)

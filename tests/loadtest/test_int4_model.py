@@ -31,3 +31,19 @@ def test_stages_run_known_variants(knob: str) -> None:
     assert match is not None
     names = match.group(1).split()
     assert names and set(names) <= set(GEMV_VARIANTS), names
+
+
+def test_variants_of_both_models_run_and_keep_every_run(tmp_path: Path) -> None:
+    """``--gemv-variants`` and ``--bf16-variants`` on the tiny model (CPU): a name given twice keeps both runs (the
+    second as ``#2``: bracketing runs compare the defaults early and late)."""
+    import json
+
+    from loadtest.int4_bench import main
+
+    out = tmp_path / "model.json"
+    argv = ["--tiny", "--only", "model", "--gemv-variants", "base", "base", "--bf16-variants", "earlyall"]
+    assert main([*argv, "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    runs = {k for k, v in res.items() if isinstance(v, dict) and "latency" in v}
+    assert runs == {"int4", "int4 base", "int4 base#2", "bf16", "bf16 earlyall"}
+    assert res["bf16 earlyall"]["model"] == "bf16" and res["int4 base#2"]["model"] == "int4"

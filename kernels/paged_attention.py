@@ -17,7 +17,7 @@ from kernels.attention_launch import _check_attention_inputs, _check_step_rows, 
 from kernels.decode_merge import _decode_reduce_kernel, _partition_len, _query_row
 from kernels.decode_plan import MERGE_CHUNK, num_sms, plan_decode
 from kernels.pdl import PDL_MAX_ROWS, launch_dependents, pdl_supported, wait_prior_grids
-from kernels.rope_cache import DecodeRope, new_kv_rows, store_new_kv
+from kernels.rope_cache import DecodeRope, store_new_kv
 from kernels.rotary import rope_rows
 
 # Both decode kernels launched with programmatic dependent launch on sm_90+ (kernels.pdl) for kernels.pdl.PDL_MAX_ROWS
@@ -26,20 +26,16 @@ from kernels.rotary import rope_rows
 # kernels.norm.RMS_NORM_PDL. PAGEDSERVE_DECODE_PDL=0 turns it off.
 DECODE_PDL = os.environ.get("PAGEDSERVE_DECODE_PDL", "1") != "0"
 # Batch-1 decode attention was 8.3 us a layer on an H100 (Session 39: the int4 model 2.295 ms without its launches
-# against 2.561), mostly a chain of dependent loads. Both kernels may load the step's inputs (sequence length,
-# position, slot) before their PDL wait, a round trip off that chain. H100, Session 39 (int4_model's variant
-# "earlyin", run second after the defaults): 2.542 / 2.546 ms against 2.556 / 2.551, inside what the order may move;
-# off until a run brackets it with the variant "base". PAGEDSERVE_DECODE_EARLY_INPUTS=1 turns it on. (Session 39's first try, which also loaded the first KV
-# tile before the wait, lost 25 us a step and was reverted. Taking the new key and value into the tile from registers
-# instead of a store, a fence and a barrier doubled the kernel's shared memory at sm_90, 38.9 to 69.6 KB, and broke
-# the tile loads' pipeline; not measured.)
-DECODE_EARLY_INPUTS = os.environ.get("PAGEDSERVE_DECODE_EARLY_INPUTS", "0") == "1"
-# Two more links off that chain (Session 40; both off until measured, int4_model's variants "earlyids", "newreg"):
-# with early inputs and fixed one-tile partitions (batch 1 under 16k-token tables), the tile's block ids load before
-# the wait and programs past the sequence's end skip it; the new token's key and value join the softmax from
-# registers (its program's tile stops before it), so the store of them needs no fence before the tile's loads.
-DECODE_EARLY_IDS = os.environ.get("PAGEDSERVE_DECODE_EARLY_IDS", "0") == "1"
-DECODE_NEW_KV_REGS = os.environ.get("PAGEDSERVE_DECODE_NEW_KV_REGS", "0") == "1"
+# against 2.561), mostly a chain of dependent loads. Both kernels load the step's inputs (sequence length, position,
+# slot) before their PDL wait, a round trip off that chain. H100, Sessions 39-40 (int4_model's variant "earlyin",
+# five processes, bracketed by the defaults run again late): int4 batch 1 -5 to -17 us a step (2.542-2.548 ms against
+# 2.551-2.565), bf16 -23 us (5.663 against 5.686 / 5.688). PAGEDSERVE_DECODE_EARLY_INPUTS=0 turns it off.
+# Lost or tied, removed: the first KV tile before the wait too (Session 39, +25 us a step); the one-tile partitions'
+# block ids before the wait with programs past the sequence skipping it (Session 40, "earlyids": 2.543 / 2.549
+# against earlyin's 2.546 / 2.542); the new token's key and value from registers, so that its store needs no fence
+# (Session 40, "newreg": +30 us). (Session 39: taking them into the tile from registers doubled the kernel's shared
+# memory at sm_90, 38.9 to 69.6 KB; not measured.)
+DECODE_EARLY_INPUTS = os.environ.get("PAGEDSERVE_DECODE_EARLY_INPUTS", "1") != "0"
 _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # inline PTX (FENCE) only when compiled
 
@@ -103,16 +99,6 @@ def _load_kv_tile(
     else:
         block_ids = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
         kv_mask = d_mask[None, :]
-    return _load_kv_rows(k_ptr, v_ptr, block_ids, pos, kv_mask, d, kvh, stride_kb, stride_kt, stride_kh, BLOCK_SIZE,
-                         UPCAST)  # fmt: skip
-
-
-@triton.jit
-def _load_kv_rows(
-    k_ptr, v_ptr, block_ids, pos, kv_mask, d, kvh, stride_kb, stride_kt, stride_kh,
-    BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
-    """K and V ``[BLOCK_N, D]`` at positions ``pos`` whose cache blocks are ``block_ids``, where ``kv_mask``."""
     row_off = block_ids * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kvh * stride_kh  # [BLOCK_N]
     k = tl.load(k_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -148,16 +134,13 @@ def _decode_partition_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, DYNAMIC: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, STEP_ROWS: tl.constexpr, ROPE: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr, EARLY_IDS: tl.constexpr, NEW_REGS: tl.constexpr,
+    EARLY: tl.constexpr,
 ):  # fmt: skip
     """ROPE (``kernels.decode_rope``): q, kn and vn are the step's raw rows; the query is rotated as it is
     loaded, and the program whose partition holds the new token stores its rotated key and value first.
     PDL (launched with ``launch_pdl``, ``kernels.pdl``): waits for the kernel before; with EARLY only after loading
     the step's inputs (its sequence length, position and slot), which no kernel of the step writes: the kernel before
-    (the qkv GEMV) waits for its own before it lets this one start, so every kernel before it has completed.
-    EARLY_IDS (with EARLY; fixed partitions of one tile): the tile's block ids are loaded before the wait too, and a
-    program past its sequence's end does not wait. NEW_REGS (with ROPE): the new token's key and value join the
-    softmax from registers; the tile stops before it, so its store needs no fence."""
+    (the qkv GEMV) waits for its own before it lets this one start, so every kernel before it has completed."""
     if PDL and not EARLY:
         wait_prior_grids()
         launch_dependents()
@@ -169,43 +152,26 @@ def _decode_partition_kernel(
     if ROPE:
         new_pos = tl.load(rope_pos_ptr + q_row)
         slot = tl.load(rope_slot_ptr + q_row)
+    if PDL and EARLY:
+        wait_prior_grids()
+        launch_dependents()
     part_len = _partition_len(seq_len, num_partitions, PARTITION_SIZE, BLOCK_N, DYNAMIC)
     part_start = part * part_len
     part_end = tl.minimum(part_start + part_len, seq_len)
     kv_lo = part_start
     if USE_WINDOW:
         kv_lo = tl.maximum(part_start, seq_len - sliding_window)
-    live = (part_start < seq_len) & is_row  # the tables' width may exceed this sequence: nothing to do past it
-    holds_new = live & (part_start <= seq_len - 1) & (seq_len - 1 < part_end)  # the new token's partition
-    kv_end = part_end
-    if NEW_REGS:
-        kv_end = tl.where(holds_new, seq_len - 1, part_end)  # the new token comes from registers
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if EARLY_IDS:
-        pos = part_start + tl.arange(0, BLOCK_N)
-        pos_ok = (pos < kv_end) & (pos >= kv_lo)
-        block_ids = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-    if PDL and EARLY:
-        if EARLY_IDS:
-            if live:  # a program with nothing to do ends without waiting
-                wait_prior_grids()
-        else:
-            wait_prior_grids()
-        launch_dependents()
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     heads = kvh * GROUP + g
+    live = (part_start < seq_len) & is_row  # the tables' width may exceed this sequence: nothing to do past it
     if ROPE:
         q = rope_rows(q_ptr, q_row * stride_qs + heads * stride_qh, g_mask & live, d, d_mask, cos_sin_ptr, new_pos,
                       stride_cs, HEAD_DIM // 2).to(q_ptr.dtype.element_ty)  # fmt: skip
-        dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kvh * stride_kh
-        if NEW_REGS:
-            k_new, v_new = new_kv_rows(kn_ptr, vn_ptr, k_ptr, v_ptr, q_row * stride_nt + kvh * stride_nh, dst,
-                                       holds_new, slot >= 0, d, d_mask, cos_sin_ptr, new_pos, stride_cs,
-                                       HEAD_DIM // 2)  # fmt: skip
-        elif holds_new & (slot >= 0):
+        if live & (part_start <= seq_len - 1) & (seq_len - 1 < part_end) & (slot >= 0):  # the new token's partition
+            dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kvh * stride_kh
             store_new_kv(kn_ptr, vn_ptr, k_ptr, v_ptr, q_row * stride_nt + kvh * stride_nh, dst, d, d_mask,
                          cos_sin_ptr, new_pos, stride_cs, HEAD_DIM // 2)  # fmt: skip
             if FENCE:  # the stores at GPU scope (L2) before the barrier: the tile copies below read L2
@@ -220,48 +186,15 @@ def _decode_partition_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    if EARLY_IDS:  # the one tile, its block ids loaded above
-        k, v = _load_kv_rows(k_ptr, v_ptr, block_ids, pos, pos_ok[:, None] & d_mask[None, :], d, kvh, stride_kb,
-                             stride_kt, stride_kh, BLOCK_SIZE, UPCAST)  # fmt: skip
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range((kv_lo // BLOCK_N) * BLOCK_N, part_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = (pos < part_end) & (pos >= kv_lo)
+        k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh, stride_kb, stride_kt, stride_kh,
+                             BLOCK_SIZE, True, UPCAST)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, True, DOT_PRECISION)
-    else:
-        for start in range((kv_lo // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            pos_ok = (pos < kv_end) & (pos >= kv_lo)
-            k, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, pos_ok, d, d_mask, kvh, stride_kb, stride_kt, stride_kh,
-                                 BLOCK_SIZE, True, UPCAST)  # fmt: skip
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
-            s = tl.where(pos_ok[None, :], s, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, True, DOT_PRECISION)
-    if NEW_REGS:
-        m_i, l_i, acc = _fold_new_token(q, k_new, v_new, holds_new, m_i, l_i, acc, scale_log2)
-    _store_partition(out_ptr, part_out_ptr, part_stats_ptr, acc, m_i, l_i, seq, q_row, heads, part, live, g_mask,
-                     d, d_mask, stride_os, stride_oh, num_partitions, GROUP, HEAD_DIM, SINGLE_PARTITION)  # fmt: skip
-
-
-@triton.jit
-def _fold_new_token(q, k_new, v_new, holds_new, m_i, l_i, acc, scale_log2):
-    """One more online-softmax step, for the new token's key and value ``[1, D]`` (registers, as the cache holds
-    them) in the program that ``holds_new`` it; the scores are the products' sum, not a ``tl.dot``."""
-    s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale_log2  # [GROUP_PAD]
-    s = tl.where(holds_new, s, float("-inf"))
-    m_new = tl.maximum(m_i, s)
-    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(s - m_ref)
-    l_i = l_i * alpha + p
-    acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _store_partition(
-    out_ptr, part_out_ptr, part_stats_ptr, acc, m_i, l_i, seq, q_row, heads, part, live, g_mask, d, d_mask,
-    stride_os, stride_oh, num_partitions, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SINGLE_PARTITION: tl.constexpr,
-):  # fmt: skip
-    """The output (one partition) or the partition's (output, max, sum) for the merge."""
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE_PARTITION:
@@ -320,8 +253,6 @@ def _paged_decode_attention(
     out: torch.Tensor | None = None,  # written in place; with query_start_loc: the step's output, its decode rows
     rope: DecodeRope | None = None,  # query not rotated: the kernel rotates it and stores the new K/V (decode_rope)
     early: bool | None = None,  # inputs loaded before the PDL wait; None: DECODE_EARLY_INPUTS where PDL is on
-    early_ids: bool | None = None,  # with early, one-tile partitions: block ids too; None: DECODE_EARLY_IDS
-    new_regs: bool | None = None,  # with rope: the new K/V from registers; None: DECODE_NEW_KV_REGS
     **knobs: Any,  # plan_decode's block_n, num_stages, partition_size, dynamic, programs_per_sm; unset: the defaults
 ) -> torch.Tensor:
     """The wrapper with its tuning knobs exposed (tests force small partitions; the benchmark sweeps)."""
@@ -358,9 +289,6 @@ def _paged_decode_attention(
     head_dim_pad = max(16, next_pow2(head_dim))
     pdl = DECODE_PDL and num_seqs <= PDL_MAX_ROWS and pdl_supported(query)
     early = pdl and DECODE_EARLY_INPUTS if early is None else early
-    one_tile = not plan.dynamic and plan.partition_size == plan.block_n
-    early_ids = early and one_tile and (DECODE_EARLY_IDS if early_ids is None else early_ids)
-    new_regs = rope is not None and (DECODE_NEW_KV_REGS if new_regs is None else new_regs)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc if query_start_loc is not None else seq_lens,
         out, part_out, part_stats, scale * _LOG2E, sliding_window or 0,
@@ -372,7 +300,6 @@ def _paged_decode_attention(
         USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query), UPCAST=_upcast(query),
         STEP_ROWS=query_start_loc is not None, ROPE=rope is not None,
         FENCE=rope is not None and query.is_cuda and not _INTERPRET, PDL=pdl, EARLY=early,
-        EARLY_IDS=early_ids, NEW_REGS=new_regs,
         num_warps=num_warps,
         num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip

@@ -174,19 +174,3 @@ def store_new_kv(
     tl.store(k_ptr + dst + d[None, :], k.to(k_ptr.dtype.element_ty), mask=d_mask[None, :])
     v = tl.load(vn_ptr + src + d, mask=d_mask, other=0.0)
     tl.store(v_ptr + dst + d, v.to(v_ptr.dtype.element_ty), mask=d_mask)
-
-
-@triton.jit
-def new_kv_rows(
-    kn_ptr, vn_ptr, k_ptr, v_ptr, src, dst, holds, store, d, d_mask, cos_sin_ptr, pos, stride_cs, HALF: tl.constexpr,
-):  # fmt: skip
-    """:func:`store_new_kv` for a program that also keeps them: the key (rotated) and the value ``[1, D]`` as the
-    caches hold them (zeros unless ``holds``), stored at ``dst`` where ``holds & store``."""
-    one = tl.full([1], 0, tl.int64) + src
-    k = rope_rows(kn_ptr, one, one >= 0, d, d_mask & holds, cos_sin_ptr, pos, stride_cs, HALF).to(
-        k_ptr.dtype.element_ty
-    )
-    v = tl.load(vn_ptr + src + d[None, :], mask=(d_mask & holds)[None, :], other=0.0).to(v_ptr.dtype.element_ty)
-    tl.store(k_ptr + dst + d[None, :], k, mask=(d_mask & holds & store)[None, :])
-    tl.store(v_ptr + dst + d[None, :], v, mask=(d_mask & holds & store)[None, :])
-    return k, v

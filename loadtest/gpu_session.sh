@@ -44,8 +44,8 @@
 #   stage xc (~7 min): the x_words and stream GPU tests, the int4 GEMM's, gated GEMV's and quantized engine's, then
 #                     layout_bench's LAYOUT_VARIANTS (default the engine's launch, the split launch, with pairs,
 #                     the stream rows at 512 and 1024 columns and with a prepared x), then the int4 model once per
-#                     XC_VARIANTS (default "nostream split bn1024 widesplit earlyin base": base
-#                     is the defaults again, last, for the order's own effect)
+#                     XC_VARIANTS (default "nostream split bn1024 widesplit noearly base": base
+#                     is the defaults again, last, for the order's own effect), and bf16 with noearly
 #   stage n (~7 min): the int4 GEMM's GPU tests (subnormal codes and the gated GEMV at the 8B shapes, graph replays),
 #                     then stage i's M = 1 GEMMs and the int4 model once per N_VARIANTS (loadtest.int4_model)
 #   stage q (~6 min): the int4 dequant and GEMM GPU tests, then the int4 GEMMs at M = Q_M (default 8 16 64 256)
@@ -257,7 +257,7 @@ elif [ "$stage" = xc ]; then
     | tee "$out/layout.txt" | tail -10 || echo "LAYOUT BENCH CUT SHORT"
   # shellcheck disable=SC2086  # XC_VARIANTS is a list of names
   timeout -k 10 240 python -m loadtest.int4_bench --only model \
-    --gemv-variants ${XC_VARIANTS:-nostream split bn1024 widesplit earlyin base} \
+    --gemv-variants ${XC_VARIANTS:-nostream split bn1024 widesplit noearly base} --bf16-variants noearly \
     --out "$out/int4-xc.json" 2>&1 | grep -v '^{"layer"' | tee "$out/int4-xc.txt" | tail -1 | cut -c1-1500 \
     || echo "INT4 MODEL CUT SHORT"
 elif [ "$stage" = i ]; then

@@ -145,17 +145,8 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
         "engine.models.decode_step:DECODE_STEP": True,
         "engine.models.decode_step:DECODE_STEP_TILES": StepTiles(fine_deps=False),
     },
-    # batch-1 decode attention's kernels load the step's inputs before their PDL wait
-    "earlyin": {"kernels.paged_attention:DECODE_EARLY_INPUTS": True},
-    # and the one-tile partitions' block ids, programs past the sequence not waiting (DECODE_EARLY_IDS)
-    "earlyids": {"kernels.paged_attention:DECODE_EARLY_INPUTS": True, "kernels.paged_attention:DECODE_EARLY_IDS": True},
-    # the new token's key and value from registers, no fence before the tile (DECODE_NEW_KV_REGS)
-    "newreg": {"kernels.paged_attention:DECODE_NEW_KV_REGS": True},
-    "earlyall": {
-        "kernels.paged_attention:DECODE_EARLY_INPUTS": True,
-        "kernels.paged_attention:DECODE_EARLY_IDS": True,
-        "kernels.paged_attention:DECODE_NEW_KV_REGS": True,
-    },
+    # batch-1 decode attention's kernels load the step's inputs after their PDL wait: the defaults before Session 40
+    "noearly": {"kernels.paged_attention:DECODE_EARLY_INPUTS": False},
     # bounds, not candidates (NoLaunch): the decode step without the attention merge's launch, without the
     # RMSNorm launches, without decode attention (partitions and merge, with the rotary and cache write they carry)
     "bound_nomerge": {"kernels.paged_attention:_decode_reduce_kernel": NoLaunch()},

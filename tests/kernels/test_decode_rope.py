@@ -42,7 +42,6 @@ _DECODE_8B = {
     "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
     "PARTITION_SIZE": 128, "SINGLE_PARTITION": False, "USE_WINDOW": False, "DOT_PRECISION": "tf32",
     "UPCAST": False, "DYNAMIC": False, "STEP_ROWS": False, "ROPE": False, "FENCE": False, "EARLY": False,
-    "EARLY_IDS": False, "NEW_REGS": False,
 }  # fmt: skip
 
 
@@ -120,34 +119,6 @@ def test_decode_rope_equals_rope_and_cache_then_decode(
     assert rel_err(out[:-1], ref[:-1]) < tolerance(dtype), f"seed {gen.initial_seed()}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "knobs",
-    [{}, {"partition_size": 32}, {"dynamic": True}, {"sliding_window": 24, "partition_size": 32},
-     {"partition_size": 16, "early": True, "early_ids": True}, {"sliding_window": 24, "partition_size": 16,
-     "early": True, "early_ids": True}],
-    ids=["one", "p32", "dyn", "window", "p16-ids", "window-p16-ids"],
-)  # fmt: skip
-def test_decode_rope_new_kv_from_registers(dtype: torch.dtype, knobs: dict[str, Any], gen: torch.Generator) -> None:
-    """``new_regs`` (kernels.paged_attention.DECODE_NEW_KV_REGS): the new token's key and value join the softmax
-    from registers, not from the cache. The cache gets the same bits as the unfused path's; the output is within
-    tolerance of it (one more softmax step in another order), and of the torch reference. With ``early_ids``, one
-    tile a partition (16 here), its block ids loaded before the wait, as fixed batch-1 plans do."""
-    lens = [1, 17, 100, 5, 16]
-    cache, tables, q, rope = _step(lens, 8, 2, 32, dtype, gen)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    cache_unfused, cache_ref = cache.clone(), cache.clone()
-    window = knobs.get("sliding_window")
-    plan = {k: v for k, v in knobs.items() if k != "sliding_window"}
-    out = paged_decode_attention_rope(q, cache, tables, seq_lens, 0.17, rope, window, block_n=16, new_regs=True, **plan)
-    expected = _unfused(q, cache_unfused, tables, seq_lens, 0.17, rope, block_n=16, **{**knobs, "early": False})
-    assert not out[:-1].isnan().any()
-    assert rel_err(out[:-1], expected[:-1]) < tolerance(dtype), f"seed {gen.initial_seed()}"
-    assert torch.equal(cache.nan_to_num(7.0), cache_unfused.nan_to_num(7.0))  # the padding row wrote nothing
-    ref = paged_decode_attention_rope_ref(q, cache_ref, tables, seq_lens, 0.17, rope, window)
-    assert rel_err(out[:-1], ref[:-1]) < tolerance(dtype), f"seed {gen.initial_seed()}"
-
-
 def test_decode_rope_refuses_mixed_steps_and_bad_inputs(gen: torch.Generator) -> None:
     lens = [3, 9]
     cache, tables, q, rope = _step(lens, 4, 2, 32, torch.float32, gen)
@@ -162,26 +133,22 @@ def test_decode_rope_refuses_mixed_steps_and_bad_inputs(gen: torch.Generator) ->
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("early", [None, True, "ids"], ids=["default", "early", "ids"])
-@pytest.mark.parametrize(
-    "lens", [[8192], [1, 300, 4095, 1024] * 16, [40000], [200]], ids=["b1_8k", "b64", "b1_40k", "b1_200"]
-)
+@pytest.mark.parametrize("early", [None, True], ids=["default", "early"])
+@pytest.mark.parametrize("lens", [[8192], [1, 300, 4095, 1024] * 16, [40000]], ids=["b1_8k", "b64", "b1_40k"])
 def test_decode_rope_bit_equal_on_the_gpu_at_8b_heads(
-    lens: list[int], early: bool | str | None, gen: torch.Generator
+    lens: list[int], early: bool | None, gen: torch.Generator
 ) -> None:
     """At the 8B shape's heads in bf16, default plans (fixed and dynamic partitions): the compiled kernel rotates
     as rope_and_cache does (fp32, the same contractions), so the outputs and the caches are equal bit for bit,
     and the new token's partition reads the key it stored (its slot held NaN before). b64 failed on the H200 for
     every seed (2026-12-04, loadtest.decode_rope_probe) by a bf16 ulp in 1-2 rows: ptxas contracted the rotation's
     products differently in the two kernels until kernels.rotary._rotate spelled out the fma. ``early``: the inputs
-    loaded before the PDL wait (kernels.paged_attention.DECODE_EARLY_INPUTS), "ids" with the block ids too
-    (DECODE_EARLY_IDS: b1_200's 64-token partitions of one tile); the reference path loads none."""
+    loaded before the PDL wait (kernels.paged_attention.DECODE_EARLY_INPUTS); the reference path loads none."""
     cache, tables, q, rope = _step(lens, 32, 8, 128, torch.bfloat16, gen, pad=len(lens) > 1)
     n = len(lens) - (len(lens) > 1)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     cache_unfused = cache.clone()
-    knobs = {"early": True, "early_ids": True} if early == "ids" else {"early": early, "early_ids": False}
-    out = paged_decode_attention_rope(q, cache, tables, seq_lens, 0.088, rope, **knobs)  # batch 1: PDL
+    out = paged_decode_attention_rope(q, cache, tables, seq_lens, 0.088, rope, early=early)  # batch 1: PDL
     expected = _unfused(q, cache_unfused, tables, seq_lens, 0.088, rope, early=False)
     assert not out[:n].isnan().any() and torch.equal(out[:n], expected[:n])
     assert torch.equal(cache.nan_to_num(7.0), cache_unfused.nan_to_num(7.0))
@@ -200,37 +167,6 @@ def test_new_kv_stores_come_before_the_tile_loads_in_the_sm90_code(early: bool) 
     between = ir[stores[-1] : first_copy]
     fence = next(i for i, line in enumerate(between) if "fence.acq_rel.gpu" in line)
     assert any("barrier" in line for line in between[fence:]), "\n".join(between)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("lens", [[200], [8192], [1, 300, 4095, 1024] * 4], ids=["b1_200", "b1_8k", "b16"])
-def test_decode_rope_new_kv_from_registers_on_the_gpu_at_8b_heads(lens: list[int], gen: torch.Generator) -> None:
-    """``new_regs`` with early inputs and block ids at the 8B shape's heads in bf16, default plans: the same cache
-    bits as the unfused path, the output within bf16 tolerance of it and without NaN (the new slot held NaN)."""
-    cache, tables, q, rope = _step(lens, 32, 8, 128, torch.bfloat16, gen, pad=len(lens) > 1)
-    n = len(lens) - (len(lens) > 1)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    cache_unfused = cache.clone()
-    out = paged_decode_attention_rope(q, cache, tables, seq_lens, 0.088, rope, early=True, early_ids=True,
-                                      new_regs=True)  # fmt: skip
-    expected = _unfused(q, cache_unfused, tables, seq_lens, 0.088, rope, early=False)
-    assert not out[:n].isnan().any() and rel_err(out[:n], expected[:n]) < tolerance(torch.bfloat16)
-    assert torch.equal(cache.nan_to_num(7.0), cache_unfused.nan_to_num(7.0))
-
-
-def test_new_kv_from_registers_needs_no_fence_in_the_sm90_code() -> None:
-    """With NEW_REGS the tile never holds the new token, so the sm_90 kernel (one-tile partitions, block ids
-    before the wait) stores the new key and value with no fence; the block ids' load comes before the wait."""
-    loads_before_wait = {}
-    for ids in (False, True):
-        c = {**_DECODE_8B, "ROPE": True, "FENCE": True, "EARLY": True, "EARLY_IDS": ids, "NEW_REGS": True,
-             "PARTITION_SIZE": 64, "PDL": True}  # fmt: skip
-        ir = run_without_interpreter(_COMPILE_SM90, json.dumps(c))
-        assert "fence.acq_rel.gpu" not in ir
-        assert ir.count("tt.store") == 5, "key, value, the partition's output, max and sum"
-        loads_before_wait[ids] = ir[: ir.index("griddepcontrol.wait")].count("tt.load")
-    assert loads_before_wait == {False: 3, True: 4}, "sequence length, position and slot; then the block ids"
 
 
 def test_engine_fuses_rope_only_in_small_decode_steps(monkeypatch: pytest.MonkeyPatch) -> None:

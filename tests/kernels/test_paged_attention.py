@@ -36,8 +36,6 @@ DECODE_KNOBS = {
     "dyn": {"dynamic": True},
     "dyn16": {"dynamic": True, "programs_per_sm": 16},
     "p32_early": {"partition_size": 32, "early": True},  # inputs loaded before the PDL wait (DECODE_EARLY_INPUTS)
-    # partitions of one 16-token tile, its block ids loaded before the wait (DECODE_EARLY_IDS)
-    "p16_ids": {"partition_size": 16, "early": True, "early_ids": True},
 }
 # Each knob (how a sequence is cut into partitions and merged) runs 3 cases: every dtype, every GQA group and
 # both windows, rotated so that every pair of (knob, dtype, group, window) values meets in some case. The dtype

@@ -127,6 +127,11 @@ def _decode_kernels(engine: Any, prompt: list[int], steps: int, top: int) -> dic
             engine.step()
         _sync()
     kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == DeviceType.CUDA]
+    spans = [
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if getattr(e, "device_type", None) == DeviceType.CUDA
+    ]
     engine.abort_request("dk")
     while engine.has_unfinished_requests():
         engine.step()
@@ -141,9 +146,27 @@ def _decode_kernels(engine: Any, prompt: list[int], steps: int, top: int) -> dic
         "kernel_us_per_step": per_step(kernels),
         "gemm_us_per_step": per_step(gemms),
         "kernels_per_step": round(sum(e.count for e in kernels) / steps, 1),
+        **device_gaps(spans, steps),
         "top": [
             {"name": e.key[:90], "per_step": round(e.count / steps, 2), "us_per_step": per_step([e])} for e in rows
         ],
+    }
+
+
+def device_gaps(spans: list[tuple[float, float]], steps: int, top: int = 5) -> dict[str, Any]:
+    """Where the device ran no kernel between the first kernel's start and the last one's end (``spans``: kernels'
+    (start, end) in us, any order; kernels overlapping under PDL count once): idle us a step, the gaps of more
+    than 5 us a step (such as one between two steps' graphs) and the largest gaps."""
+    gaps: list[float] = []
+    covered = None
+    for start, end in sorted(spans):
+        if covered is not None and start > covered:
+            gaps.append(start - covered)
+        covered = end if covered is None else max(covered, end)
+    return {
+        "idle_us_per_step": round(sum(gaps) / steps, 1),
+        "gaps_over_5us_per_step": round(sum(g > 5.0 for g in gaps) / steps, 2),
+        "largest_gaps_us": [round(g, 1) for g in sorted(gaps, reverse=True)[:top]],
     }
 
 

@@ -62,3 +62,13 @@ def test_decode_step_median_is_taken_after_each_ramp() -> None:
     ]
     assert decode_step_p50_ms(steps, [window]) == pytest.approx(11.0)
     assert decode_step_p50_ms(steps[:1], [window]) is None
+
+
+def test_device_gaps_counts_overlapping_kernels_once() -> None:
+    """PDL kernels overlap (no gap), a kernel inside a longer one adds none, and the gaps past 5 us (between two
+    steps' graphs) are counted and listed."""
+    from loadtest.step_profile import device_gaps
+
+    spans = [(0.0, 10.0), (8.0, 20.0), (12.0, 15.0), (21.0, 30.0), (40.0, 50.0), (50.5, 60.0)]
+    gaps = device_gaps(list(reversed(spans)), steps=1)
+    assert gaps == {"idle_us_per_step": 11.5, "gaps_over_5us_per_step": 1.0, "largest_gaps_us": [10.0, 1.0, 0.5]}

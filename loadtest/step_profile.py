@@ -128,7 +128,7 @@ def _decode_kernels(engine: Any, prompt: list[int], steps: int, top: int) -> dic
         _sync()
     kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == DeviceType.CUDA]
     spans = [
-        (e.time_range.start, e.time_range.end)
+        (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
         if getattr(e, "device_type", None) == DeviceType.CUDA
     ]
@@ -153,20 +153,27 @@ def _decode_kernels(engine: Any, prompt: list[int], steps: int, top: int) -> dic
     }
 
 
-def device_gaps(spans: list[tuple[float, float]], steps: int, top: int = 5) -> dict[str, Any]:
+def device_gaps(spans: list[tuple[float, float, str]], steps: int, top: int = 5) -> dict[str, Any]:
     """Where the device ran no kernel between the first kernel's start and the last one's end (``spans``: kernels'
-    (start, end) in us, any order; kernels overlapping under PDL count once): idle us a step, the gaps of more
-    than 5 us a step (such as one between two steps' graphs) and the largest gaps."""
+    (start, end) in us and names, any order; kernels overlapping under PDL count once): idle us a step, the gaps of
+    more than 5 us a step (such as one between two steps' graphs), the largest gaps, and the kernels on either side of
+    the long gaps (us a step by pair, the largest first)."""
     gaps: list[float] = []
-    covered = None
-    for start, end in sorted(spans):
+    pairs: dict[str, float] = {}
+    covered, last = None, ""
+    for start, end, name in sorted(spans):
         if covered is not None and start > covered:
             gaps.append(start - covered)
-        covered = end if covered is None else max(covered, end)
+            if start - covered > 5.0:
+                pair = f"{last[:40]} -> {name[:40]}"
+                pairs[pair] = pairs.get(pair, 0.0) + start - covered
+        if covered is None or end >= covered:
+            covered, last = end, name
     return {
         "idle_us_per_step": round(sum(gaps) / steps, 1),
         "gaps_over_5us_per_step": round(sum(g > 5.0 for g in gaps) / steps, 2),
         "largest_gaps_us": [round(g, 1) for g in sorted(gaps, reverse=True)[:top]],
+        "long_gaps_by_kernels": {k: round(v / steps, 1) for k, v in sorted(pairs.items(), key=lambda kv: -kv[1])[:top]},
     }
 
 

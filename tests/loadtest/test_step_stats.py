@@ -69,6 +69,12 @@ def test_device_gaps_counts_overlapping_kernels_once() -> None:
     steps' graphs) are counted and listed."""
     from loadtest.step_profile import device_gaps
 
-    spans = [(0.0, 10.0), (8.0, 20.0), (12.0, 15.0), (21.0, 30.0), (40.0, 50.0), (50.5, 60.0)]
+    spans = [(0.0, 10.0, "a"), (8.0, 20.0, "b"), (12.0, 15.0, "c"), (21.0, 30.0, "d"), (40.0, 50.0, "e"),
+             (50.5, 60.0, "f")]  # fmt: skip
     gaps = device_gaps(list(reversed(spans)), steps=1)
-    assert gaps == {"idle_us_per_step": 11.5, "gaps_over_5us_per_step": 1.0, "largest_gaps_us": [10.0, 1.0, 0.5]}
+    assert gaps == {
+        "idle_us_per_step": 11.5,
+        "gaps_over_5us_per_step": 1.0,
+        "largest_gaps_us": [10.0, 1.0, 0.5],
+        "long_gaps_by_kernels": {"d -> e": 10.0},
+    }

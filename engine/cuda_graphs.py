@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.inputs import StepInputs, staged, table_width
+from engine.inputs import StepInputs, table_width
 from engine.parallel import ParallelState
 
 logger = logging.getLogger(__name__)
@@ -163,14 +163,14 @@ class DecodeGraphs:
         bs = self.route[next(s for s in self.sizes if s >= n)]
         width = inputs.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(staged(inputs.positions, self.device), non_blocking=True)
-        self.slot_mapping[:n].copy_(staged(inputs.slot_mapping, self.device), non_blocking=True)
+        self.positions[:n].copy_(inputs.positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(inputs.slot_mapping, non_blocking=True)
         self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[:n].copy_(staged(inputs.seq_lens, self.device), non_blocking=True)
+        self.seq_lens[:n].copy_(inputs.seq_lens, non_blocking=True)
         self.seq_lens[n:bs].fill_(1)
         # Stale entries past a row's length, and stale padding rows, are valid block ids that are never
         # read for a result (padding rows attend to one token and write nowhere).
-        self.block_tables[:n, :width].copy_(staged(inputs.block_tables, self.device), non_blocking=True)
+        self.block_tables[:n, :width].copy_(inputs.block_tables, non_blocking=True)
         self.graphs[bs].replay()
         rows = inputs.logits_indices
         if torch.equal(rows, self.row_ids[:n]):  # every row samples: the usual decode step

@@ -7,7 +7,6 @@ typed message to every rank.
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,32 +47,6 @@ class TokenFill:
     tokens: torch.Tensor  # [num_rows] the sampled ids of the step still in flight, on the device
     dst: torch.Tensor  # [k] int64: positions in the flat input_ids
     src: torch.Tensor  # [k] int64: rows of ``tokens``
-
-    def samples_as_inputs(self, n: int) -> torch.Tensor | None:
-        """With LEAN_INPUTS, where the fill sets input ``i`` to sample ``i`` for each of the step's ``n`` inputs (a
-        decode step of the in-flight step's rows, in order): the samples themselves, the step's input ids."""
-        if not LEAN_INPUTS or self.dst.shape[0] != n or self.tokens.shape[0] < n:
-            return None
-        rows = torch.arange(n)
-        return self.tokens[:n] if torch.equal(self.dst, rows) and torch.equal(self.src, rows) else None
-
-
-# Between two decode graphs the device waits on every small op the host queued for the next step (Session 40's
-# step_profile: ~40 us a batch-1 step idle on an H100, mostly after pageable host-to-device copies and the in-flight
-# token fill's index kernels). LEAN_INPUTS: a step whose every input token is the in-flight step's sample, in row
-# order (a decode step), takes those ids as they are (no copy of input_ids, its indices or the fill's two kernels),
-# and the other inputs go through pinned host memory. Off until measured (int4_model's variant "lean");
-# PAGEDSERVE_LEAN_INPUTS=1 turns it on.
-LEAN_INPUTS = os.environ.get("PAGEDSERVE_LEAN_INPUTS", "0") == "1"
-
-
-def staged(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """What a non_blocking copy of step input ``t`` to ``device`` reads: ``t`` itself (pageable: the driver stages
-    small copies without waiting for the device), or with LEAN_INPUTS a pinned copy of it (PyTorch's caching host
-    allocator keeps that block until the copy has run)."""
-    if LEAN_INPUTS and device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory()
-    return t
 
 
 # Host-side stand-in for an input token that is known only on the device (``TokenFill`` overwrites it before

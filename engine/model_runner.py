@@ -15,7 +15,7 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.host_kv import HostKVCache
-from engine.inputs import StepInputs, TokenFill, staged
+from engine.inputs import StepInputs, TokenFill
 from engine.loader import load_hf_config, load_model, resolve_dtype
 from engine.parallel import ParallelState
 from engine.prefill_graphs import PrefillGraphs
@@ -226,7 +226,8 @@ class ModelRunner:
 
     # ---- execution --------------------------------------------------------------------------------
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return staged(t, self.device).to(self.device, non_blocking=True)
+        # non_blocking from pageable memory: the driver stages small copies without waiting for the device
+        return t.to(self.device, non_blocking=True)
 
     def _metadata(self, inputs: StepInputs) -> AttentionMetadata:
         return AttentionMetadata(
@@ -241,17 +242,6 @@ class ModelRunner:
             decode_rows=inputs.decode_rows,
         )
 
-    def _input_ids(self, inputs: StepInputs, fill: TokenFill | None) -> torch.Tensor:
-        """The step's input ids on the device, the in-flight step's samples filled in."""
-        n = inputs.input_ids.shape[0]
-        same = fill.samples_as_inputs(n) if fill is not None else None
-        if same is not None:
-            return same
-        input_ids = self._to_device(inputs.input_ids)
-        if fill is not None:
-            input_ids[self._to_device(fill.dst)] = fill.tokens[self._to_device(fill.src)]
-        return input_ids
-
     @torch.inference_mode()
     def execute_model(self, inputs: StepInputs, fill: TokenFill | None = None) -> torch.Tensor:
         """Forward one step; returns float32 logits ``[num_sampling, vocab]`` (full vocab on every rank),
@@ -265,7 +255,9 @@ class ModelRunner:
             src = torch.tensor([s for s, _ in inputs.blocks_to_copy], device=self.device)
             dst = torch.tensor([d for _, d in inputs.blocks_to_copy], device=self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-        input_ids = self._input_ids(inputs, fill)
+        input_ids = self._to_device(inputs.input_ids)
+        if fill is not None:
+            input_ids[self._to_device(fill.dst)] = fill.tokens[self._to_device(fill.src)]
         if self.graphs is not None and self.graphs.can_run(inputs):
             return self.graphs.run(inputs, input_ids)  # logits computed inside the graph
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(inputs):

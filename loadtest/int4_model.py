@@ -147,8 +147,6 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     },
     # batch-1 decode attention's kernels load the step's inputs after their PDL wait: the defaults before Session 40
     "noearly": {"kernels.paged_attention:DECODE_EARLY_INPUTS": False},
-    # a decode step takes the in-flight samples as its input ids, the other inputs through pinned memory
-    "lean": {"engine.inputs:LEAN_INPUTS": True},
     # bounds, not candidates (NoLaunch): the decode step without the attention merge's launch, without the
     # RMSNorm launches, without decode attention (partitions and merge, with the rotary and cache write they carry)
     "bound_nomerge": {"kernels.paged_attention:_decode_reduce_kernel": NoLaunch()},

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, inputs
+from engine import LLM, SamplingParams
 from tests.helpers import VOCAB_SIZE, build_tiny_model, load_hf_model
 
 MAX_TOKENS = 12
@@ -52,32 +52,13 @@ def run_engine(folder: Path, prompts: list[list[int]], **llm_kwargs: object) -> 
     return [o.outputs[0].token_ids for o in outputs], llm
 
 
-@pytest.mark.parametrize(("async_scheduling", "lean"), [(False, False), (True, False), (True, True)],
-                         ids=["sync", "async", "async_lean"])  # fmt: skip
-def test_greedy_equals_hf_in_one_continuous_batch(
-    checkpoint: tuple[Path, list], async_scheduling: bool, lean: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``lean``: engine.inputs.LEAN_INPUTS, whose decode steps take the in-flight samples as their input ids (the
-    count shows that some steps did)."""
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_equals_hf_in_one_continuous_batch(checkpoint: tuple[Path, list], async_scheduling: bool) -> None:
     folder, (prompts, expected) = checkpoint
-    monkeypatch.setattr(inputs, "LEAN_INPUTS", lean)
-    taken = []
-    real = inputs.TokenFill.samples_as_inputs
-
-    def counted(self: inputs.TokenFill, n: int) -> torch.Tensor | None:
-        ids = real(self, n)
-        taken.append(ids is not None)
-        return ids
-
-    monkeypatch.setattr(inputs.TokenFill, "samples_as_inputs", counted)
     # A small token budget: long prompts are chunked and share steps with other requests' decodes.
     got, llm = run_engine(folder, prompts, max_num_batched_tokens=24, max_num_seqs=6, async_scheduling=async_scheduling)
     assert got == expected
     assert llm.engine.async_scheduling == async_scheduling
-    if lean:  # decode steps take the samples; steps that mix in prompt chunks fill their rows
-        assert any(taken) and not all(taken), taken
-    else:
-        assert not any(taken), taken
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -43,9 +43,10 @@ GEMV_STREAM = os.environ.get("PAGEDSERVE_INT4_STREAM", "1") == "1"
 GEMV_STREAM_MIN_WEIGHTS = int(os.environ.get("PAGEDSERVE_INT4_STREAM_MIN_WEIGHTS", str(1 << 25)))
 # Stream-K on wide layers too (GEMV_WIDE_N: gate_up); off, they keep the one-warp wide split tile (with pairs). H100,
 # Session 39 (layout_bench, us): gate_up's split launch with pairs 25.74 / 25.78 against the stream launch's 26.44 /
-# 26.71 (Session 37: 26.5 against 26.1); the model ("widesplit", off) 2.567 / 2.569 ms against 2.577 / 2.575, within
-# what H100 machines move by, so on until an H200 decides (the split tile needs 3.02 instructions a weight, the
-# stream tile 3.34). PAGEDSERVE_INT4_STREAM_WIDE=0 turns it off.
+# 26.71 (Session 37: 26.5 against 26.1); the model ("widesplit", off) 2.567 / 2.569 ms against 2.577 / 2.575. Bracketed
+# by the defaults run again (Session 40, H100) it lost: 2.545 / 2.542 against 2.536 / 2.537 / 2.541 ms, so stream-K
+# stays on (an H200, where the split tile's 3.02 instructions a weight against 3.34 may weigh more, has not run it).
+# PAGEDSERVE_INT4_STREAM_WIDE=0 turns it off.
 GEMV_STREAM_WIDE = os.environ.get("PAGEDSERVE_INT4_STREAM_WIDE", "1") == "1"
 # Stream launches' tile: this many columns with 4 warps on every layer (the wide one too); 0: the split launch's
 # tiles. A stream grid needs no column tiles for its parallelism, so wider tiles let more columns share each x value

@@ -99,18 +99,10 @@
 #                     programs among them), the sweep's wgmma rows at WA_M (default 64 128 256 512), then the int4
 #                     model at batches WA_BATCHES (default 128 256 512) and `mixed`, the defaults beside variants
 #                     wg512 (the wgmma GEMM to 512 rows instead of dequantization + cuBLAS; lost in Session 33) and bf16
-#   stage ds (~4 min): the one-launch int4 decode step (kernels.int4_decode_step; correct, 4.5x its floor, Session 31): its
-#                     GPU tests, then loadtest.decode_step_bench on the engine's 8B int4 model (its reference check,
-#                     then its time for 32 layers against their floor, the LM head, the engine's batch-1 TPOT) at the
-#                     tiles of each JSON word of DS_TILES (default: four; Sessions 27-28 measured the prefetch, stages,
-#                     unrolling, widths, subnormal codes, a nanosleep between polls and register caps, Session 31
-#                     three programs an SM (lost), 32 partitions (won: the default) and the GEMVs on the tensor cores
-#                     (lost 1.9x: removed); now the defaults and three other K splits), each with a traced launch's
-#                     summary (loadtest.decode_step_trace: where its programs' time went)
 #   stage dm (~4 min): the fused norms' GPU tests (DM_TESTS), then the int4 model's batch-1 TPOT with the int4_model
-#                     variants of DM_VARIANTS (default: step, the one-launch step) beside the default and bf16, one
-#                     process (Session 32 ran latenorm and fusedmerge here: both lost and were removed; stepmma, its
-#                     GEMVs on the tensor cores, was removed after Session 31)
+#                     variants of DM_VARIANTS (default: the bounds without the merge, the norms, decode attention)
+#                     beside the default and bf16, one process (Session 32 ran latenorm and fusedmerge here: both lost
+#                     and were removed; so was the one-launch decode step, Sessions 26-32, after Session 40)
 # Usage on the device: bash loadtest/gpu_session.sh 1 COMMIT; then bash loadtest/gpu_session.sh 2 COMMIT.
 # Stage 3 needs the device pack (redis-server, the API's wheels, the SmolLM2 tokenizer), built here with
 #   bash ../shared/tools/device-pack.sh && bash loadtest/devicepack_extra.sh   and carried as ".devicepack".
@@ -123,7 +115,7 @@ if [ -n "${REQUIRE_CARD:-}" ] && ! nvidia-smi --query-gpu=name --format=csv,nohe
   echo "not a $REQUIRE_CARD: stopped before any work"
   exit 0
 fi
-stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, xs, xm, xa, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, sd, sa, v, wg, wa, ds, dm, b1, hc, as, ar or pb}
+stage=${1:?stage 1, 2, 3, 4, 5, 6, t, i, xs, xm, xa, n, q, m, f, fn, bt, dr, gl, ga, gp, gr, dx, bp, sd, sa, v, wg, wa, dm, b1, hc, as, ar or pb}
 commit=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 out=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$out"
@@ -201,23 +193,13 @@ elif [ "$stage" = wa ]; then
   # shellcheck disable=SC2086  # WA_BATCHES is a list
   python -m loadtest.int4_bench --only model --batches ${WA_BATCHES:-128 256 512} --gemv-variants wg512 \
     --mixed --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-4000
-elif [ "$stage" = ds ]; then
-  timeout 240 python -m pytest -q -p no:cacheprovider tests/kernels/test_int4_decode_step.py -m gpu \
-    > "$out/step_tests.txt" 2>&1 && echo "STEP GPU TESTS PASSED" || echo "STEP GPU TESTS FAILED (see step_tests.txt)"
-  tail -3 "$out/step_tests.txt"
-  # shellcheck disable=SC2086  # DS_TILES is a list of JSON words
-  # a persistent kernel that deadlocks would hold the call to its limit: the bench gets 5.5 minutes
-  timeout -k 10 330 python -m loadtest.decode_step_bench --contexts 128 1024 4096 --out "$out/step.json" \
-    --tiles ${DS_TILES:-'{}' '{"splits":[4,8,1,8]}' '{"splits":[8,8,1,4]}' '{"splits":[8,8,2,8]}'} 2>&1 \
-    | grep -v '^{"shape"' | tail -100 \
-    || echo "decode_step_bench FAILED or timed out"
 elif [ "$stage" = dm ]; then
   python -m pytest -q -p no:cacheprovider tests/kernels/test_fused_norm.py tests/engine/test_gpu.py -m gpu \
     -k "${DM_TESTS:-fused or norm}" > "$out/gpu_tests.txt" 2>&1 \
     && echo "GPU TESTS PASSED" || echo "GPU TESTS FAILED (see gpu_tests.txt)"
   { grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" || true; } | head -10; tail -2 "$out/gpu_tests.txt"
   timeout -k 10 480 python -m loadtest.int4_bench --only model \
-    --gemv-variants ${DM_VARIANTS:-step} \
+    --gemv-variants ${DM_VARIANTS:-bound_nomerge bound_nonorm bound_noattn base} \
     --out "$out/int4_model.json" 2>&1 | grep -v '^\[' | tail -1 | cut -c1-3000
 elif [ "$stage" = xs ]; then
   xs_tests 600

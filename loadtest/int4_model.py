@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from deploy.gc_heap import freeze_heap, thaw_heap
-from kernels.int4_decode_plan import StepTiles
 
 GROUP_SIZE = 128  # of the random int4 model, and of int4_bench's GEMM sweep
 
@@ -138,13 +137,6 @@ GEMV_VARIANTS: dict[str, dict[str, Any]] = {
     # 15.85 / 29.70 ms against the defaults' 13.86 / 20.86 at batches 256 / 512, `mixed` 17.12 against 15.39 s. (With
     # the async K loop and two warpgroups, Session 28's "wg512async", 1.43x / 1.76x; that loop is removed.)
     "wg512": {"kernels.int4_plan:WGMMA_M": (17, 512)},
-    # every layer of a batch-1 decode step in one launch (engine.models.decode_step; Sessions 26-28: off, slower)
-    "step": {"engine.models.decode_step:DECODE_STEP": True},
-    # the same, each task waiting for the whole phase before it (kernels.int4_decode_plan's fine waits off)
-    "stepphases": {
-        "engine.models.decode_step:DECODE_STEP": True,
-        "engine.models.decode_step:DECODE_STEP_TILES": StepTiles(fine_deps=False),
-    },
     # batch-1 decode attention's kernels load the step's inputs after their PDL wait: the defaults before Session 40
     "noearly": {"kernels.paged_attention:DECODE_EARLY_INPUTS": False},
     # bounds, not candidates (NoLaunch): the decode step without the attention merge's launch, without the

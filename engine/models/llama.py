@@ -28,7 +28,6 @@ from engine.layers import (
 )
 from engine.layers.linear import QuantMethod
 from engine.layers.weights import WeightSource, get_weight_loader
-from engine.models.decode_step import DecodeStepPath
 from engine.parallel import ParallelState
 from engine.quantization.config import Int4Config
 from engine.quantization.formats import param_name
@@ -190,14 +189,9 @@ class LlamaModel(nn.Module):
         self.parallel = parallel
         self.fuse_norm = FUSED_NORM and quant is None  # 4-bit weights never carry the norm
         self.cuda_fuse_norm: bool | None = None  # decided at the first CUDA step that may fuse
-        self.decode_step = DecodeStepPath(self)  # batch-1 4-bit decode steps in one launch, when switched on
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        if self.decode_step.takes(hidden, meta):
-            out = self.norm(self.decode_step.run(hidden, meta))
-            assert isinstance(out, torch.Tensor)
-            return out
         stream = Stream(hidden, None, None)
         fuse_norm = self._fuses_norm(hidden)
         for layer, next_norm in zip(self.layers, self.next_norms, strict=True):

@@ -14,12 +14,11 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.layers import linear
-from engine.models import decode_step, llama
+from engine.models import llama
 from engine.quantization import int4_linear
 from engine.quantization.int4_linear import Int4LinearMethod
 from kernels import gemv as dense_gemv
 from kernels import int4_gemm, int4_plan
-from kernels.int4_decode_plan import StepTiles
 from tests.engine.quantized_checkpoints import build_quantized_model
 from tests.engine.test_engine_parity import MAX_TOKENS, hf_greedy, make_prompts, run_engine
 from tests.engine.test_tp_engine import greedy_tokens
@@ -167,33 +166,6 @@ def test_4bit_weights_never_carry_the_norm(tmp_path: Path, monkeypatch: pytest.M
     prompts = [{"prompt_token_ids": p} for p in make_prompts(seed=9, n=2)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)  # batch-1 decode steps
     assert calls == []
-
-
-def test_one_launch_decode_step_keeps_the_greedy_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batch-1 decode steps with every layer in one launch (``engine.models.decode_step``, the interpreter running
-    ``kernels.int4_decode_step`` on CPU, its tasks waiting for whole phases or for their inputs): the greedy tokens
-    of the layers one by one, and the path ran; a model it does not fit (qkv bias, act-order) keeps the layers."""
-    fmt, family, options = FORMATS["ct-asym-g32"]
-    folder, _ = build_quantized_model(tmp_path / "fits", fmt, family, seed=8, **options)
-    prompts = [{"prompt_token_ids": p} for p in make_prompts(seed=9, n=2)]
-    runs: list[int] = []
-    monkeypatch.setattr(decode_step.DecodeStepPath, "run", _counted(decode_step.DecodeStepPath.run, 1, runs))
-    monkeypatch.setattr(decode_step, "DECODE_STEP", True)
-    tokens = {}
-    for devices, fine in (((), False), (("cpu",), False), (("cpu",), True)):
-        monkeypatch.setattr(decode_step, "DECODE_STEP_DEVICES", devices)
-        monkeypatch.setattr(decode_step, "DECODE_STEP_TILES", StepTiles(fine_deps=fine))
-        runs.clear()
-        llm = LLM(str(folder), device="cpu", max_num_seqs=1, max_model_len=64)
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-        tokens[devices, fine] = [o.outputs[0].token_ids for o in outs]
-        assert (len(runs) >= 6) if devices else not runs  # 3 decode steps a prompt (and the engine's warm-up)
-    assert tokens[(), False] == tokens[("cpu",), False] == tokens[("cpu",), True]
-    for name in ("awq-g32", "gptq-g32-act-order"):  # qwen2's qkv bias; g_idx
-        fmt, family, options = FORMATS[name]
-        unfit, _ = build_quantized_model(tmp_path / name, fmt, family, seed=8, **options)
-        llm = LLM(str(unfit), device="cpu", max_num_seqs=1, max_model_len=64)
-        assert llm.engine.executor.runner.model.model.decode_step.reason is not None  # type: ignore[attr-defined]
 
 
 def _counted(fn: Any, name: Any, calls: list[Any]) -> Any:

@@ -176,7 +176,7 @@ def test_import_without_triton_then_clear_error() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch, kernels.paged_attention as pa, kernels.prefill_attention, kernels.norm, kernels.rotary, kernels.cache_write, kernels.rope_cache\n"
-        "import engine.models.llama, kernels.int4_decode_tasks, kernels.l2_prefetch, kernels.int4_gemm_wgmma\n"
+        "import engine.models.llama, kernels.l2_prefetch, kernels.int4_gemm_wgmma\n"
         "try:\n"
         "    kernels.norm.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)\n"
         "except RuntimeError as e:\n"

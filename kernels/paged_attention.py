@@ -258,19 +258,8 @@ def _paged_decode_attention(
     """The wrapper with its tuning knobs exposed (tests force small partitions; the benchmark sweeps)."""
     require_triton("paged_decode_attention")
     _check_attention_inputs(query, kv_cache, block_tables, seq_lens)
-    num_seqs, num_heads, head_dim = query.shape[0], query.shape[1], query.shape[2]
-    if query_start_loc is None:
-        if query.shape[0] != seq_lens.shape[0]:
-            raise ValueError(f"decode takes one query per sequence: {query.shape[0]} queries, {seq_lens.shape[0]} seqs")
-        if out is None:
-            out = torch.empty_like(query)
-        elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
-            raise ValueError(f"out must be {query.dtype} {list(query.shape)} contiguous in head_dim")
-    else:
-        if rope is not None:
-            raise ValueError("rope: decode steps only (a mixed step's rows take kernels.rope_cache first)")
-        num_seqs = _check_step_rows(query, seq_lens, query_start_loc, out)
-    assert out is not None
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_seqs, out = _decode_output(query, seq_lens, query_start_loc, out, rope)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -313,6 +302,30 @@ def _paged_decode_attention(
             **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
     return out
+
+
+def _decode_output(
+    query: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    out: torch.Tensor | None,
+    rope: DecodeRope | None,
+) -> tuple[int, torch.Tensor]:
+    """The number of sequences the call decodes and the tensor it writes, both checked: one query row per sequence
+    (``out`` new if None), or with ``query_start_loc`` a mixed step's rows (no rope there)."""
+    if query_start_loc is not None:
+        if rope is not None:
+            raise ValueError("rope: decode steps only (a mixed step's rows take kernels.rope_cache first)")
+        num_seqs = _check_step_rows(query, seq_lens, query_start_loc, out)
+        assert out is not None  # _check_step_rows refuses None
+        return num_seqs, out
+    if query.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"decode takes one query per sequence: {query.shape[0]} queries, {seq_lens.shape[0]} seqs")
+    if out is None:
+        return query.shape[0], torch.empty_like(query)
+    if out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be {query.dtype} {list(query.shape)} contiguous in head_dim")
+    return query.shape[0], out
 
 
 def _rope_args(rope: DecodeRope | None, seq_lens: torch.Tensor, query: torch.Tensor) -> tuple[Any, ...]:

@@ -25,11 +25,11 @@ from kernels.paged_attention import _LOG2E, _load_kv_tile, _online_softmax_step
 from kernels.prefill_attention import (
     _MAX_GRID_Y,
     _SHAPE_ARGS,
-    _locate_tile,
-    _program_tile,
+    _query_tile,
     _unmasked_step,
     check_prefill_inputs,
     paged_prefill_attention_ref,
+    store_rows,
 )
 
 try:
@@ -148,30 +148,13 @@ def _prefill_new_kv_kernel(
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, LARGEST_FIRST: tl.constexpr,
     HEAD_MAJOR: tl.constexpr, SKIP_DECODE_ROWS: tl.constexpr,
 ):  # fmt: skip
-    tile, kvh = _program_tile(LARGEST_FIRST, HEAD_MAJOR)
-    seq, q_start, q_len, q_tile_start = _locate_tile(tile, query_start_loc_ptr, num_seqs, BLOCK_Q, SKIP_DECODE_ROWS)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context_len = seq_len - q_len
-
-    r = tl.arange(0, BLOCK_Q * GROUP_PAD)
-    tok = q_tile_start + r // GROUP_PAD  # [M] index among the sequence's new tokens
-    g = r % GROUP_PAD
-    d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = d < HEAD_DIM
-    row_mask = (tok < q_len) & (g < GROUP)
-    heads = kvh * GROUP + g
-    q_rows = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
-    if UPCAST:
-        q = q.to(tl.float32)
-    q_pos = context_len + tok  # [M] absolute positions
+    kvh, seq, q_start, q_tile_start, context_len, kv_hi, heads, q_rows, q_pos, row_mask, d, d_mask, q = _query_tile(
+        q_ptr, query_start_loc_ptr, seq_lens_ptr, num_seqs, stride_qt, stride_qh, GROUP, GROUP_PAD, HEAD_DIM,
+        HEAD_DIM_PAD, BLOCK_Q, LARGEST_FIRST, HEAD_MAJOR, SKIP_DECODE_ROWS, UPCAST,
+    )  # fmt: skip
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-
-    kv_hi = tl.minimum(context_len + q_tile_start + BLOCK_Q, seq_len)  # causal: up to the tile's last query
-    kv_hi = tl.where(q_tile_start < q_len, kv_hi, 0)  # a spare tile of the grid's bound: nothing to read
     bt_row = block_tables_ptr + seq * stride_bt
     if USE_WINDOW:  # every tile masked, from the window's first key on (as the paged kernel does)
         masked_start = (tl.maximum(context_len + q_tile_start - sliding_window + 1, 0) // BLOCK_N) * BLOCK_N
@@ -207,9 +190,7 @@ def _prefill_new_kv_kernel(
             visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, True, DOT_PRECISION)
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    store_rows(out_ptr, acc, l_i, q_rows, heads, d, row_mask, d_mask, stride_ot, stride_oh)
 
 
 def prefill_attention_new_kv(

@@ -60,3 +60,13 @@ def _upcast(query: torch.Tensor) -> bool:
 def _dot_precision(query: torch.Tensor) -> str:
     # fp32 (tests) must not round operands to tf32; half types take the native tensor-core path anyway
     return "ieee" if query.dtype == torch.float32 or _upcast(query) else "tf32"
+
+
+def output_like(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The tensor an attention call writes: ``out`` checked (query's shape and dtype, contiguous in head_dim), or
+    a new one like ``query``."""
+    if out is None:
+        return torch.empty_like(query)
+    if out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be {query.dtype} {list(query.shape)} contiguous in head_dim")
+    return out

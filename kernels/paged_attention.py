@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kernels._triton import next_pow2, require_triton, tl, triton
-from kernels.attention_launch import _check_attention_inputs, _check_step_rows, _dot_precision, _upcast
+from kernels.attention_launch import _check_attention_inputs, _check_step_rows, _dot_precision, _upcast, output_like
 from kernels.decode_merge import _decode_reduce_kernel, _partition_len, _query_row
 from kernels.decode_plan import MERGE_CHUNK, num_sms, plan_decode
 from kernels.pdl import PDL_MAX_ROWS, launch_dependents, pdl_supported, wait_prior_grids
@@ -321,11 +321,7 @@ def _decode_output(
         return num_seqs, out
     if query.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"decode takes one query per sequence: {query.shape[0]} queries, {seq_lens.shape[0]} seqs")
-    if out is None:
-        return query.shape[0], torch.empty_like(query)
-    if out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
-        raise ValueError(f"out must be {query.dtype} {list(query.shape)} contiguous in head_dim")
-    return query.shape[0], out
+    return query.shape[0], output_like(query, out)
 
 
 def _rope_args(rope: DecodeRope | None, seq_lens: torch.Tensor, query: torch.Tensor) -> tuple[Any, ...]:

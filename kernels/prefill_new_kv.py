@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kernels._triton import next_pow2, require_triton, tl, triton
-from kernels.attention_launch import _dot_precision, _upcast
+from kernels.attention_launch import _dot_precision, _upcast, output_like
 from kernels.paged_attention import _LOG2E, _load_kv_tile, _online_softmax_step
 from kernels.prefill_attention import (
     _MAX_GRID_Y,
@@ -250,19 +250,11 @@ def _prefill_attention_new_kv(
     group = num_heads // num_kv_heads
     group_pad = next_pow2(group)
     block_q = max(1, block_m // group_pad)
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
-        raise ValueError(f"out must be {query.dtype} {list(query.shape)} contiguous in head_dim")
+    out = output_like(query, out)
     if num_tokens == 0 or num_seqs == 0:
         return out
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    kn_desc: Any = key
-    vn_desc: Any = value
-    if use_tma:  # [num_tokens, num_kv_heads * head_dim] rows; a tile is BLOCK_N rows of one head's columns
-        flat = [num_tokens, num_kv_heads * head_dim]
-        kn_desc = TensorDescriptor(key, flat, [key.stride(0), 1], [block_n, head_dim])
-        vn_desc = TensorDescriptor(value, flat, [value.stride(0), 1], [block_n, head_dim])
+    kn_desc, vn_desc = _new_kv_descriptors(key, value, block_n) if use_tma else (key, value)
     num_tiles = num_tokens // block_q + num_seqs  # bound on sum(cdiv(q_len, block_q)); no device sync
     head_major = head_major and largest_first
     largest_first = largest_first and (head_major or num_tiles < _MAX_GRID_Y)
@@ -280,6 +272,17 @@ def _prefill_attention_new_kv(
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+def _new_kv_descriptors(key: torch.Tensor, value: torch.Tensor, block_n: int) -> tuple[Any, Any]:
+    """TMA descriptors of the step's new keys and values: ``[num_tokens, num_kv_heads * head_dim]`` rows, a tile
+    ``BLOCK_N`` rows of one head's columns."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    flat = [num_tokens, num_kv_heads * head_dim]
+    return (
+        TensorDescriptor(key, flat, [key.stride(0), 1], [block_n, head_dim]),
+        TensorDescriptor(value, flat, [value.stride(0), 1], [block_n, head_dim]),
+    )
 
 
 def default_kv_tile(

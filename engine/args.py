@@ -35,7 +35,11 @@ class EngineArgs:
     dtype: str = _opt("auto", "auto | float32 | float16 | bfloat16")
     max_model_len: int | None = _opt(None, "context length (default: the model's)")
     load_format: str = _opt("auto", "auto | dummy (random weights)")
-    quantization: str = _opt("auto", "auto (the checkpoint's quantization_config) | awq | gptq | compressed-tensors")
+    quantization: str = _opt(
+        "auto",
+        "auto (the checkpoint's quantization_config) | awq | gptq | compressed-tensors (awq_marlin, gptq_marlin: "
+        "vLLM's kernel names, the same int4 kernels here)",
+    )
     seed: int = _opt(0, "random seed of the engine")
     trust_remote_code: bool = _opt(
         False, "accepted for vLLM compatibility; no model code from the checkpoint is ever run"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.quantization.config import QUANTIZATION_METHODS
+from engine.quantization.config import check_quantization_name
 
 
 @dataclass
@@ -19,6 +19,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     load_format: str = "auto"  # auto | dummy (random weights of the config's shape, for benchmarks)
     quantization: str = "auto"  # auto = the checkpoint's quantization_config; or awq | gptq | compressed-tensors
+    # (awq_marlin / gptq_marlin: vLLM's kernel names for awq / gptq)
     seed: int = 0
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False  # token ids in, token ids out (benchmarks of configs without a tokenizer)
@@ -28,8 +29,7 @@ class ModelConfig:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
-        if self.quantization not in ("auto", *QUANTIZATION_METHODS):
-            raise ValueError(f"quantization must be auto, {', '.join(QUANTIZATION_METHODS)}; got {self.quantization!r}")
+        check_quantization_name(self.quantization)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

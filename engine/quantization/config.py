@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 QUANTIZATION_METHODS = ("awq", "gptq", "compressed-tensors")  # vLLM's names for --quantization
+# vLLM's names for its Marlin kernels on the same AWQ / GPTQ checkpoints (what vLLM picks for them on recent GPUs,
+# so what its users' scripts pass): here the same Triton int4 kernels serve either name.
+KERNEL_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
+QUANTIZATION_NAMES = ("auto", *QUANTIZATION_METHODS, *KERNEL_ALIASES)
 _QUANT_LM_HEAD_NAMES = ("lm_head",)
 
 
@@ -106,11 +110,17 @@ def _compressed_tensors(qc: dict[str, Any]) -> Int4Config:
     return Int4Config("compressed-tensors", group, not symmetric, act_order=False)
 
 
+def check_quantization_name(name: str) -> None:
+    """A ``ValueError`` naming the accepted values unless ``name`` is one of ``QUANTIZATION_NAMES``."""
+    if name not in QUANTIZATION_NAMES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_NAMES)}, got {name!r}")
+
+
 def parse_quantization(hf_config: Any, requested: str = "auto") -> Int4Config | None:
     """The checkpoint's 4-bit scheme; ``requested`` (``--quantization``) must name the method its
-    ``quantization_config`` declares, or be ``auto``."""
-    if requested not in ("auto", *QUANTIZATION_METHODS):
-        raise ValueError(f"quantization must be auto or one of {', '.join(QUANTIZATION_METHODS)}, got {requested!r}")
+    ``quantization_config`` declares (or its ``KERNEL_ALIASES`` name), or be ``auto``."""
+    check_quantization_name(requested)
+    wanted = KERNEL_ALIASES.get(requested, requested)
     qc = getattr(hf_config, "quantization_config", None)
     if qc is None:
         if requested != "auto":
@@ -118,7 +128,7 @@ def parse_quantization(hf_config: Any, requested: str = "auto") -> Int4Config | 
         return None
     qd = _as_dict(qc)
     method = str(qd.get("quant_method", "")).lower().replace("_", "-")
-    if requested != "auto" and method != requested:
+    if wanted != "auto" and method != wanted:
         raise ValueError(f"--quantization {requested}, but the checkpoint's quantization_config says {method!r}")
     if method == "awq":
         return _awq(qd)

@@ -62,9 +62,15 @@ def test_quantization_flag_must_match_the_checkpoint(tmp_path: Path) -> None:
     folder, dense = build_quantized_model(tmp_path, "awq", "llama", group_size=32)
     with pytest.raises(ValueError, match="quantization_config says 'awq'"):
         LLM(str(folder), device="cpu", quantization="gptq")
+    with pytest.raises(ValueError, match="quantization_config says 'awq'"):
+        LLM(str(folder), device="cpu", quantization="gptq_marlin")
     with pytest.raises(ValueError, match="no quantization_config"):
         LLM(str(dense), device="cpu", quantization="awq")
-    LLM(str(folder), device="cpu", quantization="awq", max_model_len=64)  # the named method loads
+    with pytest.raises(ValueError, match="quantization must be one of auto, awq, gptq, .*got 'marlin'"):
+        LLM(str(folder), device="cpu", quantization="marlin")
+    # the named method loads, and so does vLLM's name of its AWQ kernel: the same layers, the same tokens
+    kwargs = {"quantization": "awq", "max_model_len": 64, "block_size": 8, "num_gpu_blocks_override": 10}
+    assert greedy_tokens(folder, 1, **kwargs) == greedy_tokens(folder, 1, **{**kwargs, "quantization": "awq_marlin"})
 
 
 @pytest.mark.parametrize("name", ["ct-asym-g32", "gptq-g32-act-order"])

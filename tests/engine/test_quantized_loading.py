@@ -217,5 +217,11 @@ def test_supported_configs_parse() -> None:
     gptq = parse_quantization(_with({"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": True}))
     assert gptq is not None and gptq.group_size is None and gptq.act_order and gptq.zeros_minus_one
     assert parse_quantization(type("Dense", (), {})()) is None
-    with pytest.raises(ValueError, match="quantization must be auto"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, awq, gptq, compressed-tensors"):
         parse_quantization(_with(CT_W4A16), "marlin")
+    as_marlin = parse_quantization(_with({"quant_method": "gptq", "bits": 4, "group_size": 128}), "gptq_marlin")
+    assert as_marlin == parse_quantization(_with({"quant_method": "gptq", "bits": 4, "group_size": 128}), "gptq")
+    with pytest.raises(
+        ValueError, match="--quantization awq_marlin, but the checkpoint's quantization_config says 'gptq'"
+    ):
+        parse_quantization(_with({"quant_method": "gptq", "bits": 4}), "awq_marlin")

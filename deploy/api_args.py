@@ -14,6 +14,7 @@ from typing import Any
 
 from api.generation_config import load_generation_defaults
 from api.settings import ApiSettings, load_chat_template
+from worker.stats_log import interval_from_env
 
 _DEFAULTS = ApiSettings()
 KV_CACHE_DTYPES = ("auto",)  # the KV cache always has the model's dtype (--dtype)
@@ -196,6 +197,8 @@ def check_vllm_args(args: argparse.Namespace) -> None:
         load_chat_template(args.chat_template)  # a path that is none fails here, not in the API child
     if bool(getattr(args, "ssl_keyfile", None)) != bool(getattr(args, "ssl_certfile", None)):
         raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if args.command in ("serve", "worker") and not args.disable_log_stats:
+        interval_from_env()  # a bad VLLM_LOG_STATS_INTERVAL fails here, not in a worker after its model loads
 
 
 def _shared_from_env(args: argparse.Namespace) -> None:

@@ -108,6 +108,11 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="front processes per engine core, sharing its per-token work (each takes a share of the jobs)",
     )
+    g.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic engine stats line in the worker's log (vLLM's flag; the Prometheus metrics stay)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,6 +173,7 @@ def run_worker_command(args: argparse.Namespace) -> int:
         job_lease_s=args.job_lease_s,
         stream_interval=args.stream_interval,
         fronts=args.worker_fronts,
+        log_stats=not args.disable_log_stats,
         **({"worker_id": args.worker_id} if args.worker_id else {}),
     )
     if args.otel_exporter:  # as the SDK's variable, so the node's extra fronts (spawned) trace alike

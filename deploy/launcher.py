@@ -62,6 +62,8 @@ def _worker_argv(args: argparse.Namespace, redis_url: str, index: int) -> list[s
         argv += ["--otel-exporter", args.otel_exporter]
     if args.metrics_port is not None:
         argv += ["--metrics-port", str(args.metrics_port + index)]
+    if args.disable_log_stats:
+        argv.append("--disable-log-stats")
     return argv
 
 

@@ -45,7 +45,8 @@ def share(total: int, parts: int, index: int) -> int:
 
 
 def front_settings(settings: WorkerSettings, capacity: int, count: int, index: int) -> WorkerSettings:
-    """Front ``index``'s settings: its share of the jobs, its own worker id; metrics only on front 0."""
+    """Front ``index``'s settings: its share of the jobs, its own worker id; metrics and the stats line only on
+    front 0."""
     total = settings.max_jobs or capacity
     if count == 1:
         return dataclasses.replace(settings, max_jobs=total)
@@ -55,6 +56,7 @@ def front_settings(settings: WorkerSettings, capacity: int, count: int, index: i
         max_jobs=max(1, share(total, count, index)),
         worker_id=worker_id,
         metrics_port=settings.metrics_port if index == 0 else None,
+        log_stats=settings.log_stats and index == 0,
     )
 
 

@@ -30,6 +30,7 @@ from wire.publisher import EventBatch
 from worker.intake import BatchClaimWorker
 from worker.metrics import WorkerMetrics
 from worker.settings import WorkerSettings
+from worker.stats_log import StatsLog, interval_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class WorkerNode(abc.ABC):
         self.draining = False
         self._arq: Worker | None = None
         self.lease_renewed_at = time.monotonic()  # the last heartbeat that reached Redis
+        self.stats_log = StatsLog(settings.worker_id, interval_from_env()) if settings.log_stats else None
 
     @abc.abstractmethod
     async def generate(self, ctx: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
@@ -102,6 +104,8 @@ class WorkerNode(abc.ABC):
     async def beat(self) -> None:
         hb = self.heartbeat()
         self.metrics.update(hb)
+        if self.stats_log is not None:
+            self.stats_log.observe(hb)
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(keys.worker_key(hb.worker_id), hb.to_json(), px=ttl_ms)

@@ -24,6 +24,7 @@ class WorkerSettings:
     metrics_port: int | None = None  # Prometheus endpoint of this worker; None = off
     stream_interval: int = 1  # vLLM's --stream-interval: first token at once, then an event every N tokens
     fronts: int = 1  # worker front processes on the node's engine core (worker.fronts)
+    log_stats: bool = True  # vLLM's periodic engine stats line (worker.stats_log); --disable-log-stats: off
 
     def __post_init__(self) -> None:
         if self.max_jobs is not None and self.max_jobs < 1:

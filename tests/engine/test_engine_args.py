@@ -190,6 +190,9 @@ def test_worker_argv_carries_the_engine_args() -> None:
     assert EngineArgs.from_cli_args(worker_args) == EngineArgs.from_cli_args(serve_args)
     assert EngineArgs.from_cli_args(worker_args).model == "/m"
     assert worker_args.served_model_name == "mine" and worker_args.redis_url == "redis://127.0.0.1:1/0"
+    assert not worker_args.disable_log_stats
+    quiet = launcher._worker_argv(build_parser().parse_args([*serve_argv, "--disable-log-stats"]), "redis://x", 0)
+    assert build_parser().parse_args(quiet[quiet.index("worker") :]).disable_log_stats
 
 
 class _NoEngine:

@@ -20,6 +20,8 @@ def test_front_settings_split_the_jobs_and_keep_metrics_on_front_0() -> None:
     assert [f.max_jobs for f in fronts] == [128, 128, 127, 127]
     assert [f.worker_id for f in fronts] == ["node", "node-f1", "node-f2", "node-f3"]
     assert [f.metrics_port for f in fronts] == [9100, None, None, None]
+    assert [f.log_stats for f in fronts] == [True, False, False, False]  # one stats line a node
+    assert not any(f.log_stats for f in (front_settings(WorkerSettings(log_stats=False), 510, 2, k) for k in range(2)))
     only = front_settings(WorkerSettings(worker_id="solo", max_jobs=8), 510, 1, 0)
     assert (only.max_jobs, only.worker_id) == (8, "solo")  # an explicit max_jobs is the node's total
 
